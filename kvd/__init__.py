@@ -1,0 +1,28 @@
+"""kvd: a KV-cache transfer daemon for disaggregated LLM inference, and its client library.
+
+    import kvd
+    with kvd.Client() as c:
+        c.put("req-1", {"layer.0.k": k0, "layer.0.v": v0})
+        kv = c.get("req-1")
+"""
+from .errors import (
+    AlreadyExists, BadRequest, ChecksumMismatch, InternalError, KvdError, LayoutMismatch, NotFound,
+    PeerUnavailable, PoolFull, ProtocolError, ShuttingDown, Timeout, Unauthorized, VersionMismatch,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient", "Client", "KvdError", "NotFound", "PoolFull", "Timeout", "PeerUnavailable",
+    "ProtocolError", "BadRequest", "AlreadyExists", "ChecksumMismatch", "ShuttingDown",
+    "VersionMismatch", "LayoutMismatch", "Unauthorized", "InternalError", "__version__",
+]
+
+
+def __getattr__(name: str):
+    # the client pulls in torch; the daemon never needs it, so import it only on demand
+    if name in ("Client", "AsyncClient"):
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'kvd' has no attribute {name!r}")

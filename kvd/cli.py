@@ -1,0 +1,157 @@
+"""The `kvd` command: serve, status, ls, rm."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from .config import DEFAULT_METRICS_PORT, DEFAULT_PEER_PORT, load_config, parse_peers
+
+PRECEDENCE = "Precedence: command-line flags > KVD_* environment variables > --config file > defaults."
+
+
+def _serve_parser(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="run the daemon",
+        description="Run the kvd daemon. Every option can also be set in the TOML config file "
+                    "(same name, underscores) or as KVD_<NAME> in the environment. " + PRECEDENCE,
+    )
+    add = serve.add_argument
+    add("--config", metavar="FILE", help="TOML config file (env: KVD_CONFIG)")
+    add("--node-id", help="this node's name, as peers know it (default: hostname)")
+    add("--listen", metavar="tcp://HOST:PORT",
+        help=f"peer-facing endpoint (default: tcp://127.0.0.1:{DEFAULT_PEER_PORT}; loopback unless you say)")
+    add("--socket", metavar="ENDPOINT",
+        help="endpoint for local clients (default: ipc://$XDG_RUNTIME_DIR/kvd/kvd.sock, "
+             "or ipc:///tmp/kvd-$UID/kvd.sock)")
+    add("--pool-size", metavar="SIZE", help="staging pool size, e.g. 512MiB, 4GiB (default: 1GiB)")
+    add("--block-size", metavar="SIZE", help="pool block size, a power of two (default: 64KiB)")
+    add("--pool-path", metavar="FILE",
+        help="back the host pool with this file (on a tmpfs) instead of an anonymous memfd")
+    add("--no-prefault", dest="pool_prefault", action="store_const", const=False,
+        help="do not allocate the pool's pages at start")
+    add("--device", metavar="cpu|cuda:N", help="where the pool lives (default: cpu)")
+    add("--peer", dest="peers", action="append", metavar="NAME=ENDPOINT",
+        help="a peer daemon, e.g. B=tcp://10.0.0.2:7470 (repeatable)")
+    add("--default-ttl", metavar="DURATION", help="drop unread entries after this long; 0 = never (default: 600s)")
+    add("--lease-timeout", metavar="DURATION",
+        help="a client must finish copying a put or get within this (default: 30s)")
+    add("--transfer-timeout", metavar="DURATION",
+        help="fail a peer transfer after this long without progress (default: 15s)")
+    add("--connect-timeout", metavar="DURATION", help="peer handshake deadline (default: 5s)")
+    add("--chunk-size", metavar="SIZE", help="network chunk size (default: 4MiB)")
+    add("--window", type=int, help="chunks in flight per transfer (default: 8)")
+    add("--checksum", choices=["xxh3_64", "crc32", "none"], help="per-chunk checksum (default: xxh3_64)")
+    add("--log-level", choices=["debug", "info", "warning", "error"], help="(default: info)")
+    add("--log-format", choices=["text", "json"], help="(default: text)")
+    add("--metrics-port", type=int, help=f"Prometheus /metrics port, 0 = off (default: {DEFAULT_METRICS_PORT})")
+    add("--metrics-host", help="address the metrics server binds (default: 127.0.0.1)")
+
+
+def _client_parser(sub, name: str, help_text: str):
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    parser.add_argument("--socket", metavar="ENDPOINT", help="daemon's client endpoint (default as for serve)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvd", description="kvd: KV-cache transfer daemon for disaggregated LLM inference.",
+        epilog="Run `kvd serve --help` for the daemon's options. " + PRECEDENCE,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _serve_parser(sub)
+    _client_parser(sub, "status", "summary of a running daemon: pool, entries, peers")
+    _client_parser(sub, "ls", "list the entries a running daemon holds")
+    rm = _client_parser(sub, "rm", "delete an entry from a running daemon")
+    rm.add_argument("request_id")
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from .daemon import Daemon
+    from .logs import setup_logging
+
+    cli = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    if cli.get("peers"):
+        cli["peers"] = parse_peers(cli["peers"])
+    try:
+        config = load_config(cli, config_file=args.config)
+    except (ValueError, OSError) as exc:
+        print(f"kvd: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, config.log_format)
+    import logging
+
+    logging.getLogger("kvd").info("starting with configuration %s", json.dumps(config.public()))
+    daemon = Daemon(config)
+    try:
+        uvloop.run(daemon.run())
+    except Exception as exc:
+        from .errors import KvdError
+
+        if isinstance(exc, KvdError) or isinstance(exc, OSError):
+            logging.getLogger("kvd").error("cannot start: %s", exc)
+            return 1
+        raise
+    return 0
+
+
+def client_command(args: argparse.Namespace) -> int:
+    from .client import Client
+    from .errors import KvdError
+    from .units import format_size
+
+    try:
+        with Client(args.socket) as client:
+            if args.command == "status":
+                stats = client.stats()
+                if args.json:
+                    print(json.dumps(stats, indent=2))
+                    return 0
+                pool = stats["pool"]
+                print(f"node       {stats['node_id']}  (device {stats['device']}, up {stats['uptime_s']:.0f}s)")
+                print(f"pool       {format_size(pool['used_bytes'])} used of {format_size(pool['capacity_bytes'])}"
+                      f" ({100 * pool['used_bytes'] / max(1, pool['capacity_bytes']):.1f}%)")
+                print(f"entries    {stats['entries']}  {stats['entries_by_state']}")
+                print(f"transfers  {stats['transfers_in_flight']} in flight")
+                print(f"listen     {stats['listen']}")
+                for name, peer in stats["peers"].items():
+                    state = "connected" if peer["connected"] else "not connected"
+                    print(f"peer       {name} {peer['endpoint']} {state}")
+                print(f"counters   {stats['counters']}")
+            elif args.command == "ls":
+                entries = client.list()
+                if args.json:
+                    print(json.dumps(entries, indent=2))
+                    return 0
+                print(f"{'REQUEST ID':40} {'STATE':10} {'BYTES':>10} {'TENSORS':>7} {'AGE':>8}")
+                for e in entries:
+                    print(f"{e['request_id']:40} {e['state']:10} {format_size(e['bytes']):>10} "
+                          f"{e['tensors']:>7} {e['age_s']:>7.1f}s")
+            elif args.command == "rm":
+                removed = client.delete(args.request_id)
+                if args.json:
+                    print(json.dumps({"removed": removed}))
+                else:
+                    print(f"removed {args.request_id}" if removed else f"{args.request_id}: not found")
+                return 0 if removed else 1
+    except KvdError as exc:
+        print(f"kvd: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "serve":
+        return serve(args)
+    return client_command(args)

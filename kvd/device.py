@@ -1,0 +1,113 @@
+"""Physical memory behind the staging pool: the one device interface.
+
+`StagingMemory` is what the daemon needs from memory: a size, a path or handle clients use
+to map the same bytes, and (on hosts) a writable memoryview. `HostMemory` is the CPU
+default; a GPU pool implements the same interface behind `--device cuda:N`.
+
+Host memory is a memfd by default, not a /dev/shm file: containers often cap /dev/shm at
+64 MiB, a memfd is not bound by that mount, and it disappears with the daemon even on
+kill -9, so nothing can leak. Clients open it as /proc/<daemon pid>/fd/<fd> (same user),
+which also avoids Python 3.11's multiprocessing.shared_memory resource tracker, which
+unlinks segments that a client merely attached to. `--pool-path FILE` uses a named file
+instead (for a tmpfs/hugetlbfs mount shared between containers without a shared PID
+namespace); the daemon creates it 0600 and unlinks it on exit.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import typing
+
+from .errors import BadRequest
+
+log = logging.getLogger(__name__)
+
+
+class StagingMemory(typing.Protocol):
+    kind: str  # "cpu" or "cuda:N"
+    size: int
+    client_path: str  # what a local client opens to map the pool
+
+    def host_view(self) -> memoryview:
+        """Writable bytes of the whole pool, for network I/O on the host."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class HostMemory:
+    """The pool in host RAM: a memfd (default) or a file the daemon owns, mmapped shared."""
+
+    kind = "cpu"
+
+    def __init__(self, size: int, path: str = "", prefault: bool = True) -> None:
+        self.size = size
+        self._unlink_path = ""
+        if path:
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            try:
+                self._fd = os.open(path, flags, 0o600)
+            except FileExistsError:
+                raise BadRequest(f"pool file {path} already exists: another daemon may own it") from None
+            self._unlink_path = path
+            self.client_path = os.path.abspath(path)
+        else:
+            self._fd = os.memfd_create("kvd-pool", os.MFD_CLOEXEC)
+            self.client_path = f"/proc/{os.getpid()}/fd/{self._fd}"
+        try:
+            os.ftruncate(self._fd, size)
+            if prefault:
+                # allocate every page now: fail at start rather than SIGBUS mid-transfer,
+                # and keep first-touch page faults off the copy path
+                os.posix_fallocate(self._fd, 0, size)
+            self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            self.close()
+            raise BadRequest(f"cannot allocate a {size}-byte host pool: {exc}") from None
+        self._view = memoryview(self._map)
+
+    def host_view(self) -> memoryview:
+        return self._view
+
+    def close(self) -> None:
+        view = getattr(self, "_view", None)
+        if view is not None:
+            view.release()
+            self._view = None
+        mapping = getattr(self, "_map", None)
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                log.warning("pool mapping still referenced at close; leaving it to process exit")
+            self._map = None
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._unlink_path:
+            try:
+                os.unlink(self._unlink_path)
+            except FileNotFoundError:
+                pass
+            self._unlink_path = ""
+
+
+def open_staging_memory(device: str, size: int, path: str = "", prefault: bool = True) -> StagingMemory:
+    if device == "cpu":
+        return HostMemory(size, path, prefault)
+    if device.startswith("cuda"):
+        raise BadRequest(
+            f"--device {device}: the CUDA staging pool is not part of this build yet; use --device cpu"
+        )
+    raise BadRequest(f"unknown device {device!r}: expected cpu or cuda:N")
+
+
+def map_pool(path: str, size: int) -> tuple[mmap.mmap, memoryview]:
+    """Client side: map the daemon's pool by the path it announced."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return mapping, memoryview(mapping)

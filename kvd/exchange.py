@@ -1,0 +1,429 @@
+"""Moving entries between daemons: push, pull, and the peer-facing ROUTER.
+
+A transfer always has a sender and a receiver, whoever started it:
+  push: sender --Offer--> receiver --Accept--> sender --Chunk*--> receiver --ChunkAck*/Done-->
+  pull: puller --Pull--> holder, then the same exchange with the holder as sender.
+Chunks are sent straight from pool memory (zero-copy, tracked) and copied once from the
+ZeroMQ frame into the receiver's pool. A received entry stays invisible (RECEIVING) until
+every chunk has arrived and matched its checksum; then it is published in one step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from . import protocol as p
+from .checksum import ALGORITHMS, digest
+from .config import Config
+from .errors import (
+    BadRequest, ChecksumMismatch, KvdError, NotFound, PeerUnavailable, ProtocolError, error_from_code,
+)
+from .layout import TensorSpec, physical_segments
+from .peers import Channel, PeerLink, tune_peer_socket
+from .store import Entry, State, Store
+from .transfer import ReceiveLedger, SendWindow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Outbound:
+    xfer: int
+    entry: Entry
+    lease_token: int
+    channel: Channel
+    window: SendWindow
+    checksum: str
+    done: asyncio.Future
+    deadline: float
+    trackers: list = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class Inbound:
+    xfer: int
+    channel: Channel
+    request_id: str
+    done: asyncio.Future | None  # resolves to the published Entry (pulls wait on it)
+    deadline: float
+    entry: Entry | None = None  # None until the Offer arrives
+    ledger: ReceiveLedger | None = None
+    checksum: str = "none"
+    started: float = field(default_factory=time.monotonic)
+
+
+def gather(pool: memoryview, segments: list[tuple[int, int]]) -> list[memoryview]:
+    return [pool[off:off + n] for off, n in segments]
+
+
+def scatter(pool: memoryview, segments: list[tuple[int, int]], frames: list) -> None:
+    """Copy the payload frames, in order, into the pool segments (one memcpy per piece)."""
+    seg_index, seg_used = 0, 0
+    for frame in frames:
+        data = memoryview(frame)
+        pos = 0
+        while pos < len(data):
+            off, n = segments[seg_index]
+            take = min(n - seg_used, len(data) - pos)
+            pool[off + seg_used:off + seg_used + take] = data[pos:pos + take]
+            pos += take
+            seg_used += take
+            if seg_used == n:
+                seg_index, seg_used = seg_index + 1, 0
+
+
+class Exchange:
+    def __init__(self, config: Config, store: Store, pool: memoryview, ctx: zmq.asyncio.Context,
+                 incarnation: int, wait_ready: Callable[[str, float], Awaitable[Entry]],
+                 on_published: Callable[[Entry], None]) -> None:
+        self.config = config
+        self.store = store
+        self.pool = pool
+        self.ctx = ctx
+        self.incarnation = incarnation
+        self._wait_ready = wait_ready
+        self._on_published = on_published
+        self.links: dict[str, PeerLink] = {}  # peer name or endpoint -> link
+        self.transfers: dict[int, Outbound | Inbound] = {}
+        self._router_peers: dict[bytes, str] = {}  # routing id -> node id, after PeerHello
+        self._deferred: list[Outbound] = []  # finished sends whose frames ZeroMQ may still hold
+        self._tasks: set[asyncio.Task] = set()
+        self.counters = {"sent_bytes": 0, "received_bytes": 0, "pushes": 0, "pulls": 0, "failures": 0}
+        self.router: zmq.asyncio.Socket | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.router = self.ctx.socket(zmq.ROUTER)
+        tune_peer_socket(self.router)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer is an error, not silence
+        self.router.bind(self.config.listen)
+        self._spawn(self._read_router(), "peer-router")
+        for name, endpoint in self.config.peers.items():
+            self.links[name] = self._new_link(name, endpoint)
+
+    def _new_link(self, name: str, endpoint: str) -> PeerLink:
+        return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation, self._on_link_message)
+
+    @property
+    def bound_endpoint(self) -> str:
+        return self.router.getsockopt(zmq.LAST_ENDPOINT).decode() if self.router else ""
+
+    async def close(self) -> None:
+        for transfer in list(self.transfers.values()):
+            self._fail(transfer, PeerUnavailable(f"daemon {self.config.node_id} is shutting down"), notify=True)
+        await asyncio.sleep(0)  # let the Abort sends start
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for link in self.links.values():
+            await link.close()
+        if self.router is not None:
+            self.router.close()
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # --- links ----------------------------------------------------------------------------
+
+    def link_for(self, dest: str) -> PeerLink:
+        """A peer name from the config, or a tcp:// endpoint (linked on first use)."""
+        link = self.links.get(dest)
+        if link is not None:
+            return link
+        if dest.startswith("tcp://"):
+            self.links[dest] = link = self._new_link(dest, dest)
+            return link
+        known = ", ".join(sorted(n for n in self.links if not n.startswith("tcp://"))) or "none"
+        raise PeerUnavailable(f"unknown peer {dest!r} (configured peers: {known}; or give a tcp:// endpoint)")
+
+    def peer_states(self) -> dict[str, dict]:
+        return {
+            name: {"endpoint": link.endpoint, "connected": link.connected, "node_id": link.remote_node_id}
+            for name, link in self.links.items()
+        }
+
+    # --- push and pull, as the daemon's client handlers call them ------------------------------
+
+    async def push(self, entry: Entry, lease_token: int, dest: str) -> None:
+        """Send a leased, READY entry to dest; returns once the peer has verified and published it."""
+        try:
+            link = self.link_for(dest)
+            await link.ensure_ready(self.config.connect_timeout)
+        except BaseException:
+            self.store.release(lease_token, success=False)  # nothing was sent: hand the lease back
+            raise
+        out = self._start_outbound(random.getrandbits(63), entry, lease_token, link.channel)
+        await out.done
+        self.counters["pushes"] += 1
+
+    async def pull(self, request_id: str, source: str, timeout: float, keep: bool) -> Entry:
+        """Fetch request_id from source into our pool; returns the published entry."""
+        link = self.link_for(source)
+        await link.ensure_ready(self.config.connect_timeout)
+        xfer = random.getrandbits(63)
+        done = asyncio.get_running_loop().create_future()
+        now = time.monotonic()
+        self.transfers[xfer] = Inbound(xfer, link.channel, request_id, done,
+                                       deadline=now + timeout + self.config.transfer_timeout)
+        self._send(link.channel, p.Pull(xfer=xfer, request_id=request_id, timeout=timeout, keep=keep))
+        entry = await done
+        self.counters["pulls"] += 1
+        return entry
+
+    # --- sending ----------------------------------------------------------------------------
+
+    def _start_outbound(self, xfer: int, entry: Entry, lease_token: int, channel: Channel) -> Outbound:
+        cfg = self.config
+        out = Outbound(
+            xfer, entry, lease_token, channel,
+            SendWindow(entry.total_bytes, cfg.chunk_size, cfg.window), cfg.checksum,
+            asyncio.get_running_loop().create_future(), time.monotonic() + cfg.transfer_timeout,
+        )
+        self.transfers[xfer] = out
+        self._send(channel, p.Offer(
+            xfer=xfer, request_id=entry.request_id, tensors=[s.to_wire() for s in entry.specs],
+            total_bytes=entry.total_bytes, chunk_size=cfg.chunk_size, checksum=cfg.checksum,
+            ttl=None if entry.expires_at is None else max(0.0, entry.expires_at - time.monotonic()),
+            meta=entry.meta,
+        ))
+        return out
+
+    def _pump(self, out: Outbound) -> None:
+        for seq in out.window.ready_to_send():
+            offset, length = out.window.chunks[seq]
+            pieces = gather(self.pool, physical_segments(out.entry.extents, self.store.block_size, offset, length))
+            chunk = p.Chunk(xfer=out.xfer, seq=seq, offset=offset, lengths=[len(x) for x in pieces],
+                            digest=digest(out.checksum, pieces), payload=pieces)
+            sent = self._send(out.channel, chunk, track=True)
+            sent.add_done_callback(lambda f, out=out: f.cancelled() or f.exception() or out.trackers.append(f.result()))
+            self.counters["sent_bytes"] += length
+
+    def _finish_outbound(self, out: Outbound, error: KvdError | None) -> None:
+        self.transfers.pop(out.xfer, None)
+        if error is None:
+            # the receiver verified every byte, so ZeroMQ has finished reading our frames
+            self.store.release(out.lease_token, success=True)
+            if not out.done.done():
+                out.done.set_result(None)
+            log.debug("sent %s to %s (%d bytes)", out.entry.request_id, out.channel.peer_name, out.entry.total_bytes)
+            return
+        # frames may still sit in ZeroMQ's queue: keep the blocks until its trackers say done
+        self._deferred.append(out)
+        if not out.done.done():
+            out.done.set_exception(error)
+            out.done.exception()  # a failed pull-serve has no awaiter; mark the error as seen
+
+    def _release_deferred(self) -> None:
+        still = []
+        for out in self._deferred:
+            if all(t.done for t in out.trackers):
+                try:
+                    self.store.release(out.lease_token, success=False)
+                except NotFound:
+                    pass  # the lease already went with its entry
+            else:
+                still.append(out)
+        self._deferred = still
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def _on_offer(self, channel: Channel, msg: p.Offer) -> None:
+        existing = self.transfers.get(msg.xfer)
+        if existing is not None and not (isinstance(existing, Inbound) and existing.entry is None
+                                         and existing.channel.key == channel.key):
+            self._send(channel, p.Abort(xfer=msg.xfer, code=ProtocolError.code, message="transfer id in use"))
+            return
+        inbound = existing or Inbound(msg.xfer, channel, msg.request_id, None, 0.0)
+        try:
+            if msg.checksum not in ALGORITHMS:
+                raise BadRequest(f"unknown checksum {msg.checksum!r}")
+            if not 0 < msg.chunk_size <= p.MAX_CHUNK_BYTES:
+                raise BadRequest(f"chunk size {msg.chunk_size} outside 1..{p.MAX_CHUNK_BYTES}")
+            if msg.request_id != inbound.request_id:
+                raise ProtocolError(f"offer for {msg.request_id!r}, but {inbound.request_id!r} was pulled")
+            specs = [TensorSpec.from_wire(t) for t in msg.tensors]
+            entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.RECEIVING, None)
+            if entry.total_bytes != msg.total_bytes:
+                self.store.remove(entry)
+                raise ProtocolError(f"offer says {msg.total_bytes} bytes, its tensors need {entry.total_bytes}")
+        except KvdError as exc:
+            self._send(channel, p.Abort(xfer=msg.xfer, code=exc.code, message=exc.message))
+            if existing is not None:
+                self._fail(existing, exc, notify=False)
+            return
+        inbound.entry, inbound.checksum = entry, msg.checksum
+        inbound.ledger = ReceiveLedger(entry.total_bytes, msg.chunk_size)
+        inbound.deadline = time.monotonic() + self.config.transfer_timeout
+        self.transfers[msg.xfer] = inbound
+        self._send(channel, p.Accept(xfer=msg.xfer))
+        if inbound.ledger.complete:  # an entry of zero bytes: nothing will follow
+            self._complete_inbound(inbound)
+
+    def _on_chunk(self, inbound: Inbound, msg: p.Chunk) -> None:
+        entry, ledger = inbound.entry, inbound.ledger
+        if entry is None or ledger is None:
+            raise ProtocolError("chunk before offer")
+        length = sum(msg.lengths)
+        ledger.check(msg.seq, msg.offset, length)
+        if digest(inbound.checksum, msg.payload) != msg.digest:
+            raise ChecksumMismatch(f"chunk {msg.seq} of {entry.request_id!r} failed its {inbound.checksum} check")
+        scatter(self.pool, physical_segments(entry.extents, self.store.block_size, msg.offset, length), msg.payload)
+        ledger.mark(msg.seq)
+        self.counters["received_bytes"] += length
+        inbound.deadline = time.monotonic() + self.config.transfer_timeout
+        self._send(inbound.channel, p.ChunkAck(xfer=inbound.xfer, seq=msg.seq))
+        if ledger.complete:
+            self._complete_inbound(inbound)
+
+    def _complete_inbound(self, inbound: Inbound) -> None:
+        self.transfers.pop(inbound.xfer, None)
+        entry = inbound.entry
+        self.store.publish(entry)
+        self._send(inbound.channel, p.Done(xfer=inbound.xfer))
+        log.debug("received %s from %s (%d bytes)", entry.request_id, inbound.channel.peer_name, entry.total_bytes)
+        if inbound.done is not None and not inbound.done.done():
+            inbound.done.set_result(entry)
+        self._on_published(entry)
+
+    # --- serving a pull -------------------------------------------------------------------------
+
+    async def _serve_pull(self, channel: Channel, msg: p.Pull) -> None:
+        try:
+            entry = await self._wait_ready(msg.request_id, time.monotonic() + min(msg.timeout, 3600.0))
+            lease = self.store.lease(entry, consume=not msg.keep, deadline=None)
+        except KvdError as exc:
+            self._send(channel, p.Abort(xfer=msg.xfer, code=exc.code, message=exc.message))
+            return
+        self._start_outbound(msg.xfer, entry, lease.token, channel)
+
+    # --- dispatch -----------------------------------------------------------------------------------
+
+    def _on_link_message(self, link: PeerLink, msg: p.Message) -> None:
+        self.handle(link.channel, msg)
+
+    def handle(self, channel: Channel, msg: p.Message) -> None:
+        """One peer message. Errors end the transfer they belong to, never the daemon."""
+        xfer = getattr(msg, "xfer", None)
+        transfer = self.transfers.get(xfer) if xfer is not None else None
+        if transfer is not None and transfer.channel.key != channel.key:
+            log.warning("message %s for transfer %x from the wrong connection; dropped", msg.TYPE, xfer)
+            return
+        try:
+            match msg:
+                case p.Offer():
+                    self._on_offer(channel, msg)
+                case p.Pull():
+                    self._spawn(self._serve_pull(channel, msg), f"pull-{msg.xfer:x}")
+                case p.Ping():
+                    self._send(channel, p.Pong(nonce=msg.nonce))
+                case p.Pong():
+                    pass
+                case _ if transfer is None:
+                    log.debug("%s for unknown transfer %r from %s; dropped", msg.TYPE, xfer, channel.peer_name)
+                case p.Abort():
+                    self._fail(transfer, error_from_code(msg.code, msg.message, remote=channel.peer_name), notify=False)
+                case p.Accept() if isinstance(transfer, Outbound):
+                    transfer.deadline = time.monotonic() + self.config.transfer_timeout
+                    self._pump(transfer)
+                case p.ChunkAck() if isinstance(transfer, Outbound):
+                    transfer.window.ack(msg.seq)
+                    transfer.deadline = time.monotonic() + self.config.transfer_timeout
+                    self._pump(transfer)
+                case p.Done() if isinstance(transfer, Outbound):
+                    if not transfer.window.all_acked:
+                        raise ProtocolError("done before every chunk was acknowledged")
+                    self._finish_outbound(transfer, None)
+                case p.Chunk() if isinstance(transfer, Inbound):
+                    self._on_chunk(transfer, msg)
+                case _:
+                    raise ProtocolError(f"unexpected {msg.TYPE} for this transfer")
+        except KvdError as exc:
+            log.warning("transfer %x with %s failed: %s", xfer or 0, channel.peer_name, exc)
+            if transfer is not None:
+                self._fail(transfer, exc, notify=True)
+            elif xfer is not None:
+                self._send(channel, p.Abort(xfer=xfer, code=exc.code, message=exc.message))
+
+    def _fail(self, transfer: Outbound | Inbound, error: KvdError, notify: bool) -> None:
+        if self.transfers.get(transfer.xfer) is not transfer:
+            return
+        self.counters["failures"] += 1
+        if notify:
+            self._send(transfer.channel, p.Abort(xfer=transfer.xfer, code=error.code, message=error.message))
+        if isinstance(transfer, Outbound):
+            self._finish_outbound(transfer, error)
+            return
+        self.transfers.pop(transfer.xfer, None)
+        if transfer.entry is not None:
+            self.store.remove(transfer.entry)
+        if transfer.done is not None and not transfer.done.done():
+            transfer.done.set_exception(error)
+
+    def check_deadlines(self, now: float) -> None:
+        """Called periodically: fail transfers without progress, free what ZeroMQ let go of."""
+        for transfer in list(self.transfers.values()):
+            if transfer.deadline <= now:
+                self._fail(transfer, PeerUnavailable(
+                    f"no progress from peer {transfer.channel.peer_name} for {self.config.transfer_timeout:g}s"
+                ), notify=True)
+        if self._deferred:
+            self._release_deferred()
+
+    # --- sockets ------------------------------------------------------------------------------------
+
+    def _send(self, channel: Channel, msg: p.Message, track: bool = False) -> asyncio.Future:
+        sent = channel.send(msg, track)
+        sent.add_done_callback(self._log_send_failure)
+        return sent
+
+    @staticmethod
+    def _log_send_failure(sent: asyncio.Future) -> None:
+        if not sent.cancelled() and sent.exception() is not None:
+            log.warning("send to peer failed: %s", sent.exception())
+
+    def _router_channel(self, rid: bytes) -> Channel:
+        name = self._router_peers.get(rid, rid.hex())
+        return Channel(("router", rid), name, lambda frames, track: self.router.send_multipart(
+            [rid, *frames], copy=False, track=track))
+
+    async def _read_router(self) -> None:
+        while True:
+            try:
+                frames = await self.router.recv_multipart(copy=False)
+            except (asyncio.CancelledError, zmq.ContextTerminated):
+                return
+            except zmq.ZMQError as exc:
+                log.warning("peer listener receive failed: %s", exc)
+                continue
+            rid = frames[0].bytes
+            channel = self._router_channel(rid)
+            try:
+                msg = p.decode([f.buffer for f in frames[1:]])
+            except KvdError as exc:
+                log.warning("undecodable message from peer connection %s: %s", channel.peer_name, exc)
+                self._send(channel, p.Abort(xfer=0, code=exc.code, message=exc.message))
+                continue
+            if isinstance(msg, p.PeerHello):
+                if self._router_peers.get(rid) != msg.node_id:
+                    log.info("peer %s (incarnation %x) connected to us", msg.node_id, msg.incarnation)
+                self._router_peers[rid] = msg.node_id
+                self._send(self._router_channel(rid),
+                           p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation))
+                continue
+            if rid not in self._router_peers:
+                self._send(channel, p.Abort(xfer=getattr(msg, "xfer", 0), code=ProtocolError.code,
+                                            message="say peer_hello first"))
+                continue
+            self.handle(channel, msg)

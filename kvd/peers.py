@@ -1,0 +1,125 @@
+"""Connections to peer daemons, and the channel a transfer talks through.
+
+Each daemon binds one ROUTER (`--listen`) for peers that connect to it, and opens one
+DEALER per peer it connects to (`PeerLink`). A transfer does not care which of the two
+carries it: it holds a `Channel` and sends frames; replies come back on the same path.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from . import protocol as p
+from .errors import PeerUnavailable
+
+log = logging.getLogger(__name__)
+
+
+def tune_peer_socket(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 500)  # let Abort messages out at shutdown, but not forever
+    sock.setsockopt(zmq.SNDHWM, 0)  # flow control is the transfer window, not the HWM
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings keep dead TCP connections from lingering
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, 6000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_CHUNK_BYTES)  # a bigger frame is a broken peer: drop it
+
+
+class Channel:
+    """Where a transfer's messages go: a ROUTER routing id, or a DEALER link."""
+
+    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], Awaitable]) -> None:
+        self.key = key  # identifies the connection, so a message on another one is refused
+        self.peer_name = peer_name
+        self._sender = sender
+
+    async def send(self, msg: p.Message, track: bool = False):
+        return await self._sender(p.encode(msg), track)
+
+
+class PeerLink:
+    """Our DEALER to one peer's ROUTER, with its handshake state."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, endpoint: str, node_id: str, incarnation: int,
+                 on_message: Callable[["PeerLink", p.Message], None]) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.remote_node_id: str | None = None
+        self.remote_incarnation: int | None = None
+        self._node_id = node_id
+        self._incarnation = incarnation
+        self._on_message = on_message
+        self.socket = ctx.socket(zmq.DEALER)
+        tune_peer_socket(self.socket)
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue into a connection that is not up
+        self.socket.connect(endpoint)
+        self.channel = Channel(("dealer", endpoint), name, self._send)
+        self._hello: asyncio.Future | None = None
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"peer-{name}")
+        self.connected = False
+
+    async def _send(self, frames: list, track: bool):
+        return await self.socket.send_multipart(frames, copy=False, track=track)
+
+    async def ensure_ready(self, timeout: float) -> None:
+        """Handshake once (again after a loss): PeerHello, wait for PeerHelloOk."""
+        if self.connected:
+            return
+        if self._hello is None or self._hello.done():
+            self._hello = asyncio.get_running_loop().create_future()
+        hello = self._hello
+        try:
+            await asyncio.wait_for(
+                self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation)), timeout
+            )
+            await asyncio.wait_for(asyncio.shield(hello), timeout)
+        except asyncio.TimeoutError:
+            raise PeerUnavailable(f"peer {self.name} ({self.endpoint}) did not answer within {timeout:g}s") from None
+
+    def mark_lost(self) -> None:
+        self.connected = False
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                frames = await self.socket.recv_multipart(copy=False)
+            except (asyncio.CancelledError, zmq.ContextTerminated):
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.ENOTSOCK:
+                    return
+                log.warning("peer %s: receive failed: %s", self.name, exc)
+                continue
+            try:
+                msg = p.decode([f.buffer for f in frames])
+            except Exception as exc:
+                log.warning("peer %s sent an undecodable message: %s", self.name, exc)
+                continue
+            if isinstance(msg, p.PeerHelloOk):
+                if self.remote_incarnation not in (None, msg.incarnation):
+                    log.warning("peer %s restarted (new incarnation)", self.name)
+                self.remote_node_id, self.remote_incarnation = msg.node_id, msg.incarnation
+                if not self.connected:
+                    log.info("peer %s connected: node %s at %s", self.name, msg.node_id, self.endpoint)
+                self.connected = True
+                if self._hello is not None and not self._hello.done():
+                    self._hello.set_result(None)
+                continue
+            try:
+                self._on_message(self, msg)
+            except Exception:
+                log.exception("peer %s: handling %s failed", self.name, msg.TYPE)
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass
+        self.socket.close()

@@ -1,0 +1,201 @@
+"""Entries by request id: states, leases, expiry, and the blocks each one holds.
+
+Bookkeeping only; no sockets. The daemon reserves an entry (WRITING for a local put,
+RECEIVING for an inbound transfer), publishes it (READY, visible to get), and removes it.
+Readers and senders hold leases; an entry's blocks return to the allocator only once it
+is removed *and* no lease is left, so a slot is never reused under a reader. Every
+reservation gets a fresh token (a generation number), and every lease names its token,
+so a stale client or transfer can never act on a reused slot.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+from .errors import AlreadyExists, BadRequest, NotFound
+from .layout import Extent, TensorSpec, blocks_needed, physical_segments, tensor_offsets, validate_specs
+from .pool import BlockAllocator
+
+MAX_REQUEST_ID_LEN = 256
+
+
+class State(enum.Enum):
+    WRITING = "writing"  # a local client is copying its tensors in
+    RECEIVING = "receiving"  # chunks are arriving from a peer
+    READY = "ready"  # complete and visible to get
+    CLAIMED = "claimed"  # taken by one consuming reader or outbound transfer; invisible
+
+
+@dataclass(slots=True)
+class Lease:
+    token: int
+    request_id: str
+    consume: bool  # removing the entry when released successfully
+    deadline: float | None  # monotonic; None: the holder (a transfer) manages its own time
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    request_id: str
+    token: int
+    specs: list[TensorSpec]
+    offsets: list[int]
+    total_bytes: int
+    extents: list[Extent]
+    meta: dict | None
+    state: State
+    expires_at: float | None  # monotonic ttl deadline
+    write_deadline: float | None = None  # WRITING/RECEIVING must finish by then
+    leases: dict[int, Lease] = field(default_factory=dict)
+    removed: bool = False
+    created: float = field(default_factory=time.time)
+
+    def segments(self, block_size: int) -> list[list[tuple[int, int]]]:
+        return [
+            physical_segments(self.extents, block_size, offset, spec.nbytes)
+            for spec, offset in zip(self.specs, self.offsets)
+        ]
+
+    def describe(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "state": self.state.value,
+            "bytes": self.total_bytes,
+            "tensors": len(self.specs),
+            "blocks": sum(count for _, count in self.extents),
+            "age_s": round(time.time() - self.created, 3),
+            "ttl_s": None if self.expires_at is None else round(self.expires_at - time.monotonic(), 3),
+        }
+
+
+def validate_request_id(request_id: str) -> None:
+    if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+        raise BadRequest(f"request id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} chars")
+
+
+class Store:
+    def __init__(self, allocator: BlockAllocator, block_size: int, default_ttl: float | None) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.default_ttl = default_ttl
+        self.entries: dict[str, Entry] = {}  # request id -> live entry (any state)
+        self._leases: dict[int, tuple[Entry, Lease]] = {}
+        self._tokens = itertools.count(1)
+        self._zombies: set[Entry] = set()  # removed, but leases still hold their blocks
+        self.expired_total = 0
+
+    # --- reservation and publication ---------------------------------------------------
+
+    def reserve(
+        self, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict | None,
+        state: State, write_deadline: float | None,
+    ) -> Entry:
+        validate_request_id(request_id)
+        validate_specs(specs)
+        if request_id in self.entries:
+            raise AlreadyExists(f"request {request_id!r} is already held by this daemon")
+        if ttl is not None and (not math.isfinite(ttl) or ttl < 0):
+            raise BadRequest(f"ttl must be a non-negative number of seconds, got {ttl!r}")
+        offsets, total = tensor_offsets(specs)
+        extents = self.allocator.allocate(blocks_needed(total, self.block_size))
+        ttl = self.default_ttl if ttl is None else ttl
+        expires = time.monotonic() + ttl if ttl else None
+        entry = Entry(request_id, next(self._tokens), specs, offsets, total, extents, meta, state,
+                      expires, write_deadline)
+        self.entries[request_id] = entry
+        return entry
+
+    def writing_entry(self, request_id: str, token: int, state: State) -> Entry:
+        entry = self.entries.get(request_id)
+        if entry is None or entry.token != token or entry.state is not state:
+            raise NotFound(f"no pending put for {request_id!r} with token {token} (expired or aborted?)")
+        return entry
+
+    def publish(self, entry: Entry) -> None:
+        entry.state = State.READY
+        entry.write_deadline = None
+
+    # --- reading and sending ------------------------------------------------------------
+
+    def ready(self, request_id: str) -> Entry | None:
+        entry = self.entries.get(request_id)
+        return entry if entry is not None and entry.state is State.READY else None
+
+    def lease(self, entry: Entry, consume: bool, deadline: float | None) -> Lease:
+        """Take a read lease. A consuming lease hides the entry from everyone else."""
+        if entry.state is not State.READY:
+            raise NotFound(f"request {entry.request_id!r} is not ready")
+        lease = Lease(next(self._tokens), entry.request_id, consume, deadline)
+        if consume:
+            entry.state = State.CLAIMED
+        entry.leases[lease.token] = lease
+        self._leases[lease.token] = (entry, lease)
+        return lease
+
+    def release(self, token: int, success: bool) -> Entry:
+        """End a lease; a successful consuming lease removes the entry, a failed one gives it back."""
+        found = self._leases.pop(token, None)
+        if found is None:
+            raise NotFound(f"no read lease {token} (expired?)")
+        entry, lease = found
+        del entry.leases[token]
+        if lease.consume and not entry.removed:
+            if success:
+                self.remove(entry)
+            else:
+                entry.state = State.READY
+        self._free_if_unused(entry)
+        return entry
+
+    # --- removal and expiry -------------------------------------------------------------
+
+    def remove(self, entry: Entry) -> None:
+        if entry.removed:
+            return
+        entry.removed = True
+        if self.entries.get(entry.request_id) is entry:
+            del self.entries[entry.request_id]
+        self._zombies.add(entry)
+        self._free_if_unused(entry)
+
+    def _free_if_unused(self, entry: Entry) -> None:
+        if entry.removed and not entry.leases and entry in self._zombies:
+            self._zombies.discard(entry)
+            self.allocator.free(entry.extents)
+            entry.extents = []
+
+    def sweep(self, now: float) -> tuple[list[Entry], list[Entry], list[Lease]]:
+        """Expire what ran out of time: (ttl-expired entries, abandoned writes, stale leases)."""
+        expired = [
+            e for e in self.entries.values()
+            if e.expires_at is not None and e.expires_at <= now and e.state is State.READY
+        ]
+        abandoned = [
+            e for e in self.entries.values()
+            if e.write_deadline is not None and e.write_deadline <= now
+            and e.state in (State.WRITING, State.RECEIVING)
+        ]
+        stale = [l for _, l in self._leases.values() if l.deadline is not None and l.deadline <= now]
+        for lease in stale:
+            self.release(lease.token, success=False)
+        for entry in expired:
+            self.remove(entry)
+        for entry in abandoned:
+            self.remove(entry)
+        self.expired_total += len(expired)
+        return expired, abandoned, stale
+
+    # --- accounting -------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used_blocks * self.block_size
+
+    def counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in State}
+        for entry in self.entries.values():
+            counts[entry.state.value] += 1
+        return counts

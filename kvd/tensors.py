@@ -1,0 +1,96 @@
+"""Tensors <-> pool bytes on the client side: dtype mapping and the copies themselves.
+
+Each tensor's bytes are copied exactly once, between the caller's tensor and the shared
+pool, with torch's copy (bitwise for equal dtypes: NaN payloads and -0.0 survive).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import BadRequest
+from .layout import TensorSpec
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def as_tensor(name: str, value: Any) -> torch.Tensor:
+    """A torch tensor for a put value (torch tensors as they are; numpy arrays shared, not copied)."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+    elif isinstance(value, np.ndarray):
+        try:
+            tensor = torch.from_numpy(np.ascontiguousarray(value))
+        except TypeError:
+            raise BadRequest(f"tensor {name!r}: numpy dtype {value.dtype} is not supported") from None
+    else:
+        raise BadRequest(f"tensor {name!r}: expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
+    if tensor.dtype not in DTYPE_NAMES:
+        raise BadRequest(f"tensor {name!r}: dtype {tensor.dtype} is not supported; use one of {', '.join(TORCH_DTYPES)}")
+    return tensor
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
+    if not isinstance(name, str):
+        raise BadRequest(f"tensor names must be strings, got {type(name).__name__}")
+    return TensorSpec(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def copy_in(pool: torch.Tensor, tensor: torch.Tensor, segments: list) -> None:
+    """Caller's tensor -> its pool segments."""
+    if len(segments) == 1:
+        off, n = segments[0]
+        # one typed copy: handles non-contiguous and non-CPU sources without a temporary
+        pool[off:off + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        return
+    src = _flat_bytes(tensor.contiguous().cpu())
+    pos = 0
+    for off, n in segments:
+        pool[off:off + n].copy_(src[pos:pos + n])
+        pos += n
+
+
+def copy_out(pool: torch.Tensor, spec: TensorSpec, segments: list, out: torch.Tensor | None) -> torch.Tensor:
+    """Pool segments -> `out` (checked to match) or a new CPU tensor."""
+    dtype = TORCH_DTYPES[spec.dtype]
+    if out is None:
+        out = torch.empty(spec.shape, dtype=dtype)
+    if len(segments) == 1:
+        off, n = segments[0]
+        out.copy_(pool[off:off + n].view(dtype).view(spec.shape))
+        return out
+    target = out if (out.is_contiguous() and out.device.type == "cpu") else torch.empty(spec.shape, dtype=dtype)
+    dst = _flat_bytes(target)
+    pos = 0
+    for off, n in segments:
+        dst[pos:pos + n].copy_(pool[off:off + n])
+        pos += n
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+def check_out(spec: TensorSpec, out: Any) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise BadRequest(f"out[{spec.name!r}] must be a torch.Tensor")
+    if DTYPE_NAMES.get(out.dtype) != spec.dtype or tuple(out.shape) != spec.shape:
+        raise BadRequest(
+            f"out[{spec.name!r}] is {out.dtype} {tuple(out.shape)}, the cache holds {spec.dtype} {spec.shape}"
+        )
