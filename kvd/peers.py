@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -34,13 +34,14 @@ def tune_peer_socket(sock: zmq.Socket) -> None:
 class Channel:
     """Where a transfer's messages go: a ROUTER routing id, or a DEALER link."""
 
-    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], Awaitable]) -> None:
+    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], asyncio.Future]) -> None:
         self.key = key  # identifies the connection, so a message on another one is refused
         self.peer_name = peer_name
         self._sender = sender
 
-    async def send(self, msg: p.Message, track: bool = False):
-        return await self._sender(p.encode(msg), track)
+    def send(self, msg: p.Message, track: bool = False) -> asyncio.Future:
+        """Queue a message; the future resolves (to a MessageTracker if track) once ZeroMQ took it."""
+        return self._sender(p.encode(msg), track)
 
 
 class PeerLink:
@@ -64,8 +65,8 @@ class PeerLink:
         self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"peer-{name}")
         self.connected = False
 
-    async def _send(self, frames: list, track: bool):
-        return await self.socket.send_multipart(frames, copy=False, track=track)
+    def _send(self, frames: list, track: bool) -> asyncio.Future:
+        return self.socket.send_multipart(frames, copy=False, track=track)
 
     async def ensure_ready(self, timeout: float) -> None:
         """Handshake once (again after a loss): PeerHello, wait for PeerHelloOk."""

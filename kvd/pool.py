@@ -73,6 +73,7 @@ class BlockAllocator:
         next_ok = index == len(self._free) or start + count <= self._free[index][0]
         if not (prev_ok and next_ok):
             raise ValueError(f"double free of extent ({start}, {count})")
+        self.free_blocks += count
         if index > 0 and self._free[index - 1][0] + self._free[index - 1][1] == start:
             index -= 1
             start, count = self._free[index][0], self._free[index][1] + count
@@ -81,7 +82,6 @@ class BlockAllocator:
             count += self._free[index][1]
             del self._free[index]
         self._free.insert(index, (start, count))
-        self.free_blocks += count
 
     def largest_free_extent(self) -> int:
         return max((size for _, size in self._free), default=0)

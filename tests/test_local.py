@@ -1,0 +1,217 @@
+"""Local handoff through one real daemon: put/get, dtypes, out=, keep, errors, ttl, pool full."""
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvd
+from kvd.tensors import TORCH_DTYPES
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def special_values(dtype: torch.dtype, shape=(3, 5, 7)) -> torch.Tensor:
+    """Random bytes reinterpreted as dtype: covers NaN payloads, infinities, -0.0, subnormals."""
+    g = torch.Generator().manual_seed(1234)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * itemsize,), dtype=torch.uint8, generator=g)
+    t = raw.view(dtype).reshape(shape).clone()
+    if dtype.is_floating_point and itemsize >= 2:
+        flat = t.view(-1)
+        flat[0] = -0.0
+        flat[1] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("dtype_name", list(TORCH_DTYPES))
+def test_every_dtype_round_trips_bit_exact(client, dtype_name):
+    dtype = TORCH_DTYPES[dtype_name]
+    kv = {"layer.0.k": special_values(dtype), "layer.0.v": special_values(dtype, (2, 1, 64))}
+    client.put(f"dtype-{dtype_name}", kv)
+    got = client.get(f"dtype-{dtype_name}")
+    assert set(got) == set(kv)
+    for name, tensor in kv.items():
+        assert got[name].dtype == dtype and got[name].shape == tensor.shape
+        assert bits(got[name]) == bits(tensor)
+
+
+def test_nan_payload_and_negative_zero_survive(client):
+    payload_nan = struct.unpack("<f", struct.pack("<I", 0x7FC0BEEF))[0]
+    t = torch.tensor([payload_nan, -0.0, float("-inf"), 1e-45], dtype=torch.float32)
+    client.put("nan", {"x": t})
+    got = client.get("nan")["x"]
+    assert bits(got) == bits(t)
+    assert got.view(torch.int32)[0].item() == 0x7FC0BEEF
+
+
+def test_shapes_scalars_and_empty_tensors(client):
+    kv = {
+        "scalar": torch.tensor(3.5, dtype=torch.float16),
+        "empty": torch.empty(0, 8, dtype=torch.bfloat16),
+        "vector": torch.arange(10, dtype=torch.int64),
+        "deep": torch.randn(2, 1, 3, 1, 2, 1, 2, 3),
+    }
+    client.put("shapes", kv)
+    got = client.get("shapes")
+    for name, tensor in kv.items():
+        assert got[name].shape == tensor.shape and bits(got[name]) == bits(tensor)
+
+
+def test_numpy_and_non_contiguous_inputs(client):
+    arr = np.arange(24, dtype=np.float32).reshape(4, 6)
+    strided = torch.randn(6, 8).t()  # not contiguous
+    client.put("np", {"a": arr, "s": strided})
+    got = client.get("np")
+    assert np.array_equal(got["a"].numpy(), arr)
+    assert torch.equal(got["s"], strided)
+
+
+def test_get_into_preallocated_out(client):
+    k = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    v = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    client.put("out", {"k": k, "v": v})
+    out_k = torch.zeros_like(k)
+    ptr = out_k.data_ptr()
+    got = client.get("out", out={"k": out_k})
+    assert got["k"] is out_k and out_k.data_ptr() == ptr
+    assert torch.equal(out_k.view(torch.int16), k.view(torch.int16))
+    assert torch.equal(got["v"].view(torch.int16), v.view(torch.int16))
+
+
+def test_out_mismatch_is_bad_request_and_keeps_the_entry(client):
+    client.put("mm", {"k": torch.ones(4, 4)})
+    with pytest.raises(kvd.BadRequest, match="holds"):
+        client.get("mm", out={"k": torch.zeros(4, 5)})
+    with pytest.raises(kvd.BadRequest, match="does not hold"):
+        client.get("mm", out={"nope": torch.zeros(1)})
+    assert torch.equal(client.get("mm")["k"], torch.ones(4, 4))
+
+
+def test_get_consumes_unless_keep(client):
+    client.put("keep", {"x": torch.ones(3)})
+    client.get("keep", keep=True)
+    client.get("keep", keep=True)
+    assert client.stats()["entries"] == 1
+    client.get("keep")
+    assert client.stats()["entries"] == 0
+    assert client.stats()["pool"]["used_bytes"] == 0
+    with pytest.raises(kvd.NotFound):
+        client.get("keep", timeout=0)
+
+
+def test_not_found_and_timeout(client):
+    with pytest.raises(kvd.NotFound, match="not found"):
+        client.get("missing", timeout=0)
+    start = time.monotonic()
+    with pytest.raises(kvd.Timeout):
+        client.get("missing", timeout=0.3)
+    assert 0.25 < time.monotonic() - start < 5
+
+
+def test_get_waits_for_a_later_put(daemon):
+    result = {}
+
+    def reader():
+        with daemon.client() as c:
+            result["kv"] = c.get("later", timeout=10)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.3)
+    with daemon.client() as c:
+        c.put("later", {"x": torch.arange(5)})
+    thread.join(10)
+    assert torch.equal(result["kv"]["x"], torch.arange(5))
+
+
+def test_delete_and_duplicate(client):
+    client.put("dup", {"x": torch.ones(2)})
+    with pytest.raises(kvd.AlreadyExists):
+        client.put("dup", {"x": torch.ones(2)})
+    assert client.delete("dup") is True
+    assert client.delete("dup") is False
+    client.put("dup", {"x": torch.zeros(2)})
+    assert torch.equal(client.get("dup")["x"], torch.zeros(2))
+
+
+def test_bad_requests_are_rejected_cleanly(client):
+    with pytest.raises(kvd.BadRequest, match="dtype"):
+        client.put("bad", {"x": torch.ones(2, dtype=torch.complex64)})
+    with pytest.raises(kvd.BadRequest):
+        client.put("bad", {})
+    with pytest.raises(kvd.BadRequest, match="request id"):
+        client.put("", {"x": torch.ones(2)})
+    with pytest.raises(kvd.BadRequest, match="request id"):
+        client.put("x" * 1000, {"x": torch.ones(2)})
+    with pytest.raises(kvd.BadRequest):
+        client.put("bad", {"x": [1, 2, 3]})
+    with pytest.raises(kvd.BadRequest, match="ttl"):
+        client.put("bad", {"x": torch.ones(2)}, ttl=-1)
+    assert client.stats()["pool"]["used_bytes"] == 0
+    client.put("good", {"x": torch.ones(2)})
+    assert torch.equal(client.get("good")["x"], torch.ones(2))
+
+
+def test_pool_full_then_recovery_after_delete(client):
+    capacity = client.stats()["pool"]["capacity_bytes"]  # 64 MiB
+    chunk = torch.zeros(16 << 20, dtype=torch.uint8)
+    for i in range(3):
+        client.put(f"fill-{i}", {"x": chunk})
+    with pytest.raises(kvd.PoolFull, match="pool full"):
+        client.put("too-much", {"x": torch.zeros(capacity // 2, dtype=torch.uint8)})
+    assert client.stats()["entries"] == 3
+    client.delete("fill-0")
+    client.delete("fill-1")
+    client.put("too-much", {"x": torch.ones(capacity // 2, dtype=torch.uint8)})
+    assert client.get("too-much")["x"].sum().item() == capacity // 2
+
+
+def test_fragmented_pool_still_serves_what_fits(client):
+    block = torch.zeros(64 << 10, dtype=torch.uint8)  # one block each
+    for i in range(64):
+        client.put(f"frag-{i}", {"x": block})
+    for i in range(0, 64, 2):
+        client.delete(f"frag-{i}")
+    big = torch.randint(0, 256, (20 * (64 << 10),), dtype=torch.uint8)  # needs scattered blocks
+    client.put("scattered", {"x": big, "y": big[:1000]})
+    got = client.get("scattered")
+    assert torch.equal(got["x"], big) and torch.equal(got["y"], big[:1000])
+
+
+def test_ttl_expiry_reclaims_space(client):
+    client.put("short", {"x": torch.ones(1 << 20, dtype=torch.uint8)}, ttl=0.3)
+    assert client.stats()["pool"]["used_bytes"] > 0
+    time.sleep(1.0)
+    stats = client.stats()
+    assert stats["entries"] == 0 and stats["pool"]["used_bytes"] == 0
+    assert stats["expired_total"] == 1
+    with pytest.raises(kvd.NotFound):
+        client.get("short", timeout=0)
+
+
+def test_async_client_concurrent_requests(daemon):
+    import asyncio
+
+    async def main():
+        async with kvd.AsyncClient(daemon.socket) as c:
+            tensors = {f"r{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}
+            await asyncio.gather(*(c.put(rid, {"x": t}) for rid, t in tensors.items()))
+            got = await asyncio.gather(*(c.get(rid) for rid in tensors))
+            for (rid, t), kv in zip(tensors.items(), got):
+                assert torch.equal(kv["x"], t)
+            return await c.stats()
+
+    stats = asyncio.run(main())
+    assert stats["entries"] == 0 and stats["pool"]["used_bytes"] == 0
+
+
+def test_no_daemon_is_a_clear_error(tmp_path):
+    with pytest.raises(kvd.KvdError, match="no kvd daemon"):
+        kvd.Client(f"ipc://{tmp_path}/nothing.sock").connect()
