@@ -43,8 +43,17 @@ class Outbound:
     checksum: str
     done: asyncio.Future
     deadline: float
-    trackers: list = field(default_factory=list)
+    sends: list = field(default_factory=list)  # chunk send futures; each resolves to a MessageTracker
     started: float = field(default_factory=time.monotonic)
+
+    def zmq_released(self) -> bool:
+        """True once ZeroMQ holds no reference to any frame of ours (safe to reuse the blocks)."""
+        for sent in self.sends:
+            if not sent.done():
+                return False
+            if not sent.cancelled() and sent.exception() is None and not sent.result().done:
+                return False
+        return True
 
 
 @dataclass(eq=False)
@@ -206,8 +215,7 @@ class Exchange:
             pieces = gather(self.pool, physical_segments(out.entry.extents, self.store.block_size, offset, length))
             chunk = p.Chunk(xfer=out.xfer, seq=seq, offset=offset, lengths=[len(x) for x in pieces],
                             digest=digest(out.checksum, pieces), payload=pieces)
-            sent = self._send(out.channel, chunk, track=True)
-            sent.add_done_callback(lambda f, out=out: f.cancelled() or f.exception() or out.trackers.append(f.result()))
+            out.sends.append(self._send(out.channel, chunk, track=True))
             self.counters["sent_bytes"] += length
 
     def _finish_outbound(self, out: Outbound, error: KvdError | None) -> None:
@@ -221,6 +229,7 @@ class Exchange:
             return
         # frames may still sit in ZeroMQ's queue: keep the blocks until its trackers say done
         self._deferred.append(out)
+        self._release_deferred()
         if not out.done.done():
             out.done.set_exception(error)
             out.done.exception()  # a failed pull-serve has no awaiter; mark the error as seen
@@ -228,7 +237,7 @@ class Exchange:
     def _release_deferred(self) -> None:
         still = []
         for out in self._deferred:
-            if all(t.done for t in out.trackers):
+            if out.zmq_released():
                 try:
                     self.store.release(out.lease_token, success=False)
                 except NotFound:

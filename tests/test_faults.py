@@ -1,0 +1,253 @@
+"""Bad input and failures never take a daemon down or leak pool memory; everyone else is served."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+import kvd
+from kvd import protocol as p
+
+
+def raw_dealer(endpoint: str) -> zmq.Socket:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(endpoint)
+    return sock
+
+
+def assert_still_serving(daemon) -> None:
+    with daemon.client() as c:
+        c.put("alive-check", {"x": torch.arange(1000)})
+        assert torch.equal(c.get("alive-check")["x"], torch.arange(1000))
+        assert c.stats()["pool"]["used_bytes"] == 0
+
+
+BAD_CLIENT_MESSAGES = [
+    [b""],
+    [b"\xc1"],  # msgpack's never-used byte
+    [b"\x93\x01\x02\x03"],  # an array, not a map
+    [msgpack.packb({"v": 99, "t": "stats", "req": 1})],
+    [msgpack.packb({"v": 1, "t": "no_such_type", "req": 1})],
+    [msgpack.packb({"v": 1, "t": "put_alloc", "req": 1})],  # fields missing
+    [msgpack.packb({"v": 1, "t": "put_alloc", "req": 1, "request_id": 5, "tensors": []})],
+    [msgpack.packb({"v": 1, "t": "put_alloc", "req": 1, "request_id": "r", "tensors": [["x", "float99", [1]]]})],
+    [msgpack.packb({"v": 1, "t": "put_alloc", "req": 1, "request_id": "r", "tensors": [["x", "uint8", [-1]]]})],
+    [msgpack.packb({"v": 1, "t": "put_alloc", "req": 1, "request_id": "r",
+                    "tensors": [["x", "uint8", [1 << 39]]]})],  # 512 GiB: pool full, not a crash
+    [msgpack.packb({"v": 1, "t": "put_commit", "req": 1, "request_id": "r", "token": 12345})],
+    [msgpack.packb({"v": 1, "t": "get_done", "req": 1, "request_id": "r", "token": 999, "reply": True})],
+    [msgpack.packb({"v": 1, "t": "stats", "req": 1}), b"extra frame"],
+    [msgpack.packb({"v": 1, "t": "ok", "req": 1})],  # a reply type sent as a request
+    [b"\x81" + b"\xa1v" + b"\x01" * 10],  # truncated / trailing garbage
+    [msgpack.packb({"v": 1, "t": "stats", "req": 1, "pad": "x" * (2 << 20)})],  # header over the cap
+]
+
+
+@pytest.mark.parametrize("frames", BAD_CLIENT_MESSAGES, ids=range(len(BAD_CLIENT_MESSAGES)))
+def test_malformed_client_messages_get_an_error_reply(daemon, frames):
+    sock = raw_dealer(daemon.socket)
+    sock.send_multipart(frames)
+    reply = p.decode(sock.recv_multipart())
+    assert isinstance(reply, p.Error), reply
+    assert reply.code in (kvd.ProtocolError.code, kvd.BadRequest.code, kvd.VersionMismatch.code,
+                          kvd.NotFound.code, kvd.PoolFull.code), reply
+    sock.close()
+    assert_still_serving(daemon)
+
+
+def test_garbage_on_the_peer_port_is_refused(daemons):
+    a, b = daemons.pair()
+    sock = raw_dealer(a.listen)
+    # before a handshake, even a well-formed transfer message is refused
+    sock.send_multipart(p.encode(p.Offer(xfer=1, request_id="r", tensors=[["x", "uint8", [10]]],
+                                         total_bytes=10, chunk_size=1 << 20, checksum="none")))
+    assert isinstance(p.decode(sock.recv_multipart()), p.Abort)
+    for frames in ([b"junk"], [msgpack.packb({"v": 2, "t": "ping", "nonce": 1})], [b"\x80", b"x" * 100]):
+        sock.send_multipart(frames)
+        reply = p.decode(sock.recv_multipart())
+        assert isinstance(reply, p.Abort)
+    # after a handshake: chunks that break the rules abort that transfer only
+    sock.send_multipart(p.encode(p.PeerHello(node_id="evil", incarnation=1)))
+    assert isinstance(p.decode(sock.recv_multipart()), p.PeerHelloOk)
+    sock.send_multipart(p.encode(p.Offer(xfer=7, request_id="evil-1", tensors=[["x", "uint8", [100]]],
+                                         total_bytes=100, chunk_size=1 << 20, checksum="xxh3_64")))
+    assert isinstance(p.decode(sock.recv_multipart()), p.Accept)
+    bad = p.Chunk(xfer=7, seq=0, offset=0, lengths=[100], digest=12345, payload=[b"\x00" * 100])
+    sock.send_multipart(p.encode(bad))
+    abort = p.decode(sock.recv_multipart())
+    assert isinstance(abort, p.Abort) and abort.code == kvd.ChecksumMismatch.code
+    sock.send_multipart(p.encode(p.Offer(xfer=8, request_id="evil-2", tensors=[["x", "uint8", [100]]],
+                                         total_bytes=99, chunk_size=1 << 20, checksum="none")))
+    assert isinstance(p.decode(sock.recv_multipart()), p.Abort)
+    sock.send_multipart(p.encode(p.Offer(xfer=9, request_id="evil-3", tensors=[["x", "uint8", [1 << 36]]],
+                                         total_bytes=1 << 36, chunk_size=1 << 20, checksum="none")))
+    assert p.decode(sock.recv_multipart()).code == kvd.PoolFull.code
+    sock.close()
+    with a.client() as ca:
+        stats = ca.stats()
+        assert stats["entries"] == 0 and stats["pool"]["used_bytes"] == 0
+    assert_still_serving(a)
+    with a.client() as ca, b.client() as cb:
+        ca.put("after-garbage", {"x": torch.ones(10)}, dest="B")
+        assert torch.equal(cb.get("after-garbage")["x"], torch.ones(10))
+
+
+def test_client_that_dies_mid_put_leaks_nothing(daemons):
+    d = daemons.start("A", extra=["--lease-timeout", "1s"])
+    sock = raw_dealer(d.socket)
+    sock.send_multipart(p.encode(p.PutAlloc(req=1, request_id="orphan", tensors=[["x", "uint8", [4 << 20]]])))
+    assert isinstance(p.decode(sock.recv_multipart()), p.PutSlots)
+    sock.close()  # gone without committing
+    with d.client() as c:
+        assert c.stats()["pool"]["used_bytes"] == 4 << 20
+        time.sleep(1.6)
+        assert c.stats()["pool"]["used_bytes"] == 0
+        with pytest.raises(kvd.NotFound):
+            c.get("orphan", timeout=0)
+    assert_still_serving(d)
+
+
+def _die_after_get_slots(endpoint: str) -> None:
+    sock = raw_dealer(endpoint)
+    sock.send_multipart(p.encode(p.Get(req=1, request_id="half-read", timeout=5.0)))
+    sock.recv_multipart()
+    os._exit(0)  # crash between lease and release
+
+
+def test_client_that_dies_mid_get_gives_the_entry_back(daemons):
+    d = daemons.start("A", extra=["--lease-timeout", "1s"])
+    with d.client() as c:
+        c.put("half-read", {"x": torch.arange(100)})
+        proc = mp.get_context("spawn").Process(target=_die_after_get_slots, args=(d.socket,))
+        proc.start()
+        proc.join(20)
+        assert c.stats()["entries_by_state"]["claimed"] == 1
+        time.sleep(1.6)
+        assert torch.equal(c.get("half-read")["x"], torch.arange(100))  # not lost
+
+
+def test_receiver_killed_mid_transfer(daemons):
+    a, b = daemons.pair(pool_size="320MiB", extra=["--transfer-timeout", "2s"])
+    big = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8)
+    errors = []
+
+    def pusher():
+        with a.client() as ca:
+            try:
+                ca.put("doomed", {"x": big}, dest="B")
+            except kvd.KvdError as exc:
+                errors.append(exc)
+
+    thread = threading.Thread(target=pusher)
+    start = time.monotonic()
+    thread.start()
+    time.sleep(0.15)
+    b.kill(signal.SIGKILL)
+    thread.join(30)
+    assert errors and isinstance(errors[0], kvd.PeerUnavailable), errors
+    assert time.monotonic() - start < 15
+    with a.client() as ca:
+        deadline = time.monotonic() + 5
+        while ca.stats()["pool"]["used_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ca.stats()["pool"]["used_bytes"] == 0 and ca.stats()["entries"] == 0
+    assert_still_serving(a)
+
+
+def test_holder_killed_mid_pull(daemons):
+    a, b = daemons.pair(pool_size="320MiB", extra=["--transfer-timeout", "2s"])
+    with a.client() as ca:
+        ca.put("doomed-pull", {"x": torch.randint(0, 256, (256 << 20,), dtype=torch.uint8)})
+    errors = []
+
+    def puller():
+        with b.client() as cb:
+            try:
+                cb.get("doomed-pull", source="A", timeout=5)
+            except kvd.KvdError as exc:
+                errors.append(exc)
+
+    thread = threading.Thread(target=puller)
+    thread.start()
+    time.sleep(0.15)
+    a.kill(signal.SIGKILL)
+    thread.join(30)
+    assert errors and isinstance(errors[0], (kvd.PeerUnavailable, kvd.Timeout)), errors
+    with b.client() as cb:
+        deadline = time.monotonic() + 5
+        while cb.stats()["pool"]["used_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cb.stats()["pool"]["used_bytes"] == 0 and cb.stats()["entries"] == 0
+    assert_still_serving(b)
+
+
+def _worker(socket: str, dest: str | None, worker: int, count: int, results) -> None:
+    import torch
+
+    import kvd
+
+    ok = 0
+    with kvd.Client(socket) as c:
+        for i in range(count):
+            t = torch.full((4096 + i,), worker * 1000 + i, dtype=torch.int32)
+            c.put(f"w{worker}-{i}", {"k": t, "v": t + 1}, dest=dest)
+            ok += 1
+    results.put((worker, ok))
+
+
+def test_100_concurrent_requests_from_several_processes(daemons):
+    a, b = daemons.pair(pool_size="128MiB")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(a.socket, "B" if w % 2 else None, w, 25, results))
+             for w in range(4)]
+    for proc in procs:
+        proc.start()
+    done = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+    assert done == {w: 25 for w in range(4)}
+    with a.client() as ca, b.client() as cb:
+        for w in range(4):
+            for i in range(25):
+                c = cb if w % 2 else ca
+                kv = c.get(f"w{w}-{i}", timeout=5)
+                expected = torch.full((4096 + i,), w * 1000 + i, dtype=torch.int32)
+                assert torch.equal(kv["k"], expected) and torch.equal(kv["v"], expected + 1)
+        assert ca.stats()["pool"]["used_bytes"] == 0 and cb.stats()["pool"]["used_bytes"] == 0
+
+
+def test_sigterm_exits_cleanly_and_removes_the_socket(daemons):
+    d = daemons.start("A")
+    with d.client() as c:
+        c.put("left-behind", {"x": torch.ones(3)})
+    assert d.stop() == 0
+    assert not os.path.exists(d.socket[len("ipc://"):])
+    assert "stopped" in d.log()
+
+
+def test_second_daemon_cannot_take_over_the_socket(daemons):
+    first = daemons.start("A")
+    second = daemons.start("A2", wait=False)
+    second.socket = first.socket
+    second.proc.kill()
+    second.proc.wait()
+    import subprocess
+    import sys
+
+    args = list(first.args)
+    args[args.index("--listen") + 1] = f"tcp://127.0.0.1:{__import__('tests.conftest').conftest.free_port()}"
+    result = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0
+    assert "in use" in result.stderr
+    assert_still_serving(first)

@@ -1,0 +1,143 @@
+"""Two real daemons over loopback TCP: push, pull, big caches, and peer failures."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import kvd
+from tests.conftest import free_port
+
+
+def test_push_then_get_on_the_receiver(daemons):
+    a, b = daemons.pair()
+    kv = {f"layer.{i}.{kind}": torch.randn(8, 16, 64, dtype=torch.bfloat16) for i in range(4) for kind in "kv"}
+    with a.client() as ca, b.client() as cb:
+        ca.put("req-1", kv, dest="B")
+        assert ca.stats()["pool"]["used_bytes"] == 0  # the sender's copy is gone once B confirmed
+        got = cb.get("req-1")
+        for name, t in kv.items():
+            assert torch.equal(got[name].view(torch.int16), t.view(torch.int16))
+        assert cb.stats()["pool"]["used_bytes"] == 0
+
+
+def test_get_waits_until_a_push_has_fully_arrived(daemons):
+    a, b = daemons.pair(pool_size="128MiB")
+    big = torch.randint(0, 256, (48 << 20,), dtype=torch.uint8)
+    result = {}
+
+    def reader():
+        with b.client() as cb:
+            result["kv"] = cb.get("late", timeout=30)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.2)
+    with a.client() as ca:
+        ca.put("late", {"x": big}, dest="B")
+    thread.join(30)
+    assert torch.equal(result["kv"]["x"], big)
+
+
+def test_pull_from_the_holder(daemons):
+    a, b = daemons.pair()
+    kv = {"k": torch.randn(3, 4, 5), "v": torch.randint(-128, 127, (7,), dtype=torch.int8)}
+    with a.client() as ca, b.client() as cb:
+        ca.put("req-2", kv)
+        got = cb.get("req-2", source="A")
+        assert torch.equal(got["k"], kv["k"]) and torch.equal(got["v"], kv["v"])
+        assert ca.stats()["entries"] == 0 and ca.stats()["pool"]["used_bytes"] == 0
+        assert cb.stats()["entries"] == 0
+
+
+def test_pull_waits_on_the_holder_for_a_later_put(daemons):
+    a, b = daemons.pair()
+    result = {}
+
+    def reader():
+        with b.client() as cb:
+            result["kv"] = cb.get("pull-late", source="A", timeout=10)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.3)
+    with a.client() as ca:
+        ca.put("pull-late", {"x": torch.arange(100)})
+    thread.join(15)
+    assert torch.equal(result["kv"]["x"], torch.arange(100))
+
+
+def test_push_and_pull_by_tcp_endpoint(daemons):
+    a = daemons.start("A")
+    b = daemons.start("B")  # no peers configured on either side
+    with a.client() as ca, b.client() as cb:
+        ca.put("by-endpoint", {"x": torch.arange(10)}, dest=b.listen)
+        assert torch.equal(cb.get("by-endpoint")["x"], torch.arange(10))
+        ca.put("pulled", {"x": torch.arange(7)})
+        assert torch.equal(cb.get("pulled", source=a.listen)["x"], torch.arange(7))
+
+
+def test_256_mib_cache_both_ways(daemons):
+    a, b = daemons.pair(pool_size="320MiB")
+    g = torch.Generator().manual_seed(7)
+    layers = {f"layer.{i}": torch.randint(-2**31, 2**31 - 1, (2 << 20,), dtype=torch.int32, generator=g)
+              for i in range(32)}  # 32 x 8 MiB = 256 MiB
+    with a.client() as ca, b.client() as cb:
+        ca.put("big", layers, dest="B")
+        got = cb.get("big", timeout=60)
+        assert all(torch.equal(got[n], t) for n, t in layers.items())
+        del got
+        ca.put("big2", layers)
+        got = cb.get("big2", source="A", timeout=60)
+        assert all(torch.equal(got[n], t) for n, t in layers.items())
+        assert ca.stats()["pool"]["used_bytes"] == 0 and cb.stats()["pool"]["used_bytes"] == 0
+
+
+def test_unknown_peer_and_unreachable_peer(daemons):
+    a = daemons.start("A", extra=["--connect-timeout", "1s"])
+    with a.client() as ca:
+        with pytest.raises(kvd.PeerUnavailable, match="unknown peer"):
+            ca.put("x", {"x": torch.ones(1)}, dest="nobody")
+        start = time.monotonic()
+        with pytest.raises(kvd.PeerUnavailable, match="did not answer"):
+            ca.put("y", {"x": torch.ones(1)}, dest=f"tcp://127.0.0.1:{free_port()}")
+        assert time.monotonic() - start < 5
+        with pytest.raises(kvd.PeerUnavailable):
+            ca.get("z", source=f"tcp://127.0.0.1:{free_port()}", timeout=1)
+        assert ca.stats()["pool"]["used_bytes"] == 0 and ca.stats()["entries"] == 0
+        ca.put("still-works", {"x": torch.ones(1)})
+        assert ca.get("still-works")["x"].item() == 1
+
+
+def test_remote_pool_full_reaches_the_client_as_pool_full(daemons):
+    port_a, port_b = free_port(), free_port()
+    a = daemons.start("A", port=port_a, pool_size="64MiB", peers={"B": f"tcp://127.0.0.1:{port_b}"})
+    b = daemons.start("B", port=port_b, pool_size="16MiB")
+    with a.client() as ca, b.client() as cb:
+        with pytest.raises(kvd.PoolFull) as info:
+            ca.put("huge", {"x": torch.zeros(32 << 20, dtype=torch.uint8)}, dest="B")
+        assert info.value.remote == "B"
+        assert ca.stats()["pool"]["used_bytes"] == 0
+        ca.put("fits", {"x": torch.ones(1 << 20, dtype=torch.uint8)}, dest="B")
+        assert cb.get("fits")["x"].sum().item() == 1 << 20
+
+
+def test_pull_of_a_missing_request_fails_with_the_holders_error(daemons):
+    a, b = daemons.pair()
+    with b.client() as cb:
+        with pytest.raises(kvd.NotFound) as info:
+            cb.get("never", source="A", timeout=0)
+        assert info.value.remote == "A"
+        with pytest.raises(kvd.Timeout):
+            cb.get("never", source="A", timeout=0.5)
+
+
+def test_duplicate_push_is_already_exists(daemons):
+    a, b = daemons.pair()
+    with a.client() as ca:
+        ca.put("twice", {"x": torch.ones(4)}, dest="B")
+        with pytest.raises(kvd.AlreadyExists):
+            ca.put("twice", {"x": torch.ones(4)}, dest="B")
+        assert ca.stats()["pool"]["used_bytes"] == 0
