@@ -1,0 +1,71 @@
+"""The kvd command line against a real daemon."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from tests.conftest import free_port
+
+
+def kvd_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_help_explains_every_option():
+    top = kvd_cli("--help")
+    assert top.returncode == 0 and "serve" in top.stdout and "status" in top.stdout
+    serve = kvd_cli("serve", "--help")
+    assert serve.returncode == 0
+    for flag in ("--config", "--node-id", "--listen", "--socket", "--pool-size", "--device", "--peer",
+                 "--default-ttl", "--chunk-size", "--log-format", "--metrics-port"):
+        assert flag in serve.stdout, flag
+    assert "Precedence" in serve.stdout
+
+
+def test_status_ls_rm(daemon):
+    with daemon.client() as c:
+        c.put("cli-1", {"x": torch.ones(1000)})
+    status = kvd_cli("status", "--socket", daemon.socket)
+    assert status.returncode == 0, status.stderr
+    assert "node       A" in status.stdout and "entries    1" in status.stdout
+    data = json.loads(kvd_cli("status", "--socket", daemon.socket, "--json").stdout)
+    assert data["entries"] == 1 and data["pool"]["used_bytes"] > 0
+    listing = kvd_cli("ls", "--socket", daemon.socket)
+    assert "cli-1" in listing.stdout and "ready" in listing.stdout
+    entries = json.loads(kvd_cli("ls", "--socket", daemon.socket, "--json").stdout)
+    assert entries[0]["request_id"] == "cli-1" and entries[0]["bytes"] == 4000
+    assert kvd_cli("rm", "--socket", daemon.socket, "cli-1").returncode == 0
+    missing = kvd_cli("rm", "--socket", daemon.socket, "cli-1")
+    assert missing.returncode == 1 and "not found" in missing.stdout
+    assert json.loads(kvd_cli("status", "--socket", daemon.socket, "--json").stdout)["entries"] == 0
+
+
+def test_status_without_a_daemon_says_so(tmp_path):
+    result = kvd_cli("status", "--socket", f"ipc://{tmp_path}/none.sock")
+    assert result.returncode == 1 and "no kvd daemon" in result.stderr
+
+
+def test_bad_configuration_is_refused_with_a_reason(tmp_path):
+    result = kvd_cli("serve", "--pool-size", "lots", "--socket", f"ipc://{tmp_path}/x.sock")
+    assert result.returncode == 2 and "not a size" in result.stderr
+    bad_file = tmp_path / "bad.toml"
+    bad_file.write_text('pool_sise = "1GiB"\n')
+    result = kvd_cli("serve", "--config", str(bad_file))
+    assert result.returncode == 2 and "pool_sise" in result.stderr
+
+
+def test_config_file_env_and_flags_combine(daemons, tmp_path):
+    port = free_port()
+    config = tmp_path / "kvd.toml"
+    config.write_text(f'node_id = "from-file"\npool_size = "32MiB"\nlisten = "tcp://127.0.0.1:{port}"\n')
+    d = daemons.start("ignored", extra=["--config", str(config)], env={"KVD_POOL_SIZE": "48MiB"})
+    # the fixture passes --node-id and --listen on the command line, which win over the file
+    with d.client() as c:
+        stats = c.stats()
+    assert stats["node_id"] == "ignored"
+    assert stats["pool"]["capacity_bytes"] == 64 << 20  # --pool-size flag beats env and file
+    d2 = daemons.start("B", extra=["--config", str(config)], env={"KVD_DEFAULT_TTL": "5s"})
+    assert '"default_ttl": 5.0' in d2.log()
