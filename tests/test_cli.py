@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from tests.conftest import free_port
+from kvd.testing import free_port
 
 
 def kvd_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ import zmq
 
 import kvd
 from kvd import protocol as p
+from kvd.testing import free_port
 
 
 def raw_dealer(endpoint: str) -> zmq.Socket:
@@ -246,7 +247,7 @@ def test_second_daemon_cannot_take_over_the_socket(daemons):
     import sys
 
     args = list(first.args)
-    args[args.index("--listen") + 1] = f"tcp://127.0.0.1:{__import__('tests.conftest').conftest.free_port()}"
+    args[args.index("--listen") + 1] = f"tcp://127.0.0.1:{free_port()}"
     result = subprocess.run(args, capture_output=True, text=True, timeout=30)
     assert result.returncode != 0
     assert "in use" in result.stderr

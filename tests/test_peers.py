@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvd
-from tests.conftest import free_port
+from kvd.testing import free_port
 
 
 def test_push_then_get_on_the_receiver(daemons):

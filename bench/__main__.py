@@ -1,0 +1,126 @@
+"""Run every baseline and kvd case in one go and print one table with ratios and targets.
+
+    python -m bench            # full run (a few minutes on 2 cores)
+    python -m bench --quick    # fewer repeats, for a smoke check
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from kvd.testing import DaemonFactory
+
+from . import baselines, cases
+from .measure import human
+
+SIZES = [64 << 10, 1 << 20, 16 << 20, 256 << 20]
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def repeats_for(nbytes: int, quick: bool) -> int:
+    if nbytes >= 256 << 20:
+        return 3 if quick else 5
+    if nbytes >= 16 << 20:
+        return 5 if quick else 10
+    return 20 if quick else 100
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
+    args = parser.parse_args()
+    started = time.time()
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    checks: list[tuple[str, float, str, float, bool]] = []
+
+    def row(case: str, size: int, seconds: float, cpu: float | None, baseline: str, ratio: float | None) -> None:
+        cpu_text = f"{cpu / (size / 1e9):.2f}" if cpu is not None else ""
+        rows.append((case, human(size), f"{gbps(size, seconds):.2f}", f"{seconds * 1e3:.3f}", cpu_text,
+                     f"{ratio:.2f}x {baseline}" if ratio is not None else ""))
+
+    def target(name: str, value: float, op: str, limit: float) -> None:
+        ok = value >= limit if op == ">=" else value <= limit
+        checks.append((name, value, op, limit, ok))
+
+    print("measuring baselines ...", flush=True)
+    memcpy = {n: baselines.memcpy(n, repeats_for(n, args.quick)).median for n in SIZES}
+    tcp = {n: baselines.tcp_throughput(n, repeats_for(n, args.quick)).median for n in SIZES}
+    zmq_tcp = {n: baselines.zmq_throughput(n, repeats_for(n, args.quick), chunk=min(n, baselines.CHUNK)).median
+               for n in SIZES}
+    tcp_pp = baselines.tcp_pingpong(64 << 10, 200)
+    zmq_pp = baselines.zmq_ipc_pingpong(64 << 10, 200)
+    for n in SIZES:
+        row("memcpy (numpy, 1 thread)", n, memcpy[n], None, "", None)
+        row("raw TCP loopback", n, tcp[n], None, "", None)
+        row("raw pyzmq tcp (4MiB frames)", n, zmq_tcp[n], None, "", None)
+
+    with tempfile.TemporaryDirectory() as workdir:
+        factory = DaemonFactory(Path(workdir), log_level="warning")
+        try:
+            a, b = factory.pair(pool_size="1GiB")
+            print("measuring kvd ...", flush=True)
+            for n in SIZES:
+                put, get = cases.local_put_get(a, n, repeats_for(n, args.quick))
+                row("kvd local put", n, put.median, put.cpu_median, "memcpy", memcpy[n] / put.median)
+                row("kvd local get(out=)", n, get.median, get.cpu_median, "memcpy", memcpy[n] / get.median)
+                if n == 256 << 20:
+                    target("local put 256MiB vs memcpy", memcpy[n] / put.median, ">=", 0.7)
+                    target("local get(out) 256MiB vs memcpy", memcpy[n] / get.median, ">=", 0.7)
+            for n in SIZES:
+                pushed = cases.push(a, b, n, repeats_for(n, args.quick))
+                pulled = cases.pull(a, b, n, repeats_for(n, args.quick))
+                row("kvd push put(dest=B)", n, pushed.median, pushed.cpu_median, "raw TCP", tcp[n] / pushed.median)
+                row("kvd pull get(source=A)", n, pulled.median, pulled.cpu_median, "raw TCP", tcp[n] / pulled.median)
+                if n == 256 << 20:
+                    target("push 256MiB vs raw TCP", tcp[n] / pushed.median, ">=", 0.8)
+                    target("pull 256MiB vs raw TCP", tcp[n] / pulled.median, ">=", 0.8)
+                    target("CPU-s per GB, 256MiB push (both daemons + client)",
+                           pushed.cpu_median / (n / 1e9), "<=", 0.6)
+            small_rt = cases.local_round_trip(a, 64 << 10, 200)
+            small_push = cases.push(a, b, 64 << 10, 200).median
+            rows.append(("kvd 64KiB local put+get", "64KiB", "", f"{small_rt * 1e3:.3f}", "",
+                         f"{small_rt / zmq_pp:.2f}x zmq ipc ping-pong ({zmq_pp * 1e6:.0f}us)"))
+            rows.append(("kvd 64KiB push", "64KiB", "", f"{small_push * 1e3:.3f}", "",
+                         f"{small_push / tcp_pp:.2f}x TCP ping-pong ({tcp_pp * 1e6:.0f}us)"))
+            target("64KiB local put+get / zmq ipc ping-pong", small_rt / zmq_pp, "<=", 2.0)
+            target("64KiB push / TCP ping-pong", small_push / tcp_pp, "<=", 3.0)
+            aggregate = cases.concurrent_pushes(a, b, processes=4, per_process=16, nbytes=4 << 20)
+            rows.append(("kvd 64 x 4MiB pushes, 4 procs", "256MiB", f"{aggregate / 1e9:.2f}", "", "",
+                         f"{aggregate / (256 << 20) * tcp[256 << 20]:.2f}x raw TCP"))
+            target("64 concurrent 4MiB pushes vs raw TCP", aggregate / (256 << 20) * tcp[256 << 20], ">=", 0.7)
+            rss = cases.daemon_rss(a, b)
+            target("daemon RSS beyond the pool (MB)", rss / 1e6, "<=", 150)
+        finally:
+            failures = factory.stop_all()
+            if failures:
+                print("\n".join(failures))
+
+    lines = [
+        f"machine: {platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, run took {time.time() - started:.0f}s",
+        "",
+        "| case | size | GB/s | median ms | CPU-s/GB | vs baseline |",
+        "|---|---|---|---|---|---|",
+        *[f"| {' | '.join(r)} |" for r in rows],
+        "",
+        "| target | measured | goal | result |",
+        "|---|---|---|---|",
+        *[f"| {name} | {value:.2f} | {op} {limit} | {'PASS' if ok else 'FAIL'} |" for name, value, op, limit, ok in checks],
+    ]
+    report = "\n".join(lines)
+    print(report)
+    if args.output:
+        args.output.write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

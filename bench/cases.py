@@ -1,0 +1,100 @@
+"""kvd's cases, against real daemons: local handoff, push, pull, small-message latency, concurrency."""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+
+import torch
+
+from kvd.testing import DaemonProc
+
+from .measure import Sample, repeat, rss_beyond_shared
+
+
+def _tensor(nbytes: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def local_put_get(daemon: DaemonProc, nbytes: int, repeats: int) -> tuple[Sample, Sample]:
+    """put of one nbytes tensor; get(out=...) into a preallocated, touched tensor."""
+    data, out = _tensor(nbytes), torch.ones(nbytes, dtype=torch.uint8)
+    with daemon.client() as c:
+        put = repeat(lambda: c.put("bench", {"x": data}), repeats, pids=(daemon.pid,),
+                     setup=lambda: c.delete("bench"))
+        get = repeat(lambda: c.get("bench", out={"x": out}, keep=True), repeats, pids=(daemon.pid,))
+        c.delete("bench")
+    assert torch.equal(out, data), "local get returned different bytes"
+    return put, get
+
+
+def local_round_trip(daemon: DaemonProc, nbytes: int, repeats: int) -> float:
+    data, out = _tensor(nbytes), torch.ones(nbytes, dtype=torch.uint8)
+    with daemon.client() as c:
+        def once() -> None:
+            c.put("rt", {"x": data})
+            c.get("rt", out={"x": out})
+        sample = repeat(once, repeats, warmup=20)
+    assert torch.equal(out, data)
+    return sample.median
+
+
+def push(a: DaemonProc, b: DaemonProc, nbytes: int, repeats: int) -> Sample:
+    """put(dest=B) on A, until B has verified and published it (the call's return)."""
+    data = _tensor(nbytes, 1)
+    with a.client() as ca, b.client() as cb:
+        sample = repeat(lambda: ca.put("push", {"x": data}, dest="B"), repeats, pids=(a.pid, b.pid),
+                        setup=lambda: cb.delete("push"))
+        out = cb.get("push", timeout=10)["x"]
+    assert torch.equal(out, data), "push delivered different bytes"
+    return sample
+
+
+def pull(a: DaemonProc, b: DaemonProc, nbytes: int, repeats: int) -> Sample:
+    """get(source=A, out=...) on B: B's daemon pulls from A, then the client copies out."""
+    data, out = _tensor(nbytes, 2), torch.ones(nbytes, dtype=torch.uint8)
+    with a.client() as ca, b.client() as cb:
+        sample = repeat(lambda: cb.get("pull", source="A", out={"x": out}), repeats, pids=(a.pid, b.pid),
+                        setup=lambda: ca.put("pull", {"x": data}))
+    assert torch.equal(out, data), "pull delivered different bytes"
+    return sample
+
+
+def _concurrent_pusher(socket: str, worker: int, count: int, nbytes: int, start, results) -> None:
+    import kvd
+
+    async def main() -> tuple[float, float]:
+        data = torch.full((nbytes,), worker, dtype=torch.uint8)
+        async with kvd.AsyncClient(socket) as c:
+            start.wait()
+            t0 = time.time()
+            await asyncio.gather(*(c.put(f"c{worker}-{i}", {"x": data}, dest="B") for i in range(count)))
+            return t0, time.time()
+
+    results.put(asyncio.run(main()))
+
+
+def concurrent_pushes(a: DaemonProc, b: DaemonProc, processes: int, per_process: int, nbytes: int) -> float:
+    """Aggregate bytes/second of processes x per_process concurrent pushes of nbytes."""
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_concurrent_pusher, args=(a.socket, w, per_process, nbytes, start, results))
+             for w in range(processes)]
+    for proc in procs:
+        proc.start()
+    time.sleep(3.0)  # let every worker import torch and connect
+    start.set()
+    spans = [results.get(timeout=300) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    with b.client() as cb:
+        for w in range(processes):
+            for i in range(per_process):
+                cb.delete(f"c{w}-{i}")
+    elapsed = max(end for _, end in spans) - min(begin for begin, _ in spans)
+    return processes * per_process * nbytes / elapsed
+
+
+def daemon_rss(*daemons: DaemonProc) -> int:
+    return max(rss_beyond_shared(d.pid) for d in daemons)

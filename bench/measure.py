@@ -1,0 +1,67 @@
+"""Timing and resource helpers shared by the baselines and the kvd cases."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (and its threads) from /proc."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def rss_beyond_shared(pid: int) -> int:
+    """Resident bytes that are not shared memory (so the mapped pool is not counted)."""
+    values = {}
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssShmem"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values.get("VmRSS", 0) - values.get("RssShmem", 0)
+
+
+@dataclass
+class Sample:
+    seconds: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def cpu_median(self) -> float:
+        return statistics.median(self.cpu) if self.cpu else float("nan")
+
+
+def repeat(fn: Callable[[], None], repeats: int, warmup: int = 1, pids: tuple[int, ...] = (),
+           setup: Callable[[], None] | None = None) -> Sample:
+    """Median-able timings of fn; CPU is this process plus `pids`, per run."""
+    sample = Sample()
+    for i in range(warmup + repeats):
+        if setup is not None:
+            setup()
+        cpu0 = time.process_time() + sum(cpu_seconds(p) for p in pids)
+        t0 = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - t0
+        cpu = time.process_time() + sum(cpu_seconds(p) for p in pids) - cpu0
+        if i >= warmup:
+            sample.seconds.append(elapsed)
+            sample.cpu.append(cpu)
+    return sample
+
+
+def human(nbytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes // size}{unit}"
+    return f"{nbytes}B"
