@@ -1,9 +1,12 @@
-"""The client library: `AsyncClient` is the implementation, `Client` its synchronous face.
+"""The client library: one implementation of each operation, driven two ways.
 
-Only control messages go over the daemon's socket; tensor bytes are copied by this
-process straight into (put) or out of (get) the daemon's shared pool, mapped once at
-connect. A put is: reserve slots -> copy -> commit. A get is: lease slots -> copy ->
-release (fire and forget, so a get costs one round trip).
+Each operation (`_put`, `_get`, ...) is written once, as a generator that yields the
+requests it needs answered and receives the replies: no I/O inside. `AsyncClient` drives
+it over zmq.asyncio (many concurrent operations per connection); `Client` drives it over
+a blocking socket in the caller's thread (no event loop, no thread hop: the lowest
+latency for the common synchronous worker). Only control messages cross the socket;
+tensor bytes are copied by this process straight into (put) or out of (get) the daemon's
+shared pool, mapped once at connect.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any, Mapping
+from typing import Any, Generator, Mapping
 
 import torch
 import zmq
@@ -29,29 +32,173 @@ log = logging.getLogger(__name__)
 
 # how long past an operation's own timeout we wait for the daemon before calling it dead
 REPLY_GRACE = 30.0
+NO_REPLY = None  # yield (msg, NO_REPLY): send and do not wait
+
+# an operation yields (request, seconds to wait for the reply or NO_REPLY) and gets the reply back
+Operation = Generator[tuple[p.Message, float | None], p.Message | None, Any]
 
 
-class AsyncClient:
-    """Talks to the local kvd daemon. Safe for concurrent use by tasks of one event loop."""
+class _ClientCore:
+    """What both faces share: the operations, request ids, and the mapped pool."""
 
-    def __init__(self, socket: str | None = None, *, reply_timeout: float = REPLY_GRACE) -> None:
+    def __init__(self, socket: str | None, reply_timeout: float) -> None:
         self.endpoint = socket or default_socket()
         self.reply_timeout = reply_timeout
+        self._reqs = itertools.count(1)
+        self._mapping = None
+        self._pool: torch.Tensor | None = None
+        self.info: p.HelloOk | None = None
+
+    @property
+    def node_id(self) -> str | None:
+        return self.info.node_id if self.info else None
+
+    def _check_endpoint(self) -> None:
+        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[len("ipc://"):]):
+            raise KvdError(f"no kvd daemon at {self.endpoint} (start one with `kvd serve`)")
+
+    def _raise_if_error(self, reply: p.Message) -> p.Message:
+        if isinstance(reply, p.Error):
+            raise error_from_code(reply.code, reply.message, remote=reply.origin)
+        return reply
+
+    # --- operations (no I/O) -------------------------------------------------------------------
+
+    def _hello(self) -> Operation:
+        hello = yield p.Hello(req=next(self._reqs), client=f"pid-{os.getpid()}"), 10.0
+        if not isinstance(hello, p.HelloOk):
+            raise ProtocolError(f"expected hello_ok, got {hello.TYPE}")
+        try:
+            self._mapping, _ = map_pool(hello.pool_path, hello.pool_size)
+        except OSError as exc:
+            raise KvdError(
+                f"cannot map the daemon's pool at {hello.pool_path}: {exc} (client and daemon must run "
+                "as the same user, with a shared PID namespace or a shared --pool-path)"
+            ) from None
+        self._pool = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self.info = hello
+
+    def _put(self, request_id: str, kv: Mapping[str, Any], dest: str | None, ttl: float | None,
+             meta: dict | None) -> Operation:
+        if not isinstance(kv, Mapping) or not kv:
+            raise BadRequest("kv must be a non-empty mapping of name -> tensor")
+        tensors = {name: as_tensor(name, value) for name, value in kv.items()}
+        specs = [spec_of(name, t) for name, t in tensors.items()]
+        slots = yield p.PutAlloc(req=next(self._reqs), request_id=request_id,
+                                 tensors=[s.to_wire() for s in specs], ttl=ttl, meta=meta), 0.0
+        try:
+            for tensor, segments in zip(tensors.values(), slots.segments):
+                copy_in(self._pool, tensor, segments)
+        except BaseException:
+            # free the reservation now rather than at lease expiry
+            yield p.Delete(req=next(self._reqs), request_id=request_id), NO_REPLY
+            raise
+        yield p.PutCommit(req=next(self._reqs), request_id=request_id, token=slots.token, dest=dest), \
+            (3600.0 if dest else 0.0)
+
+    def _get(self, request_id: str, source: str | None, timeout: float, out: Mapping[str, torch.Tensor] | None,
+             keep: bool) -> Operation:
+        slots = yield p.Get(req=next(self._reqs), request_id=request_id, timeout=float(timeout),
+                            source=source, keep=keep), float(timeout)
+        consume = not keep
+        try:
+            specs = [TensorSpec.from_wire(t) for t in slots.tensors]
+            out = out or {}
+            unknown = set(out) - {s.name for s in specs}
+            if unknown:
+                raise BadRequest(f"out names tensors the cache does not hold: {sorted(unknown)}")
+            for spec in specs:
+                if spec.name in out:
+                    check_out(spec, out[spec.name])
+            result = {
+                spec.name: copy_out(self._pool, spec, segments, out.get(spec.name))
+                for spec, segments in zip(specs, slots.segments)
+            }
+        except BaseException:
+            consume = False  # give the entry back: nothing was delivered
+            raise
+        finally:
+            yield p.GetDone(req=next(self._reqs), request_id=request_id, token=slots.token,
+                            consume=consume, reply=False), NO_REPLY
+        return result
+
+    def _simple(self, msg: p.Message) -> Operation:
+        reply = yield msg, 0.0
+        return reply.value
+
+    def _close_mapping(self) -> None:
+        self._pool = None
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:
+                pass  # a tensor view still references it; it goes with the process
+            self._mapping = None
+
+
+class AsyncClient(_ClientCore):
+    """Talks to the local kvd daemon from asyncio. Safe for concurrent use by tasks of one loop."""
+
+    def __init__(self, socket: str | None = None, *, reply_timeout: float = REPLY_GRACE) -> None:
+        super().__init__(socket, reply_timeout)
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[int, asyncio.Future] = {}
-        self._reqs = itertools.count(1)
         self._reader: asyncio.Task | None = None
         self._connecting: asyncio.Lock | None = None
-        self._mapping = None
-        self._pool: torch.Tensor | None = None
-        self.node_id: str | None = None
-        self.info: p.HelloOk | None = None
 
-    # --- connection ---------------------------------------------------------------------------
+    async def _drive(self, op: Operation) -> Any:
+        reply = None
+        while True:
+            try:
+                msg, wait = op.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            if wait is NO_REPLY:
+                self._sock.send_multipart(p.encode(msg))
+                reply = None
+                continue
+            try:
+                reply = await self._call(msg, wait)
+            except BaseException as exc:
+                try:
+                    msg, wait = op.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+                if wait is not NO_REPLY:
+                    raise
+                self._sock.send_multipart(p.encode(msg))  # the operation's cleanup message
+                op.close()
+                raise
+
+    async def _call(self, msg: p.Message, wait: float) -> p.Message:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[msg.req] = fut
+        try:
+            await self._sock.send_multipart(p.encode(msg))
+            reply = await asyncio.wait_for(fut, wait + self.reply_timeout)
+        except asyncio.TimeoutError:
+            raise Timeout(f"daemon at {self.endpoint} did not answer {msg.TYPE} in time") from None
+        finally:
+            self._pending.pop(msg.req, None)
+        return self._raise_if_error(reply)
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                msg = p.decode(frames)
+            except KvdError as exc:
+                log.warning("undecodable reply from the daemon: %s", exc)
+                continue
+            fut = self._pending.pop(getattr(msg, "req", 0), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            elif isinstance(msg, p.Error):
+                log.warning("daemon reported: %s", msg.message)
 
     async def connect(self) -> None:
-        """Connect and map the pool. Called by every operation; explicit use is optional."""
+        """Connect and map the pool. Every operation calls it; explicit use is optional."""
         if self._pool is not None:
             return
         if self._connecting is None:
@@ -59,26 +206,37 @@ class AsyncClient:
         async with self._connecting:
             if self._pool is not None:
                 return
-            if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[len("ipc://"):]):
-                raise KvdError(f"no kvd daemon at {self.endpoint} (start one with `kvd serve`)")
+            self._check_endpoint()
             self._ctx = zmq.asyncio.Context()
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(self.endpoint)
             self._reader = asyncio.get_running_loop().create_task(self._read())
-            hello = await self._call(p.Hello(req=next(self._reqs), client=f"pid-{os.getpid()}"), 10.0)
-            if not isinstance(hello, p.HelloOk):
-                raise ProtocolError(f"expected hello_ok, got {hello.TYPE}")
-            try:
-                self._mapping, _ = map_pool(hello.pool_path, hello.pool_size)
-            except OSError as exc:
-                raise KvdError(
-                    f"cannot map the daemon's pool at {hello.pool_path}: {exc} "
-                    "(client and daemon must run as the same user, with a shared PID namespace "
-                    "or a shared --pool-path)"
-                ) from None
-            self._pool = torch.frombuffer(self._mapping, dtype=torch.uint8)
-            self.info, self.node_id = hello, hello.node_id
+            await self._drive(self._hello())
+
+    async def put(self, request_id: str, kv: Mapping[str, Any], *, dest: str | None = None,
+                  ttl: float | None = None, meta: dict | None = None) -> None:
+        """See Client.put."""
+        await self.connect()
+        await self._drive(self._put(request_id, kv, dest, ttl, meta))
+
+    async def get(self, request_id: str, *, source: str | None = None, timeout: float = 30.0,
+                  out: Mapping[str, torch.Tensor] | None = None, keep: bool = False) -> dict[str, torch.Tensor]:
+        """See Client.get."""
+        await self.connect()
+        return await self._drive(self._get(request_id, source, timeout, out, keep))
+
+    async def delete(self, request_id: str) -> bool:
+        await self.connect()
+        return bool(await self._drive(self._simple(p.Delete(req=next(self._reqs), request_id=request_id))))
+
+    async def stats(self) -> dict:
+        await self.connect()
+        return await self._drive(self._simple(p.Stats(req=next(self._reqs))))
+
+    async def list(self) -> list[dict]:
+        await self.connect()
+        return await self._drive(self._simple(p.ListEntries(req=next(self._reqs))))
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -98,13 +256,7 @@ class AsyncClient:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        self._pool = None
-        if self._mapping is not None:
-            try:
-                self._mapping.close()
-            except BufferError:
-                pass  # a tensor view still references it; it goes with the process
-            self._mapping = None
+        self._close_mapping()
 
     async def __aenter__(self) -> "AsyncClient":
         await self.connect()
@@ -113,172 +265,126 @@ class AsyncClient:
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.close()
 
-    async def _read(self) -> None:
+
+class Client(_ClientCore):
+    """Talks to the local kvd daemon from ordinary (synchronous) code.
+
+    One operation at a time per Client (calls from several threads are serialized); use one
+    Client per thread, or AsyncClient, for concurrency.
+    """
+
+    def __init__(self, socket: str | None = None, *, reply_timeout: float = REPLY_GRACE) -> None:
+        super().__init__(socket, reply_timeout)
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._lock = threading.RLock()
+
+    def _drive(self, op: Operation) -> Any:
+        with self._lock:
+            reply = None
+            while True:
+                try:
+                    msg, wait = op.send(reply)
+                except StopIteration as stop:
+                    return stop.value
+                if wait is NO_REPLY:
+                    self._sock.send_multipart(p.encode(msg))
+                    reply = None
+                    continue
+                try:
+                    reply = self._call(msg, wait)
+                except BaseException as exc:
+                    try:
+                        msg, wait = op.throw(exc)
+                    except StopIteration as stop:
+                        return stop.value
+                    if wait is not NO_REPLY:
+                        raise
+                    self._sock.send_multipart(p.encode(msg))
+                    op.close()
+                    raise
+
+    def _call(self, msg: p.Message, wait: float) -> p.Message:
+        self._sock.send_multipart(p.encode(msg))
+        deadline_ms = int((wait + self.reply_timeout) * 1000)
         while True:
-            frames = await self._sock.recv_multipart()
+            if not self._sock.poll(deadline_ms):
+                # the reply may still come; a fresh socket keeps it from answering a later call
+                self._reset_socket()
+                raise Timeout(f"daemon at {self.endpoint} did not answer {msg.TYPE} in time")
             try:
-                msg = p.decode(frames)
+                reply = p.decode(self._sock.recv_multipart())
             except KvdError as exc:
                 log.warning("undecodable reply from the daemon: %s", exc)
                 continue
-            fut = self._pending.pop(getattr(msg, "req", 0), None)
-            if fut is None:
-                if isinstance(msg, p.Error):
-                    log.warning("daemon reported: %s", msg.message)
-                continue
-            if not fut.done():
-                fut.set_result(msg)
+            if getattr(reply, "req", None) == msg.req:
+                return self._raise_if_error(reply)
+            # a stale reply (to an abandoned fire-and-forget or timed-out request): skip it
 
-    def _send(self, msg: p.Message) -> None:
-        self._sock.send_multipart(p.encode(msg))
+    def _reset_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
 
-    async def _call(self, msg: p.Message, wait: float) -> p.Message:
-        """Send a request, wait up to `wait` + reply_timeout for its reply; Error replies raise."""
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[msg.req] = fut
-        await self._sock.send_multipart(p.encode(msg))
-        try:
-            reply = await asyncio.wait_for(fut, wait + self.reply_timeout)
-        except asyncio.TimeoutError:
-            raise Timeout(f"daemon at {self.endpoint} did not answer {msg.TYPE} in time") from None
-        finally:
-            self._pending.pop(msg.req, None)
-        if isinstance(reply, p.Error):
-            raise error_from_code(reply.code, reply.message, remote=reply.origin)
-        return reply
+    def connect(self) -> "Client":
+        """Connect and map the pool. Every operation calls it; explicit use is optional."""
+        with self._lock:
+            if self._pool is None:
+                self._check_endpoint()
+                self._ctx = self._ctx or zmq.Context()
+                self._reset_socket()
+                self._drive(self._hello())
+        return self
 
-    # --- the API --------------------------------------------------------------------------------
-
-    async def put(self, request_id: str, kv: Mapping[str, Any], *, dest: str | None = None,
-                  ttl: float | None = None, meta: dict | None = None) -> None:
+    def put(self, request_id: str, kv: Mapping[str, Any], *, dest: str | None = None,
+            ttl: float | None = None, meta: dict | None = None) -> None:
         """Hand off a request's KV cache.
 
         Without dest, returns once the local daemon holds the bytes; with dest (a peer name or
         tcp:// endpoint), once that peer has verified and stored them. The caller keeps
         ownership of its tensors; kvd copies them once, into the shared pool.
         """
-        await self.connect()
-        if not isinstance(kv, Mapping) or not kv:
-            raise BadRequest("kv must be a non-empty mapping of name -> tensor")
-        tensors = {name: as_tensor(name, value) for name, value in kv.items()}
-        specs = [spec_of(name, t) for name, t in tensors.items()]
-        slots = await self._call(p.PutAlloc(req=next(self._reqs), request_id=request_id,
-                                            tensors=[s.to_wire() for s in specs], ttl=ttl, meta=meta), 0)
-        committed = False
-        try:
-            for tensor, segments in zip(tensors.values(), slots.segments):
-                copy_in(self._pool, tensor, segments)
-            commit = p.PutCommit(req=next(self._reqs), request_id=request_id, token=slots.token, dest=dest)
-            committed = True
-            await self._call(commit, 3600.0 if dest else 0)
-        except BaseException:
-            if not committed:  # free the reservation now rather than at lease expiry
-                self._send(p.Delete(req=next(self._reqs), request_id=request_id))
-            raise
+        self.connect()
+        self._drive(self._put(request_id, kv, dest, ttl, meta))
 
-    async def get(self, request_id: str, *, source: str | None = None, timeout: float = 30.0,
-                  out: Mapping[str, torch.Tensor] | None = None, keep: bool = False) -> dict[str, torch.Tensor]:
+    def get(self, request_id: str, *, source: str | None = None, timeout: float = 30.0,
+            out: Mapping[str, torch.Tensor] | None = None, keep: bool = False) -> dict[str, torch.Tensor]:
         """Fetch a request's KV cache, waiting up to `timeout` seconds for it to arrive.
 
         With source (a peer name or tcp:// endpoint), the local daemon pulls it from there.
         With out, bytes land in those tensors (same dtype and shape); other names get new
         tensors. The entry is released after a successful get unless keep=True.
         """
-        await self.connect()
-        slots = await self._call(p.Get(req=next(self._reqs), request_id=request_id, timeout=float(timeout),
-                                       source=source, keep=keep), float(timeout))
-        consume = not keep
-        try:
-            specs = [TensorSpec.from_wire(t) for t in slots.tensors]
-            out = out or {}
-            unknown = set(out) - {s.name for s in specs}
-            if unknown:
-                raise BadRequest(f"out names tensors the cache does not hold: {sorted(unknown)}")
-            for spec in specs:
-                if spec.name in out:
-                    check_out(spec, out[spec.name])
-            result = {
-                spec.name: copy_out(self._pool, spec, segments, out.get(spec.name))
-                for spec, segments in zip(specs, slots.segments)
-            }
-        except BaseException:
-            consume = False  # give the entry back: nothing was delivered
-            raise
-        finally:
-            self._send(p.GetDone(req=next(self._reqs), request_id=request_id, token=slots.token,
-                                 consume=consume, reply=False))
-        return result
-
-    async def delete(self, request_id: str) -> bool:
-        """Drop a request's cache; True if it was held."""
-        await self.connect()
-        reply = await self._call(p.Delete(req=next(self._reqs), request_id=request_id), 0)
-        return bool(reply.value)
-
-    async def stats(self) -> dict:
-        await self.connect()
-        return (await self._call(p.Stats(req=next(self._reqs)), 0)).value
-
-    async def list(self) -> list[dict]:
-        await self.connect()
-        return (await self._call(p.ListEntries(req=next(self._reqs)), 0)).value
-
-
-class Client:
-    """Synchronous face of AsyncClient: each call runs on a private event loop, in the caller's
-    thread (no thread hop on the hot path). Calls from several threads are serialized."""
-
-    def __init__(self, socket: str | None = None, **kwargs: Any) -> None:
-        import uvloop
-
-        self._loop = uvloop.new_event_loop()
-        self._lock = threading.Lock()
-        self._async = AsyncClient(socket, **kwargs)
-
-    def _run(self, coro):
-        with self._lock:
-            return self._loop.run_until_complete(coro)
-
-    @property
-    def node_id(self) -> str | None:
-        return self._async.node_id
-
-    def connect(self) -> "Client":
-        self._run(self._async.connect())
-        return self
-
-    def put(self, request_id: str, kv: Mapping[str, Any], *, dest: str | None = None,
-            ttl: float | None = None, meta: dict | None = None) -> None:
-        self._run(self._async.put(request_id, kv, dest=dest, ttl=ttl, meta=meta))
-
-    def get(self, request_id: str, *, source: str | None = None, timeout: float = 30.0,
-            out: Mapping[str, torch.Tensor] | None = None, keep: bool = False) -> dict[str, torch.Tensor]:
-        return self._run(self._async.get(request_id, source=source, timeout=timeout, out=out, keep=keep))
+        self.connect()
+        return self._drive(self._get(request_id, source, timeout, out, keep))
 
     def delete(self, request_id: str) -> bool:
-        return self._run(self._async.delete(request_id))
+        """Drop a request's cache; True if it was held."""
+        self.connect()
+        return bool(self._drive(self._simple(p.Delete(req=next(self._reqs), request_id=request_id))))
 
     def stats(self) -> dict:
-        return self._run(self._async.stats())
+        self.connect()
+        return self._drive(self._simple(p.Stats(req=next(self._reqs))))
 
     def list(self) -> list[dict]:
-        return self._run(self._async.list())
+        self.connect()
+        return self._drive(self._simple(p.ListEntries(req=next(self._reqs))))
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._run(self._async.close())
-        self._loop.close()
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(0)
+                self._sock = None
+            if self._ctx is not None:
+                self._ctx.term()
+                self._ctx = None
+            self._close_mapping()
 
     def __enter__(self) -> "Client":
         return self.connect()
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            if not self._loop.is_closed() and not self._loop.is_running():
-                self.close()
-        except Exception:
-            pass

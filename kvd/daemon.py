@@ -15,7 +15,6 @@ import signal
 import time
 
 import zmq
-import zmq.asyncio
 
 from . import protocol as p
 from .config import Config
@@ -26,6 +25,7 @@ from .layout import TensorSpec
 from .pool import BlockAllocator
 from .store import Entry, State, Store
 from .units import format_size
+from .zsock import LoopSocket
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ class Daemon:
         self.memory = None
         self.store: Store | None = None
         self.exchange: Exchange | None = None
-        self.ctx: zmq.asyncio.Context | None = None
-        self.local: zmq.asyncio.Socket | None = None
+        self.ctx: zmq.Context | None = None
+        self.local: LoopSocket | None = None
         self._waiters: dict[str, list[asyncio.Future]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
@@ -56,21 +56,22 @@ class Daemon:
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
         num_blocks = cfg.pool_size // cfg.block_size
         self.store = Store(BlockAllocator(num_blocks), cfg.block_size, cfg.default_ttl or None)
-        self.ctx = zmq.asyncio.Context()
-        self.local = self.ctx.socket(zmq.ROUTER)
-        self.local.setsockopt(zmq.LINGER, 0)
-        self._bind_local(cfg.socket)
+        self.ctx = zmq.Context()
+        local = self.ctx.socket(zmq.ROUTER)
+        local.setsockopt(zmq.LINGER, 0)
+        self._bind_local(local, cfg.socket)
         self.exchange = Exchange(cfg, self.store, self.memory.host_view(), self.ctx, self.incarnation,
                                  self.wait_ready, self._notify_ready)
         await self.exchange.start()
-        self._spawn(self._read_local(), "local-clients")
+        self.local = LoopSocket(local, self._on_local_message)
         self._spawn(self._housekeeping(), "housekeeping")
         self.ready = True
         log.info("kvd %s ready: pool %s on %s (%d blocks of %s), clients on %s, peers on %s, %d peer(s) configured",
                  cfg.node_id, format_size(cfg.pool_size), cfg.device, num_blocks, format_size(cfg.block_size),
                  cfg.socket, self.exchange.bound_endpoint, len(cfg.peers))
 
-    def _bind_local(self, endpoint: str) -> None:
+    @staticmethod
+    def _bind_local(sock: zmq.Socket, endpoint: str) -> None:
         if endpoint.startswith("ipc://"):
             path = endpoint[len("ipc://"):]
             directory = os.path.dirname(path) or "."
@@ -81,11 +82,11 @@ class Daemon:
                 os.unlink(path)  # stale socket of a daemon that did not exit cleanly
             old_umask = os.umask(0o177)  # socket file 0600: only our user may connect
             try:
-                self.local.bind(endpoint)
+                sock.bind(endpoint)
             finally:
                 os.umask(old_umask)
         else:
-            self.local.bind(endpoint)
+            sock.bind(endpoint)
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -177,34 +178,26 @@ class Daemon:
 
     # --- local clients -------------------------------------------------------------------------------
 
-    async def _read_local(self) -> None:
-        while True:
-            try:
-                frames = await self.local.recv_multipart()
-            except (asyncio.CancelledError, zmq.ContextTerminated):
-                return
-            except zmq.ZMQError as exc:
-                log.warning("client socket receive failed: %s", exc)
-                continue
-            rid = frames[0]
-            try:
-                msg = p.decode(frames[1:])
-            except KvdError as exc:
-                self.counters["errors"] += 1
-                log.warning("undecodable client message: %s", exc)
-                self._reply(rid, p.error_reply(0, exc, self.config.node_id))
-                continue
-            try:
-                if self._stopping.is_set() and not isinstance(msg, (p.GetDone, p.Stats, p.Hello)):
-                    raise ShuttingDown(f"daemon {self.config.node_id} is shutting down")
-                reply = self._handle_now(rid, msg)
-            except Exception as exc:
-                reply = self._error(msg, exc)
-            if reply is not None:
-                self._reply(rid, reply)
+    def _on_local_message(self, frames: list) -> None:
+        rid = frames[0]
+        try:
+            msg = p.decode(frames[1:])
+        except KvdError as exc:
+            self.counters["errors"] += 1
+            log.warning("undecodable client message: %s", exc)
+            self._reply(rid, p.error_reply(0, exc, self.config.node_id))
+            return
+        try:
+            if self._stopping.is_set() and not isinstance(msg, (p.GetDone, p.Stats, p.Hello)):
+                raise ShuttingDown(f"daemon {self.config.node_id} is shutting down")
+            reply = self._handle_now(rid, msg)
+        except Exception as exc:
+            reply = self._error(msg, exc)
+        if reply is not None:
+            self._reply(rid, reply)
 
     def _reply(self, rid: bytes, msg: p.Message) -> None:
-        self.local.send_multipart([rid, *p.encode(msg)])
+        self.local.send_now([rid, *p.encode(msg)])
 
     def _error(self, msg: p.Message, exc: Exception) -> p.Error:
         self.counters["errors"] += 1

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import zmq
-import zmq.asyncio
 
 from . import protocol as p
 from .checksum import ALGORITHMS, digest
@@ -29,6 +28,7 @@ from .layout import TensorSpec, physical_segments
 from .peers import Channel, PeerLink, tune_peer_socket
 from .store import Entry, State, Store
 from .transfer import ReceiveLedger, SendWindow
+from .zsock import LoopSocket
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def scatter(pool: memoryview, segments: list[tuple[int, int]], frames: list) -> 
 
 
 class Exchange:
-    def __init__(self, config: Config, store: Store, pool: memoryview, ctx: zmq.asyncio.Context,
+    def __init__(self, config: Config, store: Store, pool: memoryview, ctx: zmq.Context,
                  incarnation: int, wait_ready: Callable[[str, float], Awaitable[Entry]],
                  on_published: Callable[[Entry], None]) -> None:
         self.config = config
@@ -106,25 +106,23 @@ class Exchange:
         self._deferred: list[Outbound] = []  # finished sends whose frames ZeroMQ may still hold
         self._tasks: set[asyncio.Task] = set()
         self.counters = {"sent_bytes": 0, "received_bytes": 0, "pushes": 0, "pulls": 0, "failures": 0}
-        self.router: zmq.asyncio.Socket | None = None
+        self.router: LoopSocket | None = None
+        self.bound_endpoint = ""
 
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.router = self.ctx.socket(zmq.ROUTER)
-        tune_peer_socket(self.router)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer is an error, not silence
-        self.router.bind(self.config.listen)
-        self._spawn(self._read_router(), "peer-router")
+        router = self.ctx.socket(zmq.ROUTER)
+        tune_peer_socket(router)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer is an error, not silence
+        router.bind(self.config.listen)
+        self.bound_endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.router = LoopSocket(router, self._on_router_frames, copy=False)
         for name, endpoint in self.config.peers.items():
             self.links[name] = self._new_link(name, endpoint)
 
     def _new_link(self, name: str, endpoint: str) -> PeerLink:
         return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation, self._on_link_message)
-
-    @property
-    def bound_endpoint(self) -> str:
-        return self.router.getsockopt(zmq.LAST_ENDPOINT).decode() if self.router else ""
 
     async def close(self) -> None:
         for transfer in list(self.transfers.values()):
@@ -134,7 +132,7 @@ class Exchange:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for link in self.links.values():
-            await link.close()
+            link.close()
         if self.router is not None:
             self.router.close()
 
@@ -404,35 +402,27 @@ class Exchange:
 
     def _router_channel(self, rid: bytes) -> Channel:
         name = self._router_peers.get(rid, rid.hex())
-        return Channel(("router", rid), name, lambda frames, track: self.router.send_multipart(
+        return Channel(("router", rid), name, lambda frames, track: self.router.send(
             [rid, *frames], copy=False, track=track))
 
-    async def _read_router(self) -> None:
-        while True:
-            try:
-                frames = await self.router.recv_multipart(copy=False)
-            except (asyncio.CancelledError, zmq.ContextTerminated):
-                return
-            except zmq.ZMQError as exc:
-                log.warning("peer listener receive failed: %s", exc)
-                continue
-            rid = frames[0].bytes
-            channel = self._router_channel(rid)
-            try:
-                msg = p.decode([f.buffer for f in frames[1:]])
-            except KvdError as exc:
-                log.warning("undecodable message from peer connection %s: %s", channel.peer_name, exc)
-                self._send(channel, p.Abort(xfer=0, code=exc.code, message=exc.message))
-                continue
-            if isinstance(msg, p.PeerHello):
-                if self._router_peers.get(rid) != msg.node_id:
-                    log.info("peer %s (incarnation %x) connected to us", msg.node_id, msg.incarnation)
-                self._router_peers[rid] = msg.node_id
-                self._send(self._router_channel(rid),
-                           p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation))
-                continue
-            if rid not in self._router_peers:
-                self._send(channel, p.Abort(xfer=getattr(msg, "xfer", 0), code=ProtocolError.code,
-                                            message="say peer_hello first"))
-                continue
-            self.handle(channel, msg)
+    def _on_router_frames(self, frames: list) -> None:
+        rid = frames[0].bytes
+        channel = self._router_channel(rid)
+        try:
+            msg = p.decode([f.buffer for f in frames[1:]])
+        except KvdError as exc:
+            log.warning("undecodable message from peer connection %s: %s", channel.peer_name, exc)
+            self._send(channel, p.Abort(xfer=0, code=exc.code, message=exc.message))
+            return
+        if isinstance(msg, p.PeerHello):
+            if self._router_peers.get(rid) != msg.node_id:
+                log.info("peer %s (incarnation %x) connected to us", msg.node_id, msg.incarnation)
+            self._router_peers[rid] = msg.node_id
+            self._send(self._router_channel(rid),
+                       p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation))
+            return
+        if rid not in self._router_peers:
+            self._send(channel, p.Abort(xfer=getattr(msg, "xfer", 0), code=ProtocolError.code,
+                                        message="say peer_hello first"))
+            return
+        self.handle(channel, msg)

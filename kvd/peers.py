@@ -11,10 +11,10 @@ import logging
 from typing import Callable
 
 import zmq
-import zmq.asyncio
 
 from . import protocol as p
 from .errors import PeerUnavailable
+from .zsock import LoopSocket
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Channel:
 class PeerLink:
     """Our DEALER to one peer's ROUTER, with its handshake state."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, name: str, endpoint: str, node_id: str, incarnation: int,
+    def __init__(self, ctx: zmq.Context, name: str, endpoint: str, node_id: str, incarnation: int,
                  on_message: Callable[["PeerLink", p.Message], None]) -> None:
         self.name = name
         self.endpoint = endpoint
@@ -56,17 +56,15 @@ class PeerLink:
         self._node_id = node_id
         self._incarnation = incarnation
         self._on_message = on_message
-        self.socket = ctx.socket(zmq.DEALER)
-        tune_peer_socket(self.socket)
-        self.socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue into a connection that is not up
-        self.socket.connect(endpoint)
-        self.channel = Channel(("dealer", endpoint), name, self._send)
+        sock = ctx.socket(zmq.DEALER)
+        tune_peer_socket(sock)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue into a connection that is not up
+        sock.connect(endpoint)
+        self.socket = LoopSocket(sock, self._on_frames, copy=False)
+        self.channel = Channel(("dealer", endpoint), name,
+                               lambda frames, track: self.socket.send(frames, copy=False, track=track))
         self._hello: asyncio.Future | None = None
-        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"peer-{name}")
         self.connected = False
-
-    def _send(self, frames: list, track: bool) -> asyncio.Future:
-        return self.socket.send_multipart(frames, copy=False, track=track)
 
     async def ensure_ready(self, timeout: float) -> None:
         """Handshake once (again after a loss): PeerHello, wait for PeerHelloOk."""
@@ -75,52 +73,34 @@ class PeerLink:
         if self._hello is None or self._hello.done():
             self._hello = asyncio.get_running_loop().create_future()
         hello = self._hello
+        sent = self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
         try:
-            await asyncio.wait_for(
-                self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation)), timeout
-            )
             await asyncio.wait_for(asyncio.shield(hello), timeout)
         except asyncio.TimeoutError:
+            if not sent.done():
+                sent.cancel()  # never delivered: do not let it go out later
             raise PeerUnavailable(f"peer {self.name} ({self.endpoint}) did not answer within {timeout:g}s") from None
 
     def mark_lost(self) -> None:
         self.connected = False
 
-    async def _read(self) -> None:
-        while True:
-            try:
-                frames = await self.socket.recv_multipart(copy=False)
-            except (asyncio.CancelledError, zmq.ContextTerminated):
-                return
-            except zmq.ZMQError as exc:
-                if exc.errno == zmq.ENOTSOCK:
-                    return
-                log.warning("peer %s: receive failed: %s", self.name, exc)
-                continue
-            try:
-                msg = p.decode([f.buffer for f in frames])
-            except Exception as exc:
-                log.warning("peer %s sent an undecodable message: %s", self.name, exc)
-                continue
-            if isinstance(msg, p.PeerHelloOk):
-                if self.remote_incarnation not in (None, msg.incarnation):
-                    log.warning("peer %s restarted (new incarnation)", self.name)
-                self.remote_node_id, self.remote_incarnation = msg.node_id, msg.incarnation
-                if not self.connected:
-                    log.info("peer %s connected: node %s at %s", self.name, msg.node_id, self.endpoint)
-                self.connected = True
-                if self._hello is not None and not self._hello.done():
-                    self._hello.set_result(None)
-                continue
-            try:
-                self._on_message(self, msg)
-            except Exception:
-                log.exception("peer %s: handling %s failed", self.name, msg.TYPE)
-
-    async def close(self) -> None:
-        self._reader.cancel()
+    def _on_frames(self, frames: list) -> None:
         try:
-            await self._reader
-        except asyncio.CancelledError:
-            pass
+            msg = p.decode([f.buffer for f in frames])
+        except Exception as exc:
+            log.warning("peer %s sent an undecodable message: %s", self.name, exc)
+            return
+        if isinstance(msg, p.PeerHelloOk):
+            if self.remote_incarnation not in (None, msg.incarnation):
+                log.warning("peer %s restarted (new incarnation)", self.name)
+            self.remote_node_id, self.remote_incarnation = msg.node_id, msg.incarnation
+            if not self.connected:
+                log.info("peer %s connected: node %s at %s", self.name, msg.node_id, self.endpoint)
+            self.connected = True
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(None)
+            return
+        self._on_message(self, msg)
+
+    def close(self) -> None:
         self.socket.close()

@@ -112,12 +112,32 @@ class DaemonFactory:
 
 
 def wait_ready(daemon: DaemonProc, timeout: float = 20.0) -> None:
+    """Wait until the daemon answers a hello on its client socket."""
     path = daemon.socket[len("ipc://"):]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if daemon.proc.poll() is not None:
             raise AssertionError(f"daemon {daemon.node_id} exited with {daemon.proc.returncode}:\n{daemon.log()}")
-        if os.path.exists(path) and " ready:" in daemon.log():
+        if os.path.exists(path) and _answers_hello(daemon.socket):
             return
         time.sleep(0.05)
     raise AssertionError(f"daemon {daemon.node_id} not ready after {timeout}s:\n{daemon.log()}")
+
+
+def _answers_hello(endpoint: str) -> bool:
+    import zmq
+
+    from . import protocol as p
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 500)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart(p.encode(p.Hello(req=1, client="wait_ready")))
+        return isinstance(p.decode(sock.recv_multipart()), p.HelloOk)
+    except zmq.Again:
+        return False
+    finally:
+        sock.close()

@@ -380,7 +380,7 @@ def decode_or_protocol_error(frames):
     return msg
 
 
-FUZZ = settings(max_examples=int(__import__("os").environ.get("FUZZN","200")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ

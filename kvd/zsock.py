@@ -1,0 +1,136 @@
+"""A plain (synchronous) ZeroMQ socket driven by the asyncio loop: the daemon's socket layer.
+
+zmq.asyncio wraps every receive and send in a Future, which costs tens of microseconds
+per message; here the loop watches the socket's file descriptor and a callback drains
+every queued message at once, handing each to `on_message` synchronously. Sends go out
+immediately (non-blocking); one that cannot (no connected peer yet, for a DEALER with
+IMMEDIATE) waits in a queue, in order, until the socket is writable.
+
+ZeroMQ's descriptor is edge-triggered and any socket operation can consume the edge, so
+after every send we re-check for pending input on the next loop iteration.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Callable
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 256  # messages handled per wake-up before yielding to other work
+
+
+class LoopSocket:
+    def __init__(self, sock: zmq.Socket, on_message: Callable[[list], None], copy: bool = True) -> None:
+        self.sock = sock
+        self._on_message = on_message
+        self._copy = copy
+        self._loop = asyncio.get_running_loop()
+        self._pending: collections.deque = collections.deque()  # (frames, copy, track, future)
+        self._check_scheduled = False
+        self._retry_scheduled = False
+        self._closed = False
+        self._loop.add_reader(sock.FD, self._on_fd)
+        self._schedule_check()
+
+    # --- receiving --------------------------------------------------------------------------------
+
+    def _on_fd(self) -> None:
+        if self._closed:
+            return
+        self._flush_pending()
+        handled = 0
+        while handled < MAX_BATCH:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=self._copy)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                if self._closed or exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
+                    return
+                log.warning("receive failed: %s", exc)
+                return
+            handled += 1
+            try:
+                self._on_message(frames)
+            except Exception:
+                log.exception("message handler failed")
+            if self._closed:
+                return
+        self._schedule_check()  # more may be queued: continue after others had a turn
+
+    def _schedule_check(self) -> None:
+        if not self._check_scheduled and not self._closed:
+            self._check_scheduled = True
+            self._loop.call_soon(self._check)
+
+    def _check(self) -> None:
+        self._check_scheduled = False
+        if not self._closed:
+            self._on_fd()
+
+    # --- sending -----------------------------------------------------------------------------------
+
+    def send(self, frames: list, copy: bool = True, track: bool = False) -> asyncio.Future:
+        """Send now if possible; the future resolves (to a MessageTracker with track) once ZeroMQ has it."""
+        future = self._loop.create_future()
+        if self._closed:
+            future.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "socket closed"))
+            return future
+        if self._pending:
+            self._pending.append((frames, copy, track, future))
+        else:
+            self._try_send(frames, copy, track, future)
+        self._schedule_check()
+        return future
+
+    def send_now(self, frames: list) -> None:
+        """Fire and forget (control replies): a message that cannot go now is queued the same way."""
+        future = self.send(frames)
+        future.add_done_callback(_ignore_result)
+
+    def _try_send(self, frames: list, copy: bool, track: bool, future: asyncio.Future) -> bool:
+        try:
+            result = self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
+        except zmq.Again:
+            self._pending.appendleft((frames, copy, track, future))
+            if not self._retry_scheduled:
+                self._retry_scheduled = True
+                self._loop.call_later(0.001, self._retry)
+            return False
+        except zmq.ZMQError as exc:
+            future.set_exception(exc)
+            return True
+        future.set_result(result)
+        return True
+
+    def _retry(self) -> None:
+        self._retry_scheduled = False
+        self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        while self._pending and not self._closed:
+            frames, copy, track, future = self._pending.popleft()
+            if future.done():
+                continue
+            if not self._try_send(frames, copy, track, future):
+                return
+
+    def close(self, linger: int | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self.sock.FD)
+        for _, _, _, future in self._pending:
+            if not future.done():
+                future.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "socket closed"))
+        self._pending.clear()
+        self.sock.close(linger)
+
+
+def _ignore_result(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("send failed: %s", future.exception())
