@@ -94,7 +94,9 @@ def serve(args: argparse.Namespace) -> int:
     except Exception as exc:
         from .errors import KvdError
 
-        if isinstance(exc, KvdError) or isinstance(exc, OSError):
+        import zmq
+
+        if isinstance(exc, (KvdError, OSError, zmq.ZMQError)):
             logging.getLogger("kvd").error("cannot start: %s", exc)
             return 1
         raise

@@ -26,13 +26,22 @@ from .config import default_socket
 from .device import map_pool
 from .errors import BadRequest, KvdError, ProtocolError, Timeout, error_from_code
 from .layout import TensorSpec
+from .streaming import (
+    Emit, Receive, StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream,
+)
 from .tensors import as_tensor, check_out, copy_in, copy_out, spec_of
 
 log = logging.getLogger(__name__)
 
 # how long past an operation's own timeout we wait for the daemon before calling it dead
 REPLY_GRACE = 30.0
+# longest silence inside a stream being read: the daemon reports a stalled peer long before
+STREAM_SILENCE = 600.0
 NO_REPLY = None  # yield (msg, NO_REPLY): send and do not wait
+
+
+class StreamClosed(Exception):
+    """Thrown into a reading operation when its caller stops iterating early."""
 
 # an operation yields (request, seconds to wait for the reply or NO_REPLY) and gets the reply back
 Operation = Generator[tuple[p.Message, float | None], p.Message | None, Any]
@@ -48,6 +57,7 @@ class _ClientCore:
         self._mapping = None
         self._pool: torch.Tensor | None = None
         self.info: p.HelloOk | None = None
+        self.transfer_wait = STREAM_SILENCE
 
     @property
     def node_id(self) -> str | None:
@@ -144,32 +154,67 @@ class AsyncClient(_ClientCore):
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, asyncio.Queue] = {}  # get_stream req -> its later messages
         self._reader: asyncio.Task | None = None
         self._connecting: asyncio.Lock | None = None
 
-    async def _drive(self, op: Operation) -> Any:
+    async def _steps(self, op: Operation):
+        """Run an operation: do its I/O, yield what it emits; the last item is ("result", value)."""
         reply = None
         while True:
             try:
-                msg, wait = op.send(reply)
+                step = op.send(reply)
             except StopIteration as stop:
-                return stop.value
-            if wait is NO_REPLY:
-                self._sock.send_multipart(p.encode(msg))
-                reply = None
+                yield "result", stop.value
+                return
+            reply = None
+            if isinstance(step, Emit):
+                try:
+                    yield "emit", step.value
+                except GeneratorExit:
+                    await self._unwind(op, StreamClosed("iteration stopped early"), reraise=False)
+                    raise
                 continue
             try:
-                reply = await self._call(msg, wait)
+                if isinstance(step, Receive):
+                    reply = await self._receive(step.req, step.wait)
+                else:
+                    msg, wait = step
+                    if wait is NO_REPLY:
+                        self._sock.send_multipart(p.encode(msg))
+                        continue
+                    if isinstance(msg, p.GetStream):
+                        self._streams[msg.req] = asyncio.Queue()
+                    reply = await self._call(msg, wait)
             except BaseException as exc:
-                try:
-                    msg, wait = op.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-                if wait is not NO_REPLY:
-                    raise
-                self._sock.send_multipart(p.encode(msg))  # the operation's cleanup message
-                op.close()
-                raise
+                await self._unwind(op, exc, reraise=True)
+
+    async def _unwind(self, op: Operation, exc: BaseException, reraise: bool) -> None:
+        """Throw exc into the operation, send the clean-up messages it yields, re-raise."""
+        try:
+            step = op.throw(exc)
+            while not isinstance(step, (Emit, Receive)) and step[1] is NO_REPLY:
+                self._sock.send_multipart(p.encode(step[0]))
+                step = op.send(None)
+        except (StopIteration, StreamClosed):
+            pass
+        finally:
+            op.close()
+        if reraise:
+            raise exc
+
+    async def _drive(self, op: Operation) -> Any:
+        async for kind, value in self._steps(op):
+            if kind == "result":
+                return value
+        raise ProtocolError("operation ended without a result")
+
+    async def _receive(self, req: int, wait: float) -> p.Message:
+        try:
+            reply = await asyncio.wait_for(self._streams[req].get(), wait + self.reply_timeout)
+        except asyncio.TimeoutError:
+            raise Timeout(f"daemon at {self.endpoint} went silent during a stream") from None
+        return self._raise_if_error(reply)
 
     async def _call(self, msg: p.Message, wait: float) -> p.Message:
         fut = asyncio.get_running_loop().create_future()
@@ -191,9 +236,12 @@ class AsyncClient(_ClientCore):
             except KvdError as exc:
                 log.warning("undecodable reply from the daemon: %s", exc)
                 continue
-            fut = self._pending.pop(getattr(msg, "req", 0), None)
+            req = getattr(msg, "req", 0)
+            fut = self._pending.pop(req, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+            elif req in self._streams:
+                self._streams[req].put_nowait(msg)
             elif isinstance(msg, p.Error):
                 log.warning("daemon reported: %s", msg.message)
 
@@ -225,6 +273,26 @@ class AsyncClient(_ClientCore):
         """See Client.get."""
         await self.connect()
         return await self._drive(self._get(request_id, source, timeout, out, keep))
+
+    async def put_stream(self, request_id: str, layout: Mapping[str, Any], *, dest: str | None = None,
+                         ttl: float | None = None, meta: dict | None = None) -> "AsyncPutStream":
+        """See Client.put_stream; use as `async with await c.put_stream(...) as s: await s.write(...)`."""
+        await self.connect()
+        state = StreamState(request_id, specs_from(layout), dest)
+        await self._drive(open_stream(self, state, ttl, meta))
+        return AsyncPutStream(self, state)
+
+    async def get_stream(self, request_id: str, *, timeout: float = 30.0,
+                         out: Mapping[str, torch.Tensor] | None = None, keep: bool = False):
+        """See Client.get_stream; an async iterator of {name: tensor} groups."""
+        await self.connect()
+        steps = self._steps(read_stream(self, request_id, timeout, out, keep))
+        try:
+            async for kind, value in steps:
+                if kind == "emit":
+                    yield value
+        finally:
+            await steps.aclose()
 
     async def delete(self, request_id: str) -> bool:
         await self.connect()
@@ -279,47 +347,78 @@ class Client(_ClientCore):
         self._sock: zmq.Socket | None = None
         self._lock = threading.RLock()
 
+    def _steps(self, op: Operation):
+        """Run an operation: do its I/O, yield what it emits, return its result."""
+        reply = None
+        while True:
+            try:
+                step = op.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            reply = None
+            if isinstance(step, Emit):
+                try:
+                    yield step.value
+                except GeneratorExit:
+                    self._unwind(op, StreamClosed("iteration stopped early"), reraise=False)
+                    raise
+                continue
+            try:
+                if isinstance(step, Receive):
+                    reply = self._receive(step.req, step.wait)
+                else:
+                    msg, wait = step
+                    if wait is NO_REPLY:
+                        self._sock.send_multipart(p.encode(msg))
+                        continue
+                    reply = self._call(msg, wait)
+            except BaseException as exc:
+                self._unwind(op, exc, reraise=True)
+
+    def _unwind(self, op: Operation, exc: BaseException, reraise: bool) -> None:
+        """Throw exc into the operation, send the clean-up messages it yields, re-raise."""
+        try:
+            step = op.throw(exc)
+            while not isinstance(step, (Emit, Receive)) and step[1] is NO_REPLY:
+                self._sock.send_multipart(p.encode(step[0]))
+                step = op.send(None)
+        except (StopIteration, StreamClosed):
+            pass
+        finally:
+            op.close()
+        if reraise:
+            raise exc
+
     def _drive(self, op: Operation) -> Any:
         with self._lock:
-            reply = None
-            while True:
-                try:
-                    msg, wait = op.send(reply)
-                except StopIteration as stop:
-                    return stop.value
-                if wait is NO_REPLY:
-                    self._sock.send_multipart(p.encode(msg))
-                    reply = None
-                    continue
-                try:
-                    reply = self._call(msg, wait)
-                except BaseException as exc:
-                    try:
-                        msg, wait = op.throw(exc)
-                    except StopIteration as stop:
-                        return stop.value
-                    if wait is not NO_REPLY:
-                        raise
-                    self._sock.send_multipart(p.encode(msg))
-                    op.close()
-                    raise
+            steps = self._steps(op)
+            try:
+                while True:
+                    next(steps)
+                    raise ProtocolError("this operation does not stream")
+            except StopIteration as stop:
+                return stop.value
 
-    def _call(self, msg: p.Message, wait: float) -> p.Message:
-        self._sock.send_multipart(p.encode(msg))
+    def _receive(self, req: int, wait: float) -> p.Message:
         deadline_ms = int((wait + self.reply_timeout) * 1000)
         while True:
             if not self._sock.poll(deadline_ms):
-                # the reply may still come; a fresh socket keeps it from answering a later call
                 self._reset_socket()
-                raise Timeout(f"daemon at {self.endpoint} did not answer {msg.TYPE} in time")
+                raise Timeout(f"daemon at {self.endpoint} went silent during a stream")
             try:
                 reply = p.decode(self._sock.recv_multipart())
             except KvdError as exc:
                 log.warning("undecodable reply from the daemon: %s", exc)
                 continue
-            if getattr(reply, "req", None) == msg.req:
+            if getattr(reply, "req", None) == req:
                 return self._raise_if_error(reply)
-            # a stale reply (to an abandoned fire-and-forget or timed-out request): skip it
+
+    def _call(self, msg: p.Message, wait: float) -> p.Message:
+        self._sock.send_multipart(p.encode(msg))
+        try:
+            return self._receive(msg.req, wait)  # skips stale replies to abandoned requests
+        except Timeout:
+            raise Timeout(f"daemon at {self.endpoint} did not answer {msg.TYPE} in time") from None
 
     def _reset_socket(self) -> None:
         if self._sock is not None:
@@ -360,6 +459,28 @@ class Client(_ClientCore):
         self.connect()
         return self._drive(self._get(request_id, source, timeout, out, keep))
 
+    def put_stream(self, request_id: str, layout: Mapping[str, Any], *, dest: str | None = None,
+                   ttl: float | None = None, meta: dict | None = None) -> "PutStream":
+        """Open a cache to be written tensor by tensor (e.g. layer by layer during prefill).
+
+        layout maps every tensor name to a tensor of the final shape and dtype (a 'meta' tensor
+        will do) or a (shape, dtype) pair. Each `write` is copied into the pool at once and, with
+        dest, sent to that peer while you compute the next layer. `commit` (or leaving the with
+        block) returns when the peer has the whole cache; an exception aborts the stream.
+        """
+        self.connect()
+        state = StreamState(request_id, specs_from(layout), dest)
+        self._drive(open_stream(self, state, ttl, meta))
+        return PutStream(self, state)
+
+    def get_stream(self, request_id: str, *, timeout: float = 30.0,
+                   out: Mapping[str, torch.Tensor] | None = None, keep: bool = False):
+        """Iterate a cache as it arrives: yields {name: tensor} for each group of tensors that
+        became complete, the first as soon as the entry appears here (within timeout)."""
+        self.connect()
+        with self._lock:
+            yield from self._steps(read_stream(self, request_id, timeout, out, keep))
+
     def delete(self, request_id: str) -> bool:
         """Drop a request's cache; True if it was held."""
         self.connect()
@@ -388,3 +509,55 @@ class Client(_ClientCore):
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+class PutStream:
+    """A cache being written tensor by tensor; see Client.put_stream."""
+
+    def __init__(self, client: Client, state: StreamState) -> None:
+        self._client, self._state = client, state
+
+    def write(self, kv: Mapping[str, Any]) -> None:
+        """Copy these tensors into the pool and announce them (sent on to dest right away)."""
+        self._client._drive(write_stream(self._client, self._state, kv))
+
+    def commit(self) -> None:
+        """Every tensor not yet written is taken as it is in the pool; returns when delivered."""
+        self._client._drive(commit_stream(self._client, self._state))
+
+    def abort(self) -> None:
+        self._client._drive(abort_stream(self._client, self._state))
+
+    def __enter__(self) -> "PutStream":
+        return self
+
+    def __exit__(self, exc_type, *rest: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class AsyncPutStream:
+    """A cache being written tensor by tensor from asyncio; see Client.put_stream."""
+
+    def __init__(self, client: AsyncClient, state: StreamState) -> None:
+        self._client, self._state = client, state
+
+    async def write(self, kv: Mapping[str, Any]) -> None:
+        await self._client._drive(write_stream(self._client, self._state, kv))
+
+    async def commit(self) -> None:
+        await self._client._drive(commit_stream(self._client, self._state))
+
+    async def abort(self) -> None:
+        await self._client._drive(abort_stream(self._client, self._state))
+
+    async def __aenter__(self) -> "AsyncPutStream":
+        return self
+
+    async def __aexit__(self, exc_type, *rest: Any) -> None:
+        if exc_type is None:
+            await self.commit()
+        else:
+            await self.abort()

@@ -123,6 +123,8 @@ def _coerce(name: str, value: Any) -> Any:
     if name in _DURATIONS:
         return parse_duration(value)
     if name in _INTS:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
         return int(value)
     if name in _BOOLS:
         if isinstance(value, str):
@@ -147,8 +149,12 @@ def load_config(
     if config_file:
         with open(config_file, "rb") as handle:
             data = tomllib.load(handle)
-        table = data.get("kvd", data)
-        unknown = set(table) - set(FIELD_NAMES)
+        if "kvd" in data:  # everything under a [kvd] table; nothing may sit beside it
+            table = data["kvd"]
+            unknown = set(data) - {"kvd"} | set(table) - set(FIELD_NAMES)
+        else:
+            table = data
+            unknown = set(table) - set(FIELD_NAMES)
         if unknown:
             raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(unknown))}")
         values.update({k: _coerce(k, v) for k, v in table.items()})

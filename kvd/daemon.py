@@ -24,6 +24,7 @@ from .exchange import Exchange
 from .layout import TensorSpec
 from .pool import BlockAllocator
 from .store import Entry, State, Store
+from .streams import Producer, StreamReader
 from .units import format_size
 from .zsock import LoopSocket
 
@@ -42,7 +43,10 @@ class Daemon:
         self.exchange: Exchange | None = None
         self.ctx: zmq.Context | None = None
         self.local: LoopSocket | None = None
-        self._waiters: dict[str, list[asyncio.Future]] = {}
+        self._waiters: dict[str, list[asyncio.Future]] = {}  # request id -> woken on any change
+        self._producers: dict[int, Producer] = {}  # entry token -> push in progress
+        self._readers: dict[str, list[StreamReader]] = {}  # request id -> get_stream clients
+        self._stream_leases: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
         self.started_at = time.time()
@@ -61,7 +65,7 @@ class Daemon:
         local.setsockopt(zmq.LINGER, 0)
         self._bind_local(local, cfg.socket)
         self.exchange = Exchange(cfg, self.store, self.memory.host_view(), self.ctx, self.incarnation,
-                                 self.wait_ready, self._notify_ready)
+                                 self.wait_ready, self._on_progress, self._on_published, self._on_dropped)
         await self.exchange.start()
         self.local = LoopSocket(local, self._on_local_message)
         self._spawn(self._housekeeping(), "housekeeping")
@@ -136,25 +140,27 @@ class Daemon:
                 log.info("expired %s (ttl)", entry.request_id)
             for entry in abandoned:
                 log.warning("dropped %s: its writer did not finish within the lease", entry.request_id)
+                self._on_dropped(entry, Timeout(f"the writer of {entry.request_id!r} did not finish in time"))
             for lease in stale:
+                self._stream_leases.discard(lease.token)
                 log.warning("read lease on %s expired; entry given back", lease.request_id)
             self.exchange.check_deadlines(now)
 
     # --- waiting for entries -----------------------------------------------------------------------
 
-    def _notify_ready(self, entry: Entry) -> None:
-        for waiter in self._waiters.pop(entry.request_id, []):
+    def _wake(self, request_id: str) -> None:
+        for waiter in self._waiters.pop(request_id, []):
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def wait_ready(self, request_id: str, deadline: float) -> Entry:
-        """The READY entry for request_id, waiting for it to arrive until deadline.
+    async def _wait_for(self, request_id: str, deadline: float, find) -> Entry:
+        """find() -> Entry | None, retried on every change to request_id until deadline.
 
         Raises NotFound when told not to wait (deadline already passed), Timeout after waiting.
         """
         waited = False
         while True:
-            entry = self.store.ready(request_id)
+            entry = find()
             if entry is not None:
                 return entry
             remaining = deadline - time.monotonic()
@@ -175,6 +181,47 @@ class Daemon:
                     waiters.remove(waiter)
                     if not waiters:
                         del self._waiters[request_id]
+
+    async def wait_ready(self, request_id: str, deadline: float) -> Entry:
+        """The READY entry for request_id, waiting for it to arrive until deadline."""
+        return await self._wait_for(request_id, deadline, lambda: self.store.ready(request_id))
+
+    def _streamable(self, request_id: str) -> Entry | None:
+        entry = self.store.entries.get(request_id)
+        return entry if entry is not None and entry.state is not State.CLAIMED else None
+
+    # --- entry events: local writes, arrivals from peers -----------------------------------------
+
+    def _on_progress(self, entry: Entry, indices: list[int]) -> None:
+        """Tensors of an entry still being written or received are complete."""
+        if entry.state is State.RECEIVING and entry.request_id not in self._readers:
+            self._wake(entry.request_id)  # a get_stream may be waiting for the entry to exist
+        for reader in self._readers.get(entry.request_id, []):
+            if reader.entry is entry:
+                fresh = reader.news(indices)
+                if fresh:
+                    self._reply(reader.rid, p.TensorsReady(req=reader.req, tensors=fresh))
+
+    def _on_published(self, entry: Entry) -> None:
+        readers = [r for r in self._readers.pop(entry.request_id, []) if r.entry is entry]
+        for reader in readers:
+            fresh = reader.news(list(range(len(entry.specs))))
+            self._reply(reader.rid, p.TensorsReady(req=reader.req, tensors=fresh, complete=True))
+            self.store.set_lease_deadline(reader.lease_token, time.monotonic() + self.config.lease_timeout)
+        self._wake(entry.request_id)
+
+    def _on_dropped(self, entry: Entry, error: KvdError) -> None:
+        """An entry failed before completion: its stream readers get the error, leases go."""
+        for reader in [r for r in self._readers.pop(entry.request_id, []) if r.entry is entry]:
+            self._reply(reader.rid, p.error_reply(reader.req, error, self.config.node_id))
+            self._stream_leases.discard(reader.lease_token)
+            try:
+                self.store.release(reader.lease_token, success=False)
+            except NotFound:
+                pass
+        producer = self._producers.get(entry.token)
+        if producer is not None and producer.outbound is not None:
+            self.exchange.abort(producer.outbound, error)
 
     # --- local clients -------------------------------------------------------------------------------
 
@@ -227,16 +274,31 @@ class Daemon:
                 specs = [TensorSpec.from_wire(t) for t in msg.tensors]
                 entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.WRITING,
                                            time.monotonic() + cfg.lease_timeout)
+                if msg.stream:
+                    self._wake(entry.request_id)  # get_stream readers may start now
+                    if self._is_remote(msg.dest):
+                        self._start_producer(entry, msg.dest)
                 return p.PutSlots(req=msg.req, token=entry.token, segments=entry.segments(cfg.block_size))
+            case p.PutPart():
+                entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
+                self._written(entry, entry.mark_tensors(msg.tensors), msg.tensors)
+                return None
             case p.PutCommit():
                 entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
+                rest = [i for i, left in enumerate(entry.remaining) if left]
+                producer = self._producers.get(entry.token)
+                if producer is None and self._is_remote(msg.dest):
+                    producer = self._start_producer(entry, msg.dest)
+                self._written(entry, entry.mark_tensors(rest), rest)
                 self.store.publish(entry)
                 self.counters["puts"] += 1
-                if msg.dest is None or msg.dest == cfg.node_id:
-                    self._notify_ready(entry)
+                if producer is None:
+                    self._on_published(entry)
                     return p.Ok(req=msg.req)
-                lease = self.store.lease(entry, consume=True, deadline=None)
-                self._later(rid, msg, self._push(entry, lease.token, msg))
+                self._later(rid, msg, self._finish_push(producer, msg))
+                return None
+            case p.GetStream():
+                self._later(rid, msg, self._get_stream(rid, msg))
                 return None
             case p.Get():
                 if not 0 <= msg.timeout <= MAX_WAIT:
@@ -247,7 +309,12 @@ class Daemon:
                 self._later(rid, msg, self._get_later(msg))
                 return None
             case p.GetDone():
-                self.store.release(msg.token, success=msg.consume)
+                entry = self.store.release(msg.token, success=msg.consume)
+                if msg.token in self._stream_leases:
+                    self._stream_leases.discard(msg.token)
+                    self._drop_reader(msg.token)
+                    if msg.consume:
+                        self.store.remove(entry)
                 self.counters["gets"] += 1
                 return p.Ok(req=msg.req) if msg.reply else None
             case p.Delete():
@@ -268,15 +335,76 @@ class Daemon:
         return p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
                           segments=entry.segments(self.config.block_size), meta=entry.meta)
 
-    async def _push(self, entry: Entry, lease_token: int, msg: p.PutCommit) -> p.Message:
+    def _is_remote(self, dest: str | None) -> bool:
+        return dest is not None and dest != self.config.node_id
+
+    def _start_producer(self, entry: Entry, dest: str) -> Producer:
+        """Push entry to dest as its bytes are written (the Offer goes out right away)."""
+        lease = self.store.lease(entry, consume=True, deadline=None, incomplete=True)
+        producer = Producer(entry, lease.token, dest)
+        self._producers[entry.token] = producer
+
+        async def run() -> None:
+            producer.outbound = await self.exchange.open_push(entry, lease.token, dest)
+            self.exchange.queue(producer.outbound, producer.pending)
+            producer.pending = []
+            await producer.outbound.done
+
+        producer.task = self._spawn(run(), f"push-{entry.request_id}")
+        producer.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen by _finish_push
+        return producer
+
+    def _written(self, entry: Entry, ranges: list[tuple[int, int]], indices: list[int]) -> None:
+        """A local producer wrote these tensors: tell stream readers, ship them to the peer."""
+        self._on_progress(entry, indices)
+        producer = self._producers.get(entry.token)
+        if producer is None or not ranges:
+            return
+        if producer.outbound is None:
+            producer.pending.extend(ranges)
+        else:
+            self.exchange.queue(producer.outbound, ranges)
+
+    async def _finish_push(self, producer: Producer, msg: p.PutCommit) -> p.Message:
+        entry = producer.entry
         try:
-            await self.exchange.push(entry, lease_token, msg.dest)
+            await producer.task
+            self.exchange.counters["pushes"] += 1
         except BaseException:
             # the caller still has its tensors and gets the error; the local copy goes
             # (its blocks return once the exchange lets go of its lease)
             self.store.remove(entry)
             raise
+        finally:
+            self._producers.pop(entry.token, None)
         return p.Ok(req=msg.req)
+
+    async def _get_stream(self, rid: bytes, msg: p.GetStream) -> p.Message:
+        """Lease an entry that may still be arriving; TensorsReady messages follow the slots."""
+        if not 0 <= msg.timeout <= MAX_WAIT:
+            raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
+        deadline = time.monotonic() + msg.timeout
+        entry = await self._wait_for(msg.request_id, deadline, lambda: self._streamable(msg.request_id))
+        complete = entry.state is State.READY
+        lease = self.store.lease(entry, consume=False, incomplete=True,
+                                 deadline=time.monotonic() + self.config.lease_timeout if complete else None)
+        self._stream_leases.add(lease.token)
+        reader = StreamReader(rid, msg.req, entry, lease.token)
+        slots = p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
+                           segments=entry.segments(self.config.block_size), meta=entry.meta)
+        self._reply(rid, slots)
+        ready = reader.news(entry.complete_tensors())
+        if not complete:
+            self._readers.setdefault(entry.request_id, []).append(reader)
+        return p.TensorsReady(req=msg.req, tensors=ready, complete=complete)
+
+    def _drop_reader(self, lease_token: int) -> None:
+        for request_id, readers in list(self._readers.items()):
+            kept = [r for r in readers if r.lease_token != lease_token]
+            if kept:
+                self._readers[request_id] = kept
+            else:
+                del self._readers[request_id]
 
     async def _get_later(self, msg: p.Get) -> p.Message:
         deadline = time.monotonic() + msg.timeout

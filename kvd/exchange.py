@@ -44,6 +44,7 @@ class Outbound:
     done: asyncio.Future
     deadline: float
     sends: list = field(default_factory=list)  # chunk send futures; each resolves to a MessageTracker
+    accepted: bool = False  # the receiver has reserved room; chunks may flow
     started: float = field(default_factory=time.monotonic)
 
     def zmq_released(self) -> bool:
@@ -92,14 +93,18 @@ def scatter(pool: memoryview, segments: list[tuple[int, int]], frames: list) -> 
 class Exchange:
     def __init__(self, config: Config, store: Store, pool: memoryview, ctx: zmq.Context,
                  incarnation: int, wait_ready: Callable[[str, float], Awaitable[Entry]],
-                 on_published: Callable[[Entry], None]) -> None:
+                 on_progress: Callable[[Entry, list[int]], None],
+                 on_published: Callable[[Entry], None],
+                 on_dropped: Callable[[Entry, KvdError], None]) -> None:
         self.config = config
         self.store = store
         self.pool = pool
         self.ctx = ctx
         self.incarnation = incarnation
         self._wait_ready = wait_ready
+        self._on_progress = on_progress  # tensors of a still-arriving entry completed
         self._on_published = on_published
+        self._on_dropped = on_dropped  # an arriving entry failed and was removed
         self.links: dict[str, PeerLink] = {}  # peer name or endpoint -> link
         self.transfers: dict[int, Outbound | Inbound] = {}
         self._router_peers: dict[bytes, str] = {}  # routing id -> node id, after PeerHello
@@ -163,15 +168,32 @@ class Exchange:
 
     # --- push and pull, as the daemon's client handlers call them ------------------------------
 
-    async def push(self, entry: Entry, lease_token: int, dest: str) -> None:
-        """Send a leased, READY entry to dest; returns once the peer has verified and published it."""
+    async def open_push(self, entry: Entry, lease_token: int, dest: str) -> Outbound:
+        """Start sending a leased entry to dest: the Offer goes now, bytes as `queue` adds them.
+
+        The entry may still be being written (a streamed put). Await `out.done` for the end:
+        the peer has verified and published every byte. The exchange owns the lease from here."""
         try:
             link = self.link_for(dest)
             await link.ensure_ready(self.config.connect_timeout)
         except BaseException:
             self.store.release(lease_token, success=False)  # nothing was sent: hand the lease back
             raise
-        out = self._start_outbound(random.getrandbits(63), entry, lease_token, link.channel)
+        window = SendWindow(entry.total_bytes, self.config.chunk_size, self.config.window)
+        return self._start_outbound(random.getrandbits(63), entry, lease_token, link.channel, window)
+
+    def queue(self, out: Outbound, ranges: list[tuple[int, int]]) -> None:
+        """Bytes of the entry that are ready to go (each byte exactly once over the transfer)."""
+        if self.transfers.get(out.xfer) is not out:
+            return  # already failed; its error reaches the caller through out.done
+        for offset, length in ranges:
+            out.window.add_range(offset, length)
+        self._pump(out)
+
+    async def push(self, entry: Entry, lease_token: int, dest: str) -> None:
+        """Send a complete, leased entry to dest; returns once the peer has verified and published it."""
+        out = await self.open_push(entry, lease_token, dest)
+        self.queue(out, [(0, entry.total_bytes)])
         await out.done
         self.counters["pushes"] += 1
 
@@ -191,11 +213,11 @@ class Exchange:
 
     # --- sending ----------------------------------------------------------------------------
 
-    def _start_outbound(self, xfer: int, entry: Entry, lease_token: int, channel: Channel) -> Outbound:
+    def _start_outbound(self, xfer: int, entry: Entry, lease_token: int, channel: Channel,
+                        window: SendWindow) -> Outbound:
         cfg = self.config
         out = Outbound(
-            xfer, entry, lease_token, channel,
-            SendWindow(entry.total_bytes, cfg.chunk_size, cfg.window), cfg.checksum,
+            xfer, entry, lease_token, channel, window, cfg.checksum,
             asyncio.get_running_loop().create_future(), time.monotonic() + cfg.transfer_timeout,
         )
         self.transfers[xfer] = out
@@ -208,6 +230,8 @@ class Exchange:
         return out
 
     def _pump(self, out: Outbound) -> None:
+        if not out.accepted:
+            return
         for seq in out.window.ready_to_send():
             offset, length = out.window.chunks[seq]
             pieces = gather(self.pool, physical_segments(out.entry.extents, self.store.block_size, offset, length))
@@ -272,6 +296,7 @@ class Exchange:
             return
         inbound.entry, inbound.checksum = entry, msg.checksum
         inbound.ledger = ReceiveLedger(entry.total_bytes, msg.chunk_size)
+        self._on_progress(entry, entry.complete_tensors())  # a stream reader may be waiting for it
         inbound.deadline = time.monotonic() + self.config.transfer_timeout
         self.transfers[msg.xfer] = inbound
         self._send(channel, p.Accept(xfer=msg.xfer))
@@ -287,12 +312,15 @@ class Exchange:
         if digest(inbound.checksum, msg.payload) != msg.digest:
             raise ChecksumMismatch(f"chunk {msg.seq} of {entry.request_id!r} failed its {inbound.checksum} check")
         scatter(self.pool, physical_segments(entry.extents, self.store.block_size, msg.offset, length), msg.payload)
-        ledger.mark(msg.seq)
+        ledger.mark(msg.seq, msg.offset, length)
         self.counters["received_bytes"] += length
+        completed = entry.mark_range(msg.offset, length)
         inbound.deadline = time.monotonic() + self.config.transfer_timeout
         self._send(inbound.channel, p.ChunkAck(xfer=inbound.xfer, seq=msg.seq))
         if ledger.complete:
             self._complete_inbound(inbound)
+        elif completed:
+            self._on_progress(entry, completed)
 
     def _complete_inbound(self, inbound: Inbound) -> None:
         self.transfers.pop(inbound.xfer, None)
@@ -313,7 +341,8 @@ class Exchange:
         except KvdError as exc:
             self._send(channel, p.Abort(xfer=msg.xfer, code=exc.code, message=exc.message))
             return
-        self._start_outbound(msg.xfer, entry, lease.token, channel)
+        window = SendWindow.whole(entry.total_bytes, self.config.chunk_size, self.config.window)
+        self._start_outbound(msg.xfer, entry, lease.token, channel, window)
 
     # --- dispatch -----------------------------------------------------------------------------------
 
@@ -342,6 +371,7 @@ class Exchange:
                 case p.Abort():
                     self._fail(transfer, error_from_code(msg.code, msg.message, remote=channel.peer_name), notify=False)
                 case p.Accept() if isinstance(transfer, Outbound):
+                    transfer.accepted = True
                     transfer.deadline = time.monotonic() + self.config.transfer_timeout
                     self._pump(transfer)
                 case p.ChunkAck() if isinstance(transfer, Outbound):
@@ -375,12 +405,21 @@ class Exchange:
         self.transfers.pop(transfer.xfer, None)
         if transfer.entry is not None:
             self.store.remove(transfer.entry)
+            self._on_dropped(transfer.entry, error)
         if transfer.done is not None and not transfer.done.done():
             transfer.done.set_exception(error)
+
+    def abort(self, transfer: "Outbound | Inbound", error: KvdError) -> None:
+        """End a transfer from our side (its entry was dropped); the peer is told."""
+        self._fail(transfer, error, notify=True)
 
     def check_deadlines(self, now: float) -> None:
         """Called periodically: fail transfers without progress, free what ZeroMQ let go of."""
         for transfer in list(self.transfers.values()):
+            if (isinstance(transfer, Outbound) and transfer.accepted and not transfer.window.in_flight
+                    and transfer.window.queued_bytes < transfer.window.total_bytes):
+                # a stream waiting on its producer, not on the peer (the producer has its own lease)
+                transfer.deadline = now + self.config.transfer_timeout
             if transfer.deadline <= now:
                 self._fail(transfer, PeerUnavailable(
                     f"no progress from peer {transfer.channel.peer_name} for {self.config.transfer_timeout:g}s"

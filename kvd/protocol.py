@@ -74,6 +74,8 @@ class PutAlloc(Message):
     tensors: list  # [[name, dtype, shape], ...]
     ttl: float | None = None  # seconds; None = daemon default
     meta: dict | None = None  # opaque to the transport (KV layout lives here)
+    stream: bool = False  # tensors will be announced with put_part as they are written
+    dest: str | None = None  # streaming push: start sending to this peer right away
 
 
 @dataclass(slots=True)
@@ -95,6 +97,37 @@ class PutCommit(Message):
     request_id: str
     token: int
     dest: str | None = None  # peer name or tcp:// endpoint
+
+
+@dataclass(slots=True)
+class PutPart(Message):
+    """Client -> daemon, fire and forget: these tensors (indices) of a streamed put are written."""
+
+    TYPE: ClassVar[str] = "put_part"
+    req: int
+    request_id: str
+    token: int
+    tensors: list  # indices into the put_alloc's tensor list
+
+
+@dataclass(slots=True)
+class GetStream(Message):
+    """Client -> daemon: lease a cache while it is still arriving; tensors_ready follows as it fills."""
+
+    TYPE: ClassVar[str] = "get_stream"
+    req: int
+    request_id: str
+    timeout: float
+
+
+@dataclass(slots=True)
+class TensorsReady(Message):
+    """Daemon -> client (after get_slots for a get_stream): these tensors are complete."""
+
+    TYPE: ClassVar[str] = "tensors_ready"
+    req: int
+    tensors: list  # indices
+    complete: bool = False  # every tensor is now complete; nothing more follows
 
 
 @dataclass(slots=True)
@@ -280,7 +313,7 @@ class Pong(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloOk, PutAlloc, PutSlots, PutCommit, Get, GetSlots, GetDone, Delete, Stats,
+        Hello, HelloOk, PutAlloc, PutSlots, PutPart, PutCommit, Get, GetStream, TensorsReady, GetSlots, GetDone, Delete, Stats,
         ListEntries, Ok, Error, PeerHello, PeerHelloOk, Offer, Accept, Chunk, ChunkAck, Done,
         Abort, Pull, Ping, Pong,
     )
@@ -347,7 +380,7 @@ def decode(frames: typing.Sequence[Frame]) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError("header must be a msgpack map")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise VersionMismatch(f"protocol version {version!r} not supported (this side speaks {PROTOCOL_VERSION})")
     kind = header.get("t")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
@@ -369,7 +402,7 @@ def decode(frames: typing.Sequence[Frame]) -> Message:
     msg = cls(**values)
     n_payload = header.get("n", 0)
     if isinstance(msg, Chunk):
-        if not isinstance(n_payload, int) or n_payload != len(frames) - 1:
+        if type(n_payload) is not int or n_payload != len(frames) - 1:
             raise ProtocolError(f"chunk declares {n_payload!r} payload frames, {len(frames) - 1} arrived")
         if len(frames) - 1 > MAX_PAYLOAD_FRAMES:
             raise ProtocolError(f"chunk has {len(frames) - 1} payload frames (limit {MAX_PAYLOAD_FRAMES})")

@@ -9,6 +9,7 @@ so a stale client or transfer can never act on a reused slot.
 """
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 import math
@@ -52,6 +53,54 @@ class Entry:
     leases: dict[int, Lease] = field(default_factory=dict)
     removed: bool = False
     created: float = field(default_factory=time.time)
+    remaining: list[int] = field(default_factory=list)  # per tensor: bytes (of its range) still missing
+
+    def __post_init__(self) -> None:
+        if not self.remaining:
+            self.remaining = [hi - lo for lo, hi in self.tensor_ranges()]
+
+    def tensor_ranges(self) -> list[tuple[int, int]]:
+        """The logical bytes each tensor owns: its data and the alignment padding after it.
+
+        These ranges partition [0, total_bytes), so sending every tensor's range sends the entry."""
+        starts = self.offsets
+        ends = starts[1:] + [self.total_bytes]
+        return list(zip(starts, ends))
+
+    def complete_tensors(self) -> list[int]:
+        return [i for i, left in enumerate(self.remaining) if left == 0]
+
+    def mark_range(self, offset: int, length: int) -> list[int]:
+        """Bytes [offset, offset+length) arrived (each byte once); returns tensors that just completed."""
+        done = []
+        end = offset + length
+        first = max(0, bisect.bisect_right(self.offsets, offset) - 1)
+        for index, (lo, hi) in enumerate(self.tensor_ranges()[first:], start=first):
+            if lo >= end:
+                break
+            overlap = min(hi, end) - max(lo, offset)
+            if overlap > 0:
+                self.remaining[index] -= overlap
+                if self.remaining[index] == 0:
+                    done.append(index)
+        return done
+
+    def mark_tensors(self, indices: list) -> list[tuple[int, int]]:
+        """A local producer wrote these tensors; returns their (merged) byte ranges."""
+        ranges = self.tensor_ranges()
+        if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < len(ranges) for i in indices):
+            raise BadRequest(f"tensor indices for {self.request_id!r} must be ints in 0..{len(ranges) - 1} (no tensor with that number)")
+        picked = []
+        for index in sorted(set(indices)):
+            if self.remaining[index] == 0 and ranges[index][1] > ranges[index][0]:
+                raise BadRequest(f"tensor {self.specs[index].name!r} of {self.request_id!r} was already written")
+            self.remaining[index] = 0
+            lo, hi = ranges[index]
+            if picked and picked[-1][1] == lo:
+                picked[-1] = (picked[-1][0], hi)
+            elif hi > lo:
+                picked.append((lo, hi))
+        return [(lo, hi - lo) for lo, hi in picked]
 
     def segments(self, block_size: int) -> list[list[tuple[int, int]]]:
         return [
@@ -115,8 +164,10 @@ class Store:
         return entry
 
     def publish(self, entry: Entry) -> None:
-        entry.state = State.READY
+        """Complete: visible to readers, unless a consuming lease (a streaming push) already owns it."""
+        entry.state = State.CLAIMED if any(l.consume for l in entry.leases.values()) else State.READY
         entry.write_deadline = None
+        entry.remaining = [0] * len(entry.remaining)
 
     # --- reading and sending ------------------------------------------------------------
 
@@ -124,12 +175,14 @@ class Store:
         entry = self.entries.get(request_id)
         return entry if entry is not None and entry.state is State.READY else None
 
-    def lease(self, entry: Entry, consume: bool, deadline: float | None) -> Lease:
-        """Take a read lease. A consuming lease hides the entry from everyone else."""
-        if entry.state is not State.READY:
+    def lease(self, entry: Entry, consume: bool, deadline: float | None, incomplete: bool = False) -> Lease:
+        """Take a read lease. A consuming lease hides the entry from everyone else.
+
+        With incomplete=True the entry may still be WRITING or RECEIVING (streams)."""
+        if entry.removed or not (entry.state is State.READY or (incomplete and entry.state is not State.CLAIMED)):
             raise NotFound(f"request {entry.request_id!r} is not ready")
         lease = Lease(next(self._tokens), entry.request_id, consume, deadline)
-        if consume:
+        if consume and entry.state is State.READY:
             entry.state = State.CLAIMED
         entry.leases[lease.token] = lease
         self._leases[lease.token] = (entry, lease)
@@ -145,10 +198,15 @@ class Store:
         if lease.consume and not entry.removed:
             if success:
                 self.remove(entry)
-            else:
+            elif entry.state is State.CLAIMED:
                 entry.state = State.READY
         self._free_if_unused(entry)
         return entry
+
+    def set_lease_deadline(self, token: int, deadline: float | None) -> None:
+        found = self._leases.get(token)
+        if found is not None:
+            found[1].deadline = deadline
 
     # --- removal and expiry -------------------------------------------------------------
 

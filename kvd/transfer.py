@@ -1,15 +1,16 @@
-"""Peer transfer bookkeeping, without sockets: which chunks to send next, which arrived.
+"""Peer transfer bookkeeping, without sockets: which chunks to send next, which bytes arrived.
 
-`SendWindow` is the sender's view (chunks in flight, at most `window` unacknowledged);
-`ReceiveLedger` is the receiver's (each chunk exactly once, at a position and size the
-offer allows). The daemon drives them with messages and carries out what they say.
+`SendWindow` is the sender's view: byte ranges queued for sending (all of an entry at once,
+or layer by layer while a stream is being written), cut into chunks, at most `window`
+unacknowledged. `ReceiveLedger` is the receiver's: each chunk exactly once, inside the
+entry, never overlapping another. The daemon drives them with messages and does the I/O.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from .errors import ProtocolError
-from .layout import chunk_ranges
 
 
 @dataclass
@@ -17,13 +18,28 @@ class SendWindow:
     total_bytes: int
     chunk_size: int
     window: int
-    chunks: list[tuple[int, int]] = field(init=False)
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) by seq
+    queued_bytes: int = 0
     next_seq: int = 0
     in_flight: set[int] = field(default_factory=set)
     acked: int = 0
 
-    def __post_init__(self) -> None:
-        self.chunks = chunk_ranges(self.total_bytes, self.chunk_size)
+    @classmethod
+    def whole(cls, total_bytes: int, chunk_size: int, window: int) -> "SendWindow":
+        """A window over a complete entry."""
+        sender = cls(total_bytes, chunk_size, window)
+        sender.add_range(0, total_bytes)
+        return sender
+
+    def add_range(self, offset: int, length: int) -> None:
+        """Queue bytes [offset, offset+length) of the entry (a stream adds them as they are written)."""
+        if length < 0 or offset < 0 or offset + length > self.total_bytes:
+            raise ProtocolError(f"range [{offset}, +{length}) is not inside the {self.total_bytes}-byte entry")
+        if self.queued_bytes + length > self.total_bytes:
+            raise ProtocolError("more bytes queued than the entry holds")
+        for start in range(offset, offset + length, self.chunk_size):
+            self.chunks.append((start, min(self.chunk_size, offset + length - start)))
+        self.queued_bytes += length
 
     def ready_to_send(self) -> list[int]:
         """Sequence numbers to send now; marks them in flight."""
@@ -42,35 +58,47 @@ class SendWindow:
 
     @property
     def all_acked(self) -> bool:
-        return self.acked == len(self.chunks)
+        return self.queued_bytes == self.total_bytes and self.acked == len(self.chunks)
 
 
 @dataclass
 class ReceiveLedger:
     total_bytes: int
-    chunk_size: int
-    received: set[int] = field(default_factory=set)
-
-    @property
-    def chunk_count(self) -> int:
-        return len(chunk_ranges(self.total_bytes, self.chunk_size)) if self.total_bytes else 0
+    max_chunk: int
+    _starts: list[int] = field(default_factory=list)  # disjoint received intervals, sorted
+    _ends: list[int] = field(default_factory=list)
+    _seqs: set[int] = field(default_factory=set)
+    received_bytes: int = 0
 
     def check(self, seq: int, offset: int, length: int) -> None:
-        """Raise ProtocolError unless chunk seq is new and exactly where the offer put it."""
-        if not 0 <= seq < self.chunk_count:
-            raise ProtocolError(f"chunk {seq} out of range (0..{self.chunk_count - 1})")
-        if seq in self.received:
-            raise ProtocolError(f"chunk {seq} arrived twice")
-        expected_offset = seq * self.chunk_size
-        expected_length = min(self.chunk_size, self.total_bytes - expected_offset)
-        if offset != expected_offset or length != expected_length:
-            raise ProtocolError(
-                f"chunk {seq} covers [{offset}, +{length}), expected [{expected_offset}, +{expected_length})"
-            )
+        """Raise ProtocolError unless chunk seq is new, inside the entry, and overlaps nothing received."""
+        if seq in self._seqs or seq < 0:
+            raise ProtocolError(f"chunk {seq} arrived twice (or has a negative number)")
+        if not 0 < length <= self.max_chunk:
+            raise ProtocolError(f"chunk {seq} has {length} bytes; allowed 1..{self.max_chunk}")
+        if offset < 0 or offset + length > self.total_bytes:
+            raise ProtocolError(f"chunk {seq} covers [{offset}, +{length}), outside the {self.total_bytes}-byte entry")
+        index = bisect.bisect_right(self._starts, offset)
+        if index > 0 and self._ends[index - 1] > offset:
+            raise ProtocolError(f"chunk {seq} overlaps bytes already received")
+        if index < len(self._starts) and self._starts[index] < offset + length:
+            raise ProtocolError(f"chunk {seq} overlaps bytes already received")
 
-    def mark(self, seq: int) -> None:
-        self.received.add(seq)
+    def mark(self, seq: int, offset: int, length: int) -> None:
+        self._seqs.add(seq)
+        self.received_bytes += length
+        start, end = offset, offset + length
+        index = bisect.bisect_right(self._starts, start)
+        if index > 0 and self._ends[index - 1] == start:  # merge with the interval before
+            index -= 1
+            start = self._starts[index]
+            del self._starts[index], self._ends[index]
+        if index < len(self._starts) and self._starts[index] == end:  # and the one after
+            end = self._ends[index]
+            del self._starts[index], self._ends[index]
+        self._starts.insert(index, start)
+        self._ends.insert(index, end)
 
     @property
     def complete(self) -> bool:
-        return len(self.received) == self.chunk_count
+        return self.received_bytes == self.total_bytes

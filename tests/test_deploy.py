@@ -305,7 +305,10 @@ def containerfile_instructions() -> list[tuple[str, str]]:
 
 def test_containerfile():
     instructions = containerfile_instructions()
-    values = lambda key: [rest for keyword, rest in instructions if keyword == key]  # noqa: E731
+
+    def values(key: str) -> list[str]:
+        return [rest for keyword, rest in instructions if keyword == key]
+
     assert values("FROM") == ["python:3.11-slim"]
     assert json.loads(values("ENTRYPOINT")[-1]) == ["kvd", "serve"]
     serve = parse_serve(json.loads(values("CMD")[-1]))

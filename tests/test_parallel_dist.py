@@ -1,12 +1,14 @@
 """kvd.parallel.state over real multi-process torch.distributed (gloo on loopback).
 
-One spawn per world size (2, 4, 8): starting a process that imports torch costs seconds on a
-small machine, so each rank runs every check for several TP/PP/DP/EP layouts in one go. A
-failing rank raises; torch.multiprocessing.spawn then kills the others and re-raises here
-with the rank's traceback.
+One start per world size (2, 4, 8), and each rank runs every check for several TP/PP/DP/EP
+layouts in one go. Ranks are started with the "forkserver" method: like "spawn" they share
+nothing with pytest's process, but they fork from a server that imported torch once, instead
+of paying torch's import (seconds on a small machine) in each of the 14 ranks. A failing rank
+raises; torch.multiprocessing then kills the others and re-raises here with its traceback.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import sys
@@ -128,7 +130,9 @@ def check_lifecycle(rank: int, world: int) -> None:
 
 
 def run_rank(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # 8 ranks on 2 cores: no intra-op thread pool each
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback even where the hostname does not resolve
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
@@ -149,20 +153,17 @@ def run_rank(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture
-def spawn_env(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 8 ranks on 2 cores: no thread pools each
-    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # loopback even where the hostname does not resolve
-
-
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_parallel_state_multiprocess(world, spawn_env):
-    mp.spawn(run_rank, args=(world, free_port()), nprocs=world, join=True)
+def test_parallel_state_multiprocess(world):
+    # ignored if this pytest process already started its forkserver: slower, still correct
+    preload = ["torch", "torch.distributed", "pytest", "kvd.parallel"]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    mp.start_processes(run_rank, args=(world, free_port()), nprocs=world, join=True, start_method="forkserver")
 
 
-def test_single_process_world(spawn_env):
+def test_single_process_world(monkeypatch):
     """World size 1 in this process: the no-communication paths return the input itself."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))  # run_rank sets it
     assert not dist.is_initialized()
     run_rank(0, 1, free_port())
     assert not dist.is_initialized()

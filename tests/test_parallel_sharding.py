@@ -209,7 +209,8 @@ def test_same_model_and_check_compatible():
         a.check_compatible(model(8, 16))
     assert "head_dim" not in str(info.value)
     with pytest.raises(LayoutMismatch, match=r"dtype 'float32' != 'float16', block_size None != 16"):
-        a.check_compatible(KVLayout(num_layers=8, num_kv_heads=8, head_dim=HEAD_DIM, dtype="float16", block_size=16))
+        a.check_compatible(KVLayout(num_layers=8, num_kv_heads=8, head_dim=HEAD_DIM, dtype="float16",
+                                    block_size=16))
     with pytest.raises(LayoutMismatch, match="different models"):
         plan_reshard([model(8, 8)], model(7, 8))
 

@@ -1,9 +1,10 @@
 """Which slice of a model's KV cache each rank holds, and how to rebuild one layout from another.
 
-Pure bookkeeping on layer and KV-head indices; the only torch here is `slice_shard` and
-`assemble`, which apply a plan to per-layer tensors (views and one copy per piece) and
-import torch when called, so the daemon can use KVLayout without torch. No I/O. A KVLayout travels in an entry's `meta` (to_wire/from_wire), so the
-receiver can plan a reshard between a prefill and a decode instance with different TP/PP.
+Pure bookkeeping on layer and KV-head indices, no I/O. The only torch is in `slice_shard`
+(views) and `assemble` (one copy per piece), which apply a plan to per-layer tensors; torch
+is imported only when they are called, so the torch-free daemon can use KVLayout too.
+A KVLayout travels in an entry's `meta` (to_wire/from_wire), so the receiver can plan a
+reshard between, say, a prefill and a decode instance with different TP/PP.
 
 Rules, both vLLM's:
 - layers (vllm/distributed/utils.py get_pp_indices): each of the pp stages gets

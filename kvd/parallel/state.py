@@ -82,7 +82,11 @@ class ParallelState:
                     me, world, layout.tp, layout.pp, layout.dp, layout.ep, backend)
 
     def destroy(self) -> None:
-        """Destroy this state's groups and uninstall it; a no-op when not initialized."""
+        """Destroy this state's groups and uninstall it; a no-op when not initialized.
+
+        Local, not collective: torch's destroy_process_group of a subgroup only shuts down
+        this rank's end, so ranks need not call it in step.
+        """
         global _current
         groups, self._groups, self.layout = self._groups, {}, None
         if _current is self:

@@ -1,0 +1,133 @@
+"""Client side of layer-wise streaming: write a cache layer by layer, read it as it arrives.
+
+The producer opens a stream with every tensor's name, shape and dtype, writes tensors as
+they are computed (each write is copied into the pool and announced; with dest, the daemon
+sends it to the peer at once) and commits. The consumer iterates groups of tensors as they
+become complete. The operations are generators (no I/O), driven by Client/AsyncClient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from . import protocol as p
+from .errors import BadRequest
+from .layout import TensorSpec
+from .tensors import DTYPE_NAMES, as_tensor, copy_in, copy_out
+
+NO_REPLY = None
+
+
+@dataclass
+class Emit:
+    """An operation hands a value to its caller (an iterator step), then continues."""
+
+    value: Any
+
+
+@dataclass
+class Receive:
+    """An operation waits for the next message on an earlier request (a stream of replies)."""
+
+    req: int
+    wait: float
+
+
+def specs_from(layout: Mapping[str, Any]) -> list[TensorSpec]:
+    """{name: tensor (a 'meta' tensor is fine) or (shape, dtype)} -> tensor specs."""
+    specs = []
+    for name, value in layout.items():
+        if isinstance(value, torch.Tensor):
+            shape, dtype = tuple(value.shape), value.dtype
+        elif isinstance(value, tuple) and len(value) == 2:
+            shape, dtype = tuple(value[0]), value[1]
+        else:
+            raise BadRequest(f"layout[{name!r}] must be a tensor or a (shape, dtype) pair")
+        if dtype not in DTYPE_NAMES:
+            raise BadRequest(f"layout[{name!r}]: dtype {dtype} is not supported")
+        specs.append(TensorSpec(name, DTYPE_NAMES[dtype], shape))
+    if not specs:
+        raise BadRequest("a stream needs at least one tensor")
+    return specs
+
+
+class StreamState:
+    """What a producer stream remembers between writes."""
+
+    def __init__(self, request_id: str, specs: list[TensorSpec], dest: str | None) -> None:
+        self.request_id = request_id
+        self.specs = specs
+        self.index = {spec.name: i for i, spec in enumerate(specs)}
+        self.dest = dest
+        self.token = 0
+        self.segments: list = []
+        self.written: set[int] = set()
+        self.closed = False
+
+
+def open_stream(core, state: StreamState, ttl: float | None, meta: dict | None):
+    slots = yield p.PutAlloc(req=next(core._reqs), request_id=state.request_id,
+                             tensors=[s.to_wire() for s in state.specs], ttl=ttl, meta=meta,
+                             stream=True, dest=state.dest), 0.0
+    state.token, state.segments = slots.token, slots.segments
+
+
+def write_stream(core, state: StreamState, kv: Mapping[str, Any]):
+    if state.closed:
+        raise BadRequest("stream already committed or aborted")
+    indices = []
+    for name, value in kv.items():
+        if name not in state.index:
+            raise BadRequest(f"{name!r} is not a tensor of stream {state.request_id!r}")
+        i = state.index[name]
+        if i in state.written:
+            raise BadRequest(f"{name!r} was already written")
+        tensor = as_tensor(name, value)
+        spec = state.specs[i]
+        if DTYPE_NAMES[tensor.dtype] != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise BadRequest(f"{name!r} is {tensor.dtype} {tuple(tensor.shape)}, the stream declared "
+                             f"{spec.dtype} {spec.shape}")
+        copy_in(core._pool, tensor, state.segments[i])
+        indices.append(i)
+    state.written.update(indices)
+    yield p.PutPart(req=next(core._reqs), request_id=state.request_id, token=state.token,
+                    tensors=indices), NO_REPLY
+
+
+def commit_stream(core, state: StreamState):
+    if state.closed:
+        raise BadRequest("stream already committed or aborted")
+    state.closed = True
+    yield p.PutCommit(req=next(core._reqs), request_id=state.request_id, token=state.token,
+                      dest=state.dest), (3600.0 if state.dest else 0.0)
+
+
+def abort_stream(core, state: StreamState):
+    if not state.closed:
+        state.closed = True
+        yield p.Delete(req=next(core._reqs), request_id=state.request_id), NO_REPLY
+
+
+def read_stream(core, request_id: str, timeout: float, out: Mapping[str, torch.Tensor] | None, keep: bool):
+    """Yields Emit({name: tensor}) for each group of tensors as it becomes complete."""
+    req = next(core._reqs)
+    slots = yield p.GetStream(req=req, request_id=request_id, timeout=float(timeout)), float(timeout)
+    specs = [TensorSpec.from_wire(t) for t in slots.tensors]
+    out = out or {}
+    consume = False
+    try:
+        done = False
+        while not done:
+            ready = yield Receive(req, core.transfer_wait)
+            done = ready.complete
+            if ready.tensors:
+                yield Emit({
+                    specs[i].name: copy_out(core._pool, specs[i], slots.segments[i], out.get(specs[i].name))
+                    for i in ready.tensors
+                })
+        consume = not keep
+    finally:
+        yield p.GetDone(req=next(core._reqs), request_id=request_id, token=slots.token,
+                        consume=consume, reply=False), NO_REPLY
