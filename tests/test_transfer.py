@@ -99,7 +99,7 @@ def test_queueing_more_than_the_entry_raises():
     with pytest.raises(ProtocolError, match="more bytes"):
         w.add_range(0, 6)
     assert w.queued_bytes == 10
-    assert w.chunks == [(0, 4), (4, 2)]
+    assert w.chunks == [(0, 4), (4, 2), (6, 4)]
     w.add_range(6, 4)
     assert w.queued_bytes == 10
     with pytest.raises(ProtocolError):
