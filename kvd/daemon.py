@@ -284,9 +284,13 @@ class Daemon:
                 self._written(entry, entry.mark_tensors(msg.tensors), msg.tensors)
                 return None
             case p.PutCommit():
+                producer = self._producers.get(msg.token)
+                if producer is not None and producer.entry.request_id == msg.request_id and producer.entry.removed:
+                    # every tensor was written and the peer already has them all: just report
+                    self._later(rid, msg, self._finish_push(producer, msg))
+                    return None
                 entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
                 rest = [i for i, left in enumerate(entry.remaining) if left]
-                producer = self._producers.get(entry.token)
                 if producer is None and self._is_remote(msg.dest):
                     producer = self._start_producer(entry, msg.dest)
                 self._written(entry, entry.mark_tensors(rest), rest)
@@ -322,6 +326,8 @@ class Daemon:
                 if entry is None:
                     return p.Ok(req=msg.req, value=False)
                 self.store.remove(entry)
+                if entry.state in (State.WRITING, State.RECEIVING):
+                    self._on_dropped(entry, NotFound(f"request {msg.request_id!r} was deleted"))
                 return p.Ok(req=msg.req, value=True)
             case p.Stats():
                 return p.Ok(req=msg.req, value=self.stats())
