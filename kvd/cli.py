@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Sequence
 
 from .config import DEFAULT_METRICS_PORT, DEFAULT_PEER_PORT, load_config, parse_peers
@@ -40,6 +41,11 @@ def _serve_parser(sub) -> None:
     add("--transfer-timeout", metavar="DURATION",
         help="fail a peer transfer after this long without progress (default: 15s)")
     add("--connect-timeout", metavar="DURATION", help="peer handshake deadline (default: 5s)")
+    add("--heartbeat-interval", metavar="DURATION", help="how often peers are pinged (default: 1s)")
+    add("--heartbeat-timeout", metavar="DURATION",
+        help="a peer silent this long is lost and its transfers fail (default: 5s)")
+    add("--drain-timeout", metavar="DURATION",
+        help="on SIGTERM, in-flight transfers get this long to finish (default: 10s)")
     add("--chunk-size", metavar="SIZE", help="network chunk size (default: 4MiB)")
     add("--window", type=int, help="chunks in flight per transfer (default: 8)")
     add("--checksum", choices=["xxh3_64", "crc32", "none"], help="per-chunk checksum (default: xxh3_64)")
@@ -88,7 +94,7 @@ def serve(args: argparse.Namespace) -> int:
     import logging
 
     logging.getLogger("kvd").info("starting with configuration %s", json.dumps(config.public()))
-    daemon = Daemon(config)
+    daemon = Daemon(config, reload_config=lambda: load_config(cli, config_file=args.config))
     try:
         uvloop.run(daemon.run())
     except Exception as exc:
@@ -125,7 +131,11 @@ def client_command(args: argparse.Namespace) -> int:
                 for name, peer in stats["peers"].items():
                     state = "connected" if peer["connected"] else "not connected"
                     print(f"peer       {name} {peer['endpoint']} {state}")
+                print(f"metrics    {stats['metrics'] or 'off'}")
                 print(f"counters   {stats['counters']}")
+                for error in stats["recent_errors"][-5:]:
+                    when = time.strftime("%H:%M:%S", time.localtime(error["time"]))
+                    print(f"error      {when} {error['request']} {error['request_id'] or ''}: {error['message']}")
             elif args.command == "ls":
                 entries = client.list()
                 if args.json:

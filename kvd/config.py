@@ -47,6 +47,9 @@ class Config:
     lease_timeout: float = 30.0  # a client must finish a put's or get's copy within this
     transfer_timeout: float = 15.0  # a peer transfer fails after this long without progress
     connect_timeout: float = 5.0  # peer handshake deadline
+    heartbeat_interval: float = 1.0  # peers are pinged this often
+    heartbeat_timeout: float = 5.0  # a peer silent this long is lost; its transfers fail
+    drain_timeout: float = 10.0  # on SIGTERM, in-flight transfers get this long to finish
     chunk_size: int = 4 << 20
     window: int = 8  # chunks in flight per transfer
     checksum: str = "xxh3_64"
@@ -82,7 +85,9 @@ class Config:
         for name, endpoint in self.peers.items():
             if not name or not endpoint.startswith("tcp://"):
                 problems.append(f"peer {name!r} needs a tcp:// endpoint, got {endpoint!r}")
-        for name in ("default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout"):
+        if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
+            problems.append("heartbeat_interval must be > 0 and below heartbeat_timeout")
+        for name in ("default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "drain_timeout"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
         if not 0 <= self.metrics_port < 65536:
@@ -98,7 +103,8 @@ class Config:
 
 
 _SIZES = {"pool_size", "block_size", "chunk_size"}
-_DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout"}
+_DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "heartbeat_interval",
+              "heartbeat_timeout", "drain_timeout"}
 _INTS = {"window", "metrics_port"}
 _BOOLS = {"pool_prefault"}
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]

@@ -1,59 +1,64 @@
-"""The kvd daemon: owns the pool, serves local clients, and runs the peer exchange.
+"""The kvd daemon: owns the pool and the sockets, and runs the process's life.
 
-One asyncio loop (uvloop). Local clients talk to a ROUTER on `--socket` (ipc://) with
-control messages only: the bytes themselves go through the shared pool, copied by the
-client. Peer traffic is `kvd.exchange`'s. A handler's failure becomes an Error reply to
-that client; nothing a client or peer sends can stop the loop.
+One asyncio loop (uvloop). Local clients talk to a ROUTER on `--socket` (ipc://), served
+by `kvd.service`; peers talk to `kvd.exchange`. This module starts them in order, keeps
+house (expiry, deadlines, heartbeats, watchdog), reloads what can change on SIGHUP, and
+on SIGTERM drains in-flight work before it releases the pool and exits.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
 import signal
 import time
+from typing import Callable
 
 import zmq
 
-from . import protocol as p
 from .config import Config
 from .device import open_staging_memory
-from .errors import BadRequest, KvdError, NotFound, ShuttingDown, Timeout
+from .errors import BadRequest, Timeout
 from .exchange import Exchange
-from .layout import TensorSpec
+from .http import HttpEndpoint
+from .metrics import Metrics, StateCollector
 from .pool import BlockAllocator
-from .store import Entry, State, Store
-from .streams import Producer, StreamReader
+from .service import ClientService
+from .store import Store
+from .systemd import Notifier
 from .units import format_size
 from .zsock import LoopSocket
 
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_INTERVAL = 0.2  # seconds between expiry/deadline sweeps
-MAX_WAIT = 3600.0  # longest get timeout we accept
+RELOADABLE = {"peers", "log_level"}  # what SIGHUP can change without a restart
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, reload_config: Callable[[], Config] | None = None) -> None:
         self.config = config
+        self._reload_config = reload_config
         self.incarnation = random.getrandbits(63)  # new on every start: tells peers we restarted
+        self.metrics = Metrics()
+        self.notifier = Notifier()
         self.memory = None
         self.store: Store | None = None
         self.exchange: Exchange | None = None
+        self.service: ClientService | None = None
         self.ctx: zmq.Context | None = None
         self.local: LoopSocket | None = None
-        self._waiters: dict[str, list[asyncio.Future]] = {}  # request id -> woken on any change
-        self._producers: dict[int, Producer] = {}  # entry token -> push in progress
-        self._readers: dict[str, list[StreamReader]] = {}  # request id -> get_stream clients
-        self._stream_leases: set[int] = set()
+        self.http: HttpEndpoint | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._stopping = asyncio.Event()
+        self._stop_requested = asyncio.Event()
+        self.draining = False
         self.started_at = time.time()
         self.ready = False
-        self.counters = {"puts": 0, "gets": 0, "errors": 0}
+        self.metrics.registry.register(StateCollector(self))
 
-    # --- lifecycle -----------------------------------------------------------------------------
+    # --- start ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
         cfg = self.config
@@ -65,52 +70,73 @@ class Daemon:
         local.setsockopt(zmq.LINGER, 0)
         self._bind_local(local, cfg.socket)
         self.exchange = Exchange(cfg, self.store, self.memory.host_view(), self.ctx, self.incarnation,
-                                 self.wait_ready, self._on_progress, self._on_published, self._on_dropped)
+                                 self.metrics)
+        self.service = ClientService(self)
+        self.exchange.events = self.service  # arrivals wake waiters and stream readers
         await self.exchange.start()
-        self.local = LoopSocket(local, self._on_local_message)
-        self._spawn(self._housekeeping(), "housekeeping")
+        self.local = LoopSocket(local, self.service.on_local_message)
+        if cfg.metrics_port:
+            self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: self.ready)
+            await self.http.start()
+        self.spawn(self._housekeeping(), "housekeeping")
         self.ready = True
-        log.info("kvd %s ready: pool %s on %s (%d blocks of %s), clients on %s, peers on %s, %d peer(s) configured",
-                 cfg.node_id, format_size(cfg.pool_size), cfg.device, num_blocks, format_size(cfg.block_size),
-                 cfg.socket, self.exchange.bound_endpoint, len(cfg.peers))
+        self.notifier.notify(f"READY=1\nSTATUS=serving {cfg.socket}, peers on {self.exchange.bound_endpoint}")
+        log.info("kvd %s ready: pool %s on %s (%d blocks of %s), clients on %s, peers on %s, %d peer(s) "
+                 "configured, metrics %s", cfg.node_id, format_size(cfg.pool_size), cfg.device, num_blocks,
+                 format_size(cfg.block_size), cfg.socket, self.exchange.bound_endpoint, len(cfg.peers),
+                 f"on http://{cfg.metrics_host}:{self.http.port}/metrics" if self.http else "off")
 
     @staticmethod
     def _bind_local(sock: zmq.Socket, endpoint: str) -> None:
-        if endpoint.startswith("ipc://"):
-            path = endpoint[len("ipc://"):]
-            directory = os.path.dirname(path) or "."
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            if os.path.exists(path):
-                if _socket_in_use(path):
-                    raise BadRequest(f"{endpoint} is in use by another daemon")
-                os.unlink(path)  # stale socket of a daemon that did not exit cleanly
-            old_umask = os.umask(0o177)  # socket file 0600: only our user may connect
-            try:
-                sock.bind(endpoint)
-            finally:
-                os.umask(old_umask)
-        else:
+        if not endpoint.startswith("ipc://"):
             sock.bind(endpoint)
+            return
+        path = endpoint[len("ipc://"):]
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        if os.path.exists(path):
+            if _socket_in_use(path):
+                raise BadRequest(f"{endpoint} is in use by another daemon")
+            os.unlink(path)  # stale socket of a daemon that did not exit cleanly
+        old_umask = os.umask(0o177)  # socket file 0600: only our user may connect
+        try:
+            sock.bind(endpoint)
+        finally:
+            os.umask(old_umask)
+
+    # --- run and stop ----------------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        self._stopping.set()
+        self._stop_requested.set()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        await self.start()
-        await self._stopping.wait()
-        await self.stop()
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        try:
+            await self.start()
+            await self._stop_requested.wait()
+        finally:
+            await self.stop()
 
     async def stop(self) -> None:
-        log.info("kvd %s shutting down", self.config.node_id)
+        """Refuse new work, let in-flight transfers finish (up to drain_timeout), then close."""
+        if self.draining:
+            return
+        self.draining = True
+        self.notifier.notify("STOPPING=1")
+        log.info("kvd %s shutting down (draining up to %gs)", self.config.node_id, self.config.drain_timeout)
+        deadline = time.monotonic() + self.config.drain_timeout
+        while self.exchange is not None and self.exchange.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         self.ready = False
         if self.exchange is not None:
-            await self.exchange.close()
+            await self.exchange.close()  # aborts what is left, telling peers
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.http is not None:
+            await self.http.close()
         if self.local is not None:
             self.local.close()
             if self.config.socket.startswith("ipc://"):
@@ -119,311 +145,77 @@ class Daemon:
                 except FileNotFoundError:
                     pass
         if self.ctx is not None:
-            self.ctx.term()
+            self.ctx.destroy(linger=500)  # closes any socket a failed start left open
         self.exchange = None
         if self.memory is not None:
             self.memory.close()
         log.info("kvd %s stopped", self.config.node_id)
 
-    def _spawn(self, coro, name: str) -> asyncio.Task:
+    def spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
+    # --- reload ------------------------------------------------------------------------------------
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the configuration; apply peers and log level, report the rest."""
+        if self._reload_config is None:
+            log.warning("SIGHUP: this daemon was started without a reloadable configuration")
+            return
+        try:
+            new = self._reload_config()
+        except (ValueError, OSError) as exc:
+            log.error("SIGHUP: configuration not reloaded: %s", exc)
+            return
+        old = self.config
+        changed = {f.name for f in dataclasses.fields(Config) if getattr(old, f.name) != getattr(new, f.name)}
+        fixed = sorted(changed - RELOADABLE)
+        if fixed:
+            log.warning("SIGHUP: %s cannot change while running; restart kvd to apply", ", ".join(fixed))
+        self.config = dataclasses.replace(old, peers=dict(new.peers), log_level=new.log_level)
+        if "log_level" in changed:
+            logging.getLogger().setLevel(new.log_level.upper())
+        if "peers" in changed:
+            self.exchange.set_peers(self.config.peers)
+        self.exchange.config = self.service.config = self.config
+        log.info("SIGHUP: configuration reloaded (%s)", ", ".join(sorted(changed & RELOADABLE)) or "no changes")
+
+    # --- housekeeping ------------------------------------------------------------------------------
+
     async def _housekeeping(self) -> None:
+        last_watchdog = 0.0
+        expected = time.monotonic() + HOUSEKEEPING_INTERVAL
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
             now = time.monotonic()
-            expired, abandoned, stale = self.store.sweep(now)
-            for entry in expired:
-                log.info("expired %s (ttl)", entry.request_id)
-            for entry in abandoned:
-                log.warning("dropped %s: its writer did not finish within the lease", entry.request_id)
-                self._on_dropped(entry, Timeout(f"the writer of {entry.request_id!r} did not finish in time"))
-            for lease in stale:
-                self._stream_leases.discard(lease.token)
-                log.warning("read lease on %s expired; entry given back", lease.request_id)
+            lag = max(0.0, now - expected)
+            expected = now + HOUSEKEEPING_INTERVAL
+            self.metrics.loop_lag.set(lag)
+            if lag > self.metrics.loop_lag_max._value.get():
+                self.metrics.loop_lag_max.set(lag)
+            self._sweep(now)
             self.exchange.check_deadlines(now)
+            self.exchange.heartbeat(now)
+            interval = self.notifier.watchdog_interval
+            if interval and now - last_watchdog >= interval:
+                self.notifier.notify("WATCHDOG=1")
+                last_watchdog = now
 
-    # --- waiting for entries -----------------------------------------------------------------------
-
-    def _wake(self, request_id: str) -> None:
-        for waiter in self._waiters.pop(request_id, []):
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def _wait_for(self, request_id: str, deadline: float, find) -> Entry:
-        """find() -> Entry | None, retried on every change to request_id until deadline.
-
-        Raises NotFound when told not to wait (deadline already passed), Timeout after waiting.
-        """
-        waited = False
-        while True:
-            entry = find()
-            if entry is not None:
-                return entry
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if waited:
-                    raise Timeout(f"request {request_id!r} did not arrive within the timeout")
-                raise NotFound(f"request {request_id!r} not found on {self.config.node_id}")
-            waited = True
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.setdefault(request_id, []).append(waiter)
-            try:
-                await asyncio.wait_for(waiter, remaining)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                waiters = self._waiters.get(request_id)
-                if waiters and waiter in waiters:
-                    waiters.remove(waiter)
-                    if not waiters:
-                        del self._waiters[request_id]
-
-    async def wait_ready(self, request_id: str, deadline: float) -> Entry:
-        """The READY entry for request_id, waiting for it to arrive until deadline."""
-        return await self._wait_for(request_id, deadline, lambda: self.store.ready(request_id))
-
-    def _streamable(self, request_id: str) -> Entry | None:
-        entry = self.store.entries.get(request_id)
-        return entry if entry is not None and entry.state is not State.CLAIMED else None
-
-    # --- entry events: local writes, arrivals from peers -----------------------------------------
-
-    def _on_progress(self, entry: Entry, indices: list[int]) -> None:
-        """Tensors of an entry still being written or received are complete."""
-        if entry.state is State.RECEIVING and entry.request_id not in self._readers:
-            self._wake(entry.request_id)  # a get_stream may be waiting for the entry to exist
-        for reader in self._readers.get(entry.request_id, []):
-            if reader.entry is entry:
-                fresh = reader.news(indices)
-                if fresh:
-                    self._reply(reader.rid, p.TensorsReady(req=reader.req, tensors=fresh))
-
-    def _on_published(self, entry: Entry) -> None:
-        readers = [r for r in self._readers.pop(entry.request_id, []) if r.entry is entry]
-        for reader in readers:
-            fresh = reader.news(list(range(len(entry.specs))))
-            self._reply(reader.rid, p.TensorsReady(req=reader.req, tensors=fresh, complete=True))
-            self.store.set_lease_deadline(reader.lease_token, time.monotonic() + self.config.lease_timeout)
-        self._wake(entry.request_id)
-
-    def _on_dropped(self, entry: Entry, error: KvdError) -> None:
-        """An entry failed before completion: its stream readers get the error, leases go."""
-        for reader in [r for r in self._readers.pop(entry.request_id, []) if r.entry is entry]:
-            self._reply(reader.rid, p.error_reply(reader.req, error, self.config.node_id))
-            self._stream_leases.discard(reader.lease_token)
-            try:
-                self.store.release(reader.lease_token, success=False)
-            except NotFound:
-                pass
-        producer = self._producers.get(entry.token)
-        if producer is not None and producer.outbound is not None:
-            self.exchange.abort(producer.outbound, error)
-
-    # --- local clients -------------------------------------------------------------------------------
-
-    def _on_local_message(self, frames: list) -> None:
-        rid = frames[0]
-        try:
-            msg = p.decode(frames[1:])
-        except KvdError as exc:
-            self.counters["errors"] += 1
-            log.warning("undecodable client message: %s", exc)
-            self._reply(rid, p.error_reply(0, exc, self.config.node_id))
-            return
-        try:
-            if self._stopping.is_set() and not isinstance(msg, (p.GetDone, p.Stats, p.Hello)):
-                raise ShuttingDown(f"daemon {self.config.node_id} is shutting down")
-            reply = self._handle_now(rid, msg)
-        except Exception as exc:
-            reply = self._error(msg, exc)
-        if reply is not None:
-            self._reply(rid, reply)
-
-    def _reply(self, rid: bytes, msg: p.Message) -> None:
-        self.local.send_now([rid, *p.encode(msg)])
-
-    def _error(self, msg: p.Message, exc: Exception) -> p.Error:
-        self.counters["errors"] += 1
-        if not isinstance(exc, KvdError):
-            log.exception("internal error handling %s", msg.TYPE, exc_info=exc)
-        return p.error_reply(getattr(msg, "req", 0), exc, self.config.node_id)
-
-    def _later(self, rid: bytes, msg: p.Message, coro) -> None:
-        """Run a handler that waits (on a peer, or for data) without holding up other clients."""
-        async def run() -> None:
-            try:
-                reply = await coro
-            except Exception as exc:
-                reply = self._error(msg, exc)
-            self._reply(rid, reply)
-
-        self._spawn(run(), f"{msg.TYPE}-{getattr(msg, 'request_id', '')}")
-
-    def _handle_now(self, rid: bytes, msg: p.Message) -> p.Message | None:
-        cfg = self.config
-        match msg:
-            case p.Hello():
-                return p.HelloOk(req=msg.req, node_id=cfg.node_id, incarnation=self.incarnation,
-                                 pool_path=self.memory.client_path, pool_size=cfg.pool_size,
-                                 block_size=cfg.block_size, device=cfg.device)
-            case p.PutAlloc():
-                specs = [TensorSpec.from_wire(t) for t in msg.tensors]
-                entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.WRITING,
-                                           time.monotonic() + cfg.lease_timeout)
-                if msg.stream:
-                    self._wake(entry.request_id)  # get_stream readers may start now
-                    if self._is_remote(msg.dest):
-                        self._start_producer(entry, msg.dest)
-                return p.PutSlots(req=msg.req, token=entry.token, segments=entry.segments(cfg.block_size))
-            case p.PutPart():
-                entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
-                self._written(entry, entry.mark_tensors(msg.tensors), msg.tensors)
-                return None
-            case p.PutCommit():
-                producer = self._producers.get(msg.token)
-                if producer is not None and producer.entry.request_id == msg.request_id and producer.entry.removed:
-                    # every tensor was written and the peer already has them all: just report
-                    self._later(rid, msg, self._finish_push(producer, msg))
-                    return None
-                entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
-                rest = [i for i, left in enumerate(entry.remaining) if left]
-                if producer is None and self._is_remote(msg.dest):
-                    producer = self._start_producer(entry, msg.dest)
-                self._written(entry, entry.mark_tensors(rest), rest)
-                self.store.publish(entry)
-                self.counters["puts"] += 1
-                if producer is None:
-                    self._on_published(entry)
-                    return p.Ok(req=msg.req)
-                self._later(rid, msg, self._finish_push(producer, msg))
-                return None
-            case p.GetStream():
-                self._later(rid, msg, self._get_stream(rid, msg))
-                return None
-            case p.Get():
-                if not 0 <= msg.timeout <= MAX_WAIT:
-                    raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
-                entry = self.store.ready(msg.request_id)
-                if entry is not None:
-                    return self._lease_for_client(msg, entry)
-                self._later(rid, msg, self._get_later(msg))
-                return None
-            case p.GetDone():
-                entry = self.store.release(msg.token, success=msg.consume)
-                if msg.token in self._stream_leases:
-                    self._stream_leases.discard(msg.token)
-                    self._drop_reader(msg.token)
-                    if msg.consume:
-                        self.store.remove(entry)
-                self.counters["gets"] += 1
-                return p.Ok(req=msg.req) if msg.reply else None
-            case p.Delete():
-                entry = self.store.entries.get(msg.request_id)
-                if entry is None:
-                    return p.Ok(req=msg.req, value=False)
-                self.store.remove(entry)
-                if entry.state in (State.WRITING, State.RECEIVING):
-                    self._on_dropped(entry, NotFound(f"request {msg.request_id!r} was deleted"))
-                return p.Ok(req=msg.req, value=True)
-            case p.Stats():
-                return p.Ok(req=msg.req, value=self.stats())
-            case p.ListEntries():
-                return p.Ok(req=msg.req, value=[e.describe() for e in self.store.entries.values()])
-            case _:
-                raise BadRequest(f"{msg.TYPE} is not a client request")
-
-    def _lease_for_client(self, msg: p.Get, entry: Entry) -> p.GetSlots:
-        lease = self.store.lease(entry, consume=not msg.keep, deadline=time.monotonic() + self.config.lease_timeout)
-        return p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
-                          segments=entry.segments(self.config.block_size), meta=entry.meta)
-
-    def _is_remote(self, dest: str | None) -> bool:
-        return dest is not None and dest != self.config.node_id
-
-    def _start_producer(self, entry: Entry, dest: str) -> Producer:
-        """Push entry to dest as its bytes are written (the Offer goes out right away)."""
-        lease = self.store.lease(entry, consume=True, deadline=None, incomplete=True)
-        producer = Producer(entry, lease.token, dest)
-        self._producers[entry.token] = producer
-
-        async def run() -> None:
-            producer.outbound = await self.exchange.open_push(entry, lease.token, dest)
-            self.exchange.queue(producer.outbound, producer.pending)
-            producer.pending = []
-            await producer.outbound.done
-
-        producer.task = self._spawn(run(), f"push-{entry.request_id}")
-        producer.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen by _finish_push
-        return producer
-
-    def _written(self, entry: Entry, ranges: list[tuple[int, int]], indices: list[int]) -> None:
-        """A local producer wrote these tensors: tell stream readers, ship them to the peer."""
-        self._on_progress(entry, indices)
-        producer = self._producers.get(entry.token)
-        if producer is None or not ranges:
-            return
-        if producer.outbound is None:
-            producer.pending.extend(ranges)
-        else:
-            self.exchange.queue(producer.outbound, ranges)
-
-    async def _finish_push(self, producer: Producer, msg: p.PutCommit) -> p.Message:
-        entry = producer.entry
-        try:
-            await producer.task
-            self.exchange.counters["pushes"] += 1
-        except BaseException:
-            # the caller still has its tensors and gets the error; the local copy goes
-            # (its blocks return once the exchange lets go of its lease)
-            self.store.remove(entry)
-            raise
-        finally:
-            self._producers.pop(entry.token, None)
-        return p.Ok(req=msg.req)
-
-    async def _get_stream(self, rid: bytes, msg: p.GetStream) -> p.Message:
-        """Lease an entry that may still be arriving; TensorsReady messages follow the slots."""
-        if not 0 <= msg.timeout <= MAX_WAIT:
-            raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
-        deadline = time.monotonic() + msg.timeout
-        entry = await self._wait_for(msg.request_id, deadline, lambda: self._streamable(msg.request_id))
-        complete = entry.state is State.READY
-        lease = self.store.lease(entry, consume=False, incomplete=True,
-                                 deadline=time.monotonic() + self.config.lease_timeout if complete else None)
-        self._stream_leases.add(lease.token)
-        reader = StreamReader(rid, msg.req, entry, lease.token)
-        slots = p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
-                           segments=entry.segments(self.config.block_size), meta=entry.meta)
-        self._reply(rid, slots)
-        ready = reader.news(entry.complete_tensors())
-        if not complete:
-            self._readers.setdefault(entry.request_id, []).append(reader)
-        return p.TensorsReady(req=msg.req, tensors=ready, complete=complete)
-
-    def _drop_reader(self, lease_token: int) -> None:
-        for request_id, readers in list(self._readers.items()):
-            kept = [r for r in readers if r.lease_token != lease_token]
-            if kept:
-                self._readers[request_id] = kept
-            else:
-                del self._readers[request_id]
-
-    async def _get_later(self, msg: p.Get) -> p.Message:
-        deadline = time.monotonic() + msg.timeout
-        if msg.source is not None and msg.source != self.config.node_id:
-            entry = self.store.ready(msg.request_id)
-            if entry is None:
-                # the pull's own deadline (timeout + transfer_timeout) bounds this wait
-                entry = await self.exchange.pull(msg.request_id, msg.source, msg.timeout, keep=False)
-            if entry.state is not State.READY:  # taken by another reader in the meantime
-                entry = await self.wait_ready(msg.request_id, deadline)
-        else:
-            entry = await self.wait_ready(msg.request_id, deadline)
-        return self._lease_for_client(msg, entry)
+    def _sweep(self, now: float) -> None:
+        expired, abandoned, stale = self.store.sweep(now)
+        for entry in expired:
+            log.info("expired %s (ttl)", entry.request_id)
+        self.metrics.expired.inc(len(expired))
+        for entry in abandoned:
+            log.warning("dropped %s: its writer did not finish within the lease", entry.request_id)
+            self.service.on_dropped(entry, Timeout(f"the writer of {entry.request_id!r} did not finish in time"))
+        self.metrics.abandoned.inc(len(abandoned))
+        for lease in stale:
+            self.service.lease_expired(lease.token)
+            log.warning("read lease on %s expired; entry given back", lease.request_id)
+        self.metrics.lease_expiries.inc(len(stale))
 
     def stats(self) -> dict:
         cfg, store = self.config, self.store
@@ -432,6 +224,8 @@ class Daemon:
             "incarnation": self.incarnation,
             "device": cfg.device,
             "uptime_s": round(time.time() - self.started_at, 3),
+            "ready": self.ready,
+            "draining": self.draining,
             "pool": {
                 "capacity_bytes": store.allocator.num_blocks * cfg.block_size,
                 "used_bytes": store.used_bytes,
@@ -444,8 +238,10 @@ class Daemon:
             "expired_total": store.expired_total,
             "transfers_in_flight": len(self.exchange.transfers),
             "peers": self.exchange.peer_states(),
-            "counters": {**self.counters, **self.exchange.counters},
+            "counters": {**self.service.counters, **self.exchange.counters},
+            "recent_errors": list(self.service.recent_errors),
             "listen": self.exchange.bound_endpoint,
+            "metrics": f"http://{cfg.metrics_host}:{self.http.port}/metrics" if self.http else None,
         }
 
 

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Protocol
 
 import zmq
 
@@ -25,12 +25,22 @@ from .errors import (
     BadRequest, ChecksumMismatch, KvdError, NotFound, PeerUnavailable, ProtocolError, error_from_code,
 )
 from .layout import TensorSpec, physical_segments
+from .metrics import Metrics
 from .peers import Channel, PeerLink, tune_peer_socket
 from .store import Entry, State, Store
 from .transfer import ReceiveLedger, SendWindow
 from .zsock import LoopSocket
 
 log = logging.getLogger(__name__)
+
+
+class EntryEvents(Protocol):
+    """What the exchange tells the rest of the daemon about entries arriving from peers."""
+
+    async def wait_ready(self, request_id: str, deadline: float) -> Entry: ...
+    def on_progress(self, entry: Entry, indices: list[int]) -> None: ...  # tensors completed
+    def on_published(self, entry: Entry) -> None: ...
+    def on_dropped(self, entry: Entry, error: KvdError) -> None: ...  # failed, removed
 
 
 @dataclass(eq=False)
@@ -92,19 +102,17 @@ def scatter(pool: memoryview, segments: list[tuple[int, int]], frames: list) -> 
 
 class Exchange:
     def __init__(self, config: Config, store: Store, pool: memoryview, ctx: zmq.Context,
-                 incarnation: int, wait_ready: Callable[[str, float], Awaitable[Entry]],
-                 on_progress: Callable[[Entry, list[int]], None],
-                 on_published: Callable[[Entry], None],
-                 on_dropped: Callable[[Entry, KvdError], None]) -> None:
+                 incarnation: int, metrics: Metrics) -> None:
         self.config = config
         self.store = store
         self.pool = pool
         self.ctx = ctx
         self.incarnation = incarnation
-        self._wait_ready = wait_ready
-        self._on_progress = on_progress  # tensors of a still-arriving entry completed
-        self._on_published = on_published
-        self._on_dropped = on_dropped  # an arriving entry failed and was removed
+        self.metrics = metrics
+        # told about arriving entries: wait_ready(), on_progress(), on_published(), on_dropped()
+        self.events: EntryEvents | None = None
+        self._router_seen: dict[bytes, float] = {}  # routing id -> last message (liveness)
+        self._last_ping = 0.0
         self.links: dict[str, PeerLink] = {}  # peer name or endpoint -> link
         self.transfers: dict[int, Outbound | Inbound] = {}
         self._router_peers: dict[bytes, str] = {}  # routing id -> node id, after PeerHello
@@ -239,9 +247,12 @@ class Exchange:
                             digest=digest(out.checksum, pieces), payload=pieces)
             out.sends.append(self._send(out.channel, chunk, track=True))
             self.counters["sent_bytes"] += length
+            self.metrics.bytes.labels(out.channel.peer_name, "sent").inc(length)
 
     def _finish_outbound(self, out: Outbound, error: KvdError | None) -> None:
         self.transfers.pop(out.xfer, None)
+        self.metrics.transfer_done(out.channel.peer_name, "sent", "ok" if error is None else "failed",
+                                   time.monotonic() - out.started)
         if error is None:
             # the receiver verified every byte, so ZeroMQ has finished reading our frames
             self.store.release(out.lease_token, success=True)
@@ -296,7 +307,7 @@ class Exchange:
             return
         inbound.entry, inbound.checksum = entry, msg.checksum
         inbound.ledger = ReceiveLedger(entry.total_bytes, msg.chunk_size)
-        self._on_progress(entry, entry.complete_tensors())  # a stream reader may be waiting for it
+        self.events.on_progress(entry, entry.complete_tensors())  # a stream reader may be waiting for it
         inbound.deadline = time.monotonic() + self.config.transfer_timeout
         self.transfers[msg.xfer] = inbound
         self._send(channel, p.Accept(xfer=msg.xfer))
@@ -314,29 +325,32 @@ class Exchange:
         scatter(self.pool, physical_segments(entry.extents, self.store.block_size, msg.offset, length), msg.payload)
         ledger.mark(msg.seq, msg.offset, length)
         self.counters["received_bytes"] += length
+        self.metrics.bytes.labels(inbound.channel.peer_name, "received").inc(length)
         completed = entry.mark_range(msg.offset, length)
         inbound.deadline = time.monotonic() + self.config.transfer_timeout
         self._send(inbound.channel, p.ChunkAck(xfer=inbound.xfer, seq=msg.seq))
         if ledger.complete:
             self._complete_inbound(inbound)
         elif completed:
-            self._on_progress(entry, completed)
+            self.events.on_progress(entry, completed)
 
     def _complete_inbound(self, inbound: Inbound) -> None:
         self.transfers.pop(inbound.xfer, None)
+        # a pull is timed from the Pull request; a pushed entry from its Offer
+        self.metrics.transfer_done(inbound.channel.peer_name, "received", "ok", time.monotonic() - inbound.started)
         entry = inbound.entry
         self.store.publish(entry)
         self._send(inbound.channel, p.Done(xfer=inbound.xfer))
         log.debug("received %s from %s (%d bytes)", entry.request_id, inbound.channel.peer_name, entry.total_bytes)
         if inbound.done is not None and not inbound.done.done():
             inbound.done.set_result(entry)
-        self._on_published(entry)
+        self.events.on_published(entry)
 
     # --- serving a pull -------------------------------------------------------------------------
 
     async def _serve_pull(self, channel: Channel, msg: p.Pull) -> None:
         try:
-            entry = await self._wait_ready(msg.request_id, time.monotonic() + min(msg.timeout, 3600.0))
+            entry = await self.events.wait_ready(msg.request_id, time.monotonic() + min(msg.timeout, 3600.0))
             lease = self.store.lease(entry, consume=not msg.keep, deadline=None)
         except KvdError as exc:
             self._send(channel, p.Abort(xfer=msg.xfer, code=exc.code, message=exc.message))
@@ -403,11 +417,54 @@ class Exchange:
             self._finish_outbound(transfer, error)
             return
         self.transfers.pop(transfer.xfer, None)
+        self.metrics.transfer_done(transfer.channel.peer_name, "received", "failed", None)
         if transfer.entry is not None:
             self.store.remove(transfer.entry)
-            self._on_dropped(transfer.entry, error)
+            self.events.on_dropped(transfer.entry, error)
         if transfer.done is not None and not transfer.done.done():
             transfer.done.set_exception(error)
+
+    def busy(self) -> bool:
+        """Transfers are in flight (shutdown waits for them to finish)."""
+        return bool(self.transfers)
+
+    def set_peers(self, peers: dict[str, str]) -> None:
+        """Apply a reloaded peer list: new names are linked, removed ones closed."""
+        for name in [n for n in self.links if not n.startswith("tcp://") and n not in peers]:
+            self.links.pop(name).close()
+            log.info("peer %s removed", name)
+        for name, endpoint in peers.items():
+            link = self.links.get(name)
+            if link is not None and link.endpoint != endpoint:
+                self.links.pop(name).close()
+                link = None
+            if link is None:
+                self.links[name] = self._new_link(name, endpoint)
+                log.info("peer %s added at %s", name, endpoint)
+
+    def heartbeat(self, now: float) -> None:
+        """Ping every linked peer; a peer silent past heartbeat_timeout is lost and its transfers fail."""
+        cfg = self.config
+        if now - self._last_ping >= cfg.heartbeat_interval:
+            self._last_ping = now
+            for link in self.links.values():
+                link.ping(now)
+        for link in self.links.values():
+            if link.connected and now - link.last_seen > cfg.heartbeat_timeout:
+                log.warning("peer %s lost: silent for %.1fs", link.name, now - link.last_seen)
+                link.mark_lost()
+                self._fail_channel(link.channel.key, f"peer {link.name} stopped answering")
+        for rid, seen in list(self._router_seen.items()):
+            if now - seen > cfg.heartbeat_timeout:
+                del self._router_seen[rid]
+                name = self._router_peers.pop(rid, rid.hex())
+                log.warning("peer %s (connected to us) lost: silent for %.1fs", name, now - seen)
+                self._fail_channel(("router", rid), f"peer {name} stopped answering")
+
+    def _fail_channel(self, key: tuple, reason: str) -> None:
+        for transfer in list(self.transfers.values()):
+            if transfer.channel.key == key:
+                self._fail(transfer, PeerUnavailable(reason), notify=False)
 
     def abort(self, transfer: "Outbound | Inbound", error: KvdError) -> None:
         """End a transfer from our side (its entry was dropped); the peer is told."""
@@ -446,6 +503,8 @@ class Exchange:
 
     def _on_router_frames(self, frames: list) -> None:
         rid = frames[0].bytes
+        if rid in self._router_peers:
+            self._router_seen[rid] = time.monotonic()
         channel = self._router_channel(rid)
         try:
             msg = p.decode([f.buffer for f in frames[1:]])
@@ -457,6 +516,7 @@ class Exchange:
             if self._router_peers.get(rid) != msg.node_id:
                 log.info("peer %s (incarnation %x) connected to us", msg.node_id, msg.incarnation)
             self._router_peers[rid] = msg.node_id
+            self._router_seen[rid] = time.monotonic()
             self._send(self._router_channel(rid),
                        p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation))
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 import zmq
@@ -65,6 +66,16 @@ class PeerLink:
                                lambda frames, track: self.socket.send(frames, copy=False, track=track))
         self._hello: asyncio.Future | None = None
         self.connected = False
+        self.last_seen = 0.0  # monotonic time of the last message from this peer
+
+    def ping(self, now: float) -> None:
+        """Heartbeat: a Ping when connected, a fresh hello otherwise (reconnects in the background)."""
+        if self.socket.backlog:
+            return  # the last one has not left yet: the peer is not reachable
+        if self.connected:
+            self.channel.send(p.Ping(nonce=int(now * 1000)))
+        else:
+            self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
 
     async def ensure_ready(self, timeout: float) -> None:
         """Handshake once (again after a loss): PeerHello, wait for PeerHelloOk."""
@@ -85,20 +96,23 @@ class PeerLink:
         self.connected = False
 
     def _on_frames(self, frames: list) -> None:
+        self.last_seen = time.monotonic()
         try:
             msg = p.decode([f.buffer for f in frames])
         except Exception as exc:
             log.warning("peer %s sent an undecodable message: %s", self.name, exc)
             return
         if isinstance(msg, p.PeerHelloOk):
-            if self.remote_incarnation not in (None, msg.incarnation):
-                log.warning("peer %s restarted (new incarnation)", self.name)
             self.remote_node_id, self.remote_incarnation = msg.node_id, msg.incarnation
             if not self.connected:
                 log.info("peer %s connected: node %s at %s", self.name, msg.node_id, self.endpoint)
+            elif self.remote_incarnation != msg.incarnation:
+                log.warning("peer %s answered with a new incarnation: it restarted", self.name)
             self.connected = True
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(None)
+            return
+        if isinstance(msg, p.Pong):
             return
         self._on_message(self, msg)
 

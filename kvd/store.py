@@ -36,6 +36,7 @@ class Lease:
     request_id: str
     consume: bool  # removing the entry when released successfully
     deadline: float | None  # monotonic; None: the holder (a transfer) manages its own time
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True, eq=False)
@@ -202,6 +203,10 @@ class Store:
                 entry.state = State.READY
         self._free_if_unused(entry)
         return entry
+
+    def lease_of(self, token: int) -> Lease | None:
+        found = self._leases.get(token)
+        return found[1] if found else None
 
     def set_lease_deadline(self, token: int, deadline: float | None) -> None:
         found = self._leases.get(token)

@@ -87,6 +87,11 @@ class LoopSocket:
         self._schedule_check()
         return future
 
+    @property
+    def backlog(self) -> int:
+        """Messages waiting for the socket to accept them."""
+        return len(self._pending)
+
     def send_now(self, frames: list) -> None:
         """Fire and forget (control replies): a message that cannot go now is queued the same way."""
         future = self.send(frames)

@@ -1,0 +1,333 @@
+"""Serving local clients: put, get, streams, delete, stats, over the daemon's ipc socket.
+
+Handlers that can answer at once do so inside the socket callback; those that wait (for
+data to arrive, or on a peer) run as tasks, so one slow request never holds up another.
+Any exception becomes an Error reply carrying its wire code. Also owns what happens when
+entries change: waking waiters, telling stream readers, shipping streamed writes.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from . import protocol as p
+from .errors import BadRequest, KvdError, NotFound, ShuttingDown, Timeout
+from .layout import TensorSpec
+from .store import Entry, State
+from .streams import Producer, StreamReader
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logging.getLogger(__name__)
+
+MAX_WAIT = 3600.0  # longest get timeout we accept
+RECENT_ERRORS = 20  # kept for `kvd status`
+
+
+class ClientService:
+    def __init__(self, daemon: "Daemon") -> None:
+        self.daemon = daemon
+        self.config = daemon.config
+        self.store = daemon.store
+        self.exchange = daemon.exchange
+        self.metrics = daemon.metrics
+        self._waiters: dict[str, list[asyncio.Future]] = {}  # request id -> woken on any change
+        self._producers: dict[int, Producer] = {}  # entry token -> push in progress
+        self._readers: dict[str, list[StreamReader]] = {}  # request id -> get_stream clients
+        self._stream_leases: set[int] = set()
+        self.counters = {"puts": 0, "gets": 0, "errors": 0}
+        self.recent_errors: collections.deque = collections.deque(maxlen=RECENT_ERRORS)
+
+    def _wake(self, request_id: str) -> None:
+        for waiter in self._waiters.pop(request_id, []):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait_for(self, request_id: str, deadline: float, find) -> Entry:
+        """find() -> Entry | None, retried on every change to request_id until deadline.
+
+        Raises NotFound when told not to wait (deadline already passed), Timeout after waiting.
+        """
+        waited = False
+        while True:
+            entry = find()
+            if entry is not None:
+                return entry
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if waited:
+                    raise Timeout(f"request {request_id!r} did not arrive within the timeout")
+                raise NotFound(f"request {request_id!r} not found on {self.config.node_id}")
+            waited = True
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(request_id, []).append(waiter)
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                waiters = self._waiters.get(request_id)
+                if waiters and waiter in waiters:
+                    waiters.remove(waiter)
+                    if not waiters:
+                        del self._waiters[request_id]
+
+    async def wait_ready(self, request_id: str, deadline: float) -> Entry:
+        """The READY entry for request_id, waiting for it to arrive until deadline."""
+        return await self._wait_for(request_id, deadline, lambda: self.store.ready(request_id))
+
+    def _streamable(self, request_id: str) -> Entry | None:
+        entry = self.store.entries.get(request_id)
+        return entry if entry is not None and entry.state is not State.CLAIMED else None
+
+    # --- entry events: local writes, arrivals from peers -----------------------------------------
+
+    def on_progress(self, entry: Entry, indices: list[int]) -> None:
+        """Tensors of an entry still being written or received are complete."""
+        if entry.state is State.RECEIVING and entry.request_id not in self._readers:
+            self._wake(entry.request_id)  # a get_stream may be waiting for the entry to exist
+        for reader in self._readers.get(entry.request_id, []):
+            if reader.entry is entry:
+                fresh = reader.news(indices)
+                if fresh:
+                    self._reply(reader.rid, p.TensorsReady(req=reader.req, tensors=fresh))
+
+    def on_published(self, entry: Entry) -> None:
+        readers = [r for r in self._readers.pop(entry.request_id, []) if r.entry is entry]
+        for reader in readers:
+            fresh = reader.news(list(range(len(entry.specs))))
+            self._reply(reader.rid, p.TensorsReady(req=reader.req, tensors=fresh, complete=True))
+            self.store.set_lease_deadline(reader.lease_token, time.monotonic() + self.config.lease_timeout)
+        self._wake(entry.request_id)
+
+    def on_dropped(self, entry: Entry, error: KvdError) -> None:
+        """An entry failed before completion: its stream readers get the error, leases go."""
+        for reader in [r for r in self._readers.pop(entry.request_id, []) if r.entry is entry]:
+            self._reply(reader.rid, p.error_reply(reader.req, error, self.config.node_id))
+            self._stream_leases.discard(reader.lease_token)
+            try:
+                self.store.release(reader.lease_token, success=False)
+            except NotFound:
+                pass
+        producer = self._producers.get(entry.token)
+        if producer is not None and producer.outbound is not None:
+            self.exchange.abort(producer.outbound, error)
+
+    # --- local clients -------------------------------------------------------------------------------
+
+    def on_local_message(self, frames: list) -> None:
+        rid = frames[0]
+        try:
+            msg = p.decode(frames[1:])
+        except KvdError as exc:
+            log.warning("undecodable client message: %s", exc)
+            self._reply(rid, self._error(p.Message(), exc))
+            return
+        try:
+            if self.daemon.draining and not isinstance(msg, (p.GetDone, p.Stats, p.Hello)):
+                raise ShuttingDown(f"daemon {self.config.node_id} is shutting down")
+            reply = self._handle_now(rid, msg)
+        except Exception as exc:
+            reply = self._error(msg, exc)
+        if reply is not None:
+            self._reply(rid, reply)
+
+    def _reply(self, rid: bytes, msg: p.Message) -> None:
+        self.daemon.local.send_now([rid, *p.encode(msg)])
+
+    def _error(self, msg: p.Message, exc: Exception) -> p.Error:
+        self.counters["errors"] += 1
+        if not isinstance(exc, KvdError):
+            log.exception("internal error handling %s", msg.TYPE, exc_info=exc)
+        reply = p.error_reply(getattr(msg, "req", 0), exc, self.config.node_id)
+        self.metrics.error(reply.code)
+        self.recent_errors.append({"time": round(time.time(), 3), "request": msg.TYPE,
+                                   "request_id": getattr(msg, "request_id", None), "code": reply.code,
+                                   "message": reply.message})
+        return reply
+
+    def lease_expired(self, token: int) -> None:
+        self._stream_leases.discard(token)
+
+    def _later(self, rid: bytes, msg: p.Message, coro) -> None:
+        """Run a handler that waits (on a peer, or for data) without holding up other clients."""
+        async def run() -> None:
+            try:
+                reply = await coro
+            except Exception as exc:
+                reply = self._error(msg, exc)
+            self._reply(rid, reply)
+
+        self.daemon.spawn(run(), f"{msg.TYPE}-{getattr(msg, 'request_id', '')}")
+
+    def _handle_now(self, rid: bytes, msg: p.Message) -> p.Message | None:
+        cfg = self.config
+        match msg:
+            case p.Hello():
+                return p.HelloOk(req=msg.req, node_id=cfg.node_id, incarnation=self.daemon.incarnation,
+                                 pool_path=self.daemon.memory.client_path, pool_size=cfg.pool_size,
+                                 block_size=cfg.block_size, device=cfg.device)
+            case p.PutAlloc():
+                specs = [TensorSpec.from_wire(t) for t in msg.tensors]
+                entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.WRITING,
+                                           time.monotonic() + cfg.lease_timeout)
+                if msg.stream:
+                    self._wake(entry.request_id)  # get_stream readers may start now
+                    if self._is_remote(msg.dest):
+                        self._start_producer(entry, msg.dest)
+                return p.PutSlots(req=msg.req, token=entry.token, segments=entry.segments(cfg.block_size))
+            case p.PutPart():
+                entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
+                self._written(entry, entry.mark_tensors(msg.tensors), msg.tensors)
+                return None
+            case p.PutCommit():
+                producer = self._producers.get(msg.token)
+                if producer is not None and producer.entry.request_id == msg.request_id and producer.entry.removed:
+                    # every tensor was written and the peer already has them all: just report
+                    self._later(rid, msg, self._finish_push(producer, msg))
+                    return None
+                entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
+                rest = [i for i, left in enumerate(entry.remaining) if left]
+                if producer is None and self._is_remote(msg.dest):
+                    producer = self._start_producer(entry, msg.dest)
+                self._written(entry, entry.mark_tensors(rest), rest)
+                self.store.publish(entry)
+                self.counters["puts"] += 1
+                self.metrics.local_bytes.labels("in").inc(entry.total_bytes)
+                if producer is None:
+                    self.metrics.duration.labels("local_put").observe(time.time() - entry.created)
+                    self.on_published(entry)
+                    return p.Ok(req=msg.req)
+                self._later(rid, msg, self._finish_push(producer, msg))
+                return None
+            case p.GetStream():
+                self._later(rid, msg, self._get_stream(rid, msg))
+                return None
+            case p.Get():
+                if not 0 <= msg.timeout <= MAX_WAIT:
+                    raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
+                entry = self.store.ready(msg.request_id)
+                if entry is not None:
+                    return self._lease_for_client(msg, entry)
+                self._later(rid, msg, self._get_later(msg))
+                return None
+            case p.GetDone():
+                lease = self.store.lease_of(msg.token)
+                entry = self.store.release(msg.token, success=msg.consume)
+                if lease is not None and msg.consume:
+                    self.metrics.duration.labels("local_get").observe(time.monotonic() - lease.started)
+                    self.metrics.local_bytes.labels("out").inc(entry.total_bytes)
+                if msg.token in self._stream_leases:
+                    self._stream_leases.discard(msg.token)
+                    self._drop_reader(msg.token)
+                    if msg.consume:
+                        self.store.remove(entry)
+                self.counters["gets"] += 1
+                return p.Ok(req=msg.req) if msg.reply else None
+            case p.Delete():
+                entry = self.store.entries.get(msg.request_id)
+                if entry is None:
+                    return p.Ok(req=msg.req, value=False)
+                self.store.remove(entry)
+                if entry.state in (State.WRITING, State.RECEIVING):
+                    self.on_dropped(entry, NotFound(f"request {msg.request_id!r} was deleted"))
+                return p.Ok(req=msg.req, value=True)
+            case p.Stats():
+                return p.Ok(req=msg.req, value=self.daemon.stats())
+            case p.ListEntries():
+                return p.Ok(req=msg.req, value=[e.describe() for e in self.store.entries.values()])
+            case _:
+                raise BadRequest(f"{msg.TYPE} is not a client request")
+
+    def _lease_for_client(self, msg: p.Get, entry: Entry) -> p.GetSlots:
+        lease = self.store.lease(entry, consume=not msg.keep, deadline=time.monotonic() + self.config.lease_timeout)
+        return p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
+                          segments=entry.segments(self.config.block_size), meta=entry.meta)
+
+    def _is_remote(self, dest: str | None) -> bool:
+        return dest is not None and dest != self.config.node_id
+
+    def _start_producer(self, entry: Entry, dest: str) -> Producer:
+        """Push entry to dest as its bytes are written (the Offer goes out right away)."""
+        lease = self.store.lease(entry, consume=True, deadline=None, incomplete=True)
+        producer = Producer(entry, lease.token, dest)
+        self._producers[entry.token] = producer
+
+        async def run() -> None:
+            producer.outbound = await self.exchange.open_push(entry, lease.token, dest)
+            self.exchange.queue(producer.outbound, producer.pending)
+            producer.pending = []
+            await producer.outbound.done
+
+        producer.task = self.daemon.spawn(run(), f"push-{entry.request_id}")
+        producer.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen by _finish_push
+        return producer
+
+    def _written(self, entry: Entry, ranges: list[tuple[int, int]], indices: list[int]) -> None:
+        """A local producer wrote these tensors: tell stream readers, ship them to the peer."""
+        self.on_progress(entry, indices)
+        producer = self._producers.get(entry.token)
+        if producer is None or not ranges:
+            return
+        if producer.outbound is None:
+            producer.pending.extend(ranges)
+        else:
+            self.exchange.queue(producer.outbound, ranges)
+
+    async def _finish_push(self, producer: Producer, msg: p.PutCommit) -> p.Message:
+        entry = producer.entry
+        try:
+            await producer.task
+            self.exchange.counters["pushes"] += 1
+        except BaseException:
+            # the caller still has its tensors and gets the error; the local copy goes
+            # (its blocks return once the exchange lets go of its lease)
+            self.store.remove(entry)
+            raise
+        finally:
+            self._producers.pop(entry.token, None)
+        return p.Ok(req=msg.req)
+
+    async def _get_stream(self, rid: bytes, msg: p.GetStream) -> p.Message:
+        """Lease an entry that may still be arriving; TensorsReady messages follow the slots."""
+        if not 0 <= msg.timeout <= MAX_WAIT:
+            raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
+        deadline = time.monotonic() + msg.timeout
+        entry = await self._wait_for(msg.request_id, deadline, lambda: self._streamable(msg.request_id))
+        complete = entry.state is State.READY
+        lease = self.store.lease(entry, consume=False, incomplete=True,
+                                 deadline=time.monotonic() + self.config.lease_timeout if complete else None)
+        self._stream_leases.add(lease.token)
+        reader = StreamReader(rid, msg.req, entry, lease.token)
+        slots = p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
+                           segments=entry.segments(self.config.block_size), meta=entry.meta)
+        self._reply(rid, slots)
+        ready = reader.news(entry.complete_tensors())
+        if not complete:
+            self._readers.setdefault(entry.request_id, []).append(reader)
+        return p.TensorsReady(req=msg.req, tensors=ready, complete=complete)
+
+    def _drop_reader(self, lease_token: int) -> None:
+        for request_id, readers in list(self._readers.items()):
+            kept = [r for r in readers if r.lease_token != lease_token]
+            if kept:
+                self._readers[request_id] = kept
+            else:
+                del self._readers[request_id]
+
+    async def _get_later(self, msg: p.Get) -> p.Message:
+        deadline = time.monotonic() + msg.timeout
+        if msg.source is not None and msg.source != self.config.node_id:
+            entry = self.store.ready(msg.request_id)
+            if entry is None:
+                # the pull's own deadline (timeout + transfer_timeout) bounds this wait
+                entry = await self.exchange.pull(msg.request_id, msg.source, msg.timeout, keep=False)
+            if entry.state is not State.READY:  # taken by another reader in the meantime
+                entry = await self.wait_ready(msg.request_id, deadline)
+        else:
+            entry = await self.wait_ready(msg.request_id, deadline)
+        return self._lease_for_client(msg, entry)
