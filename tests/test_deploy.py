@@ -205,11 +205,10 @@ def test_unit_file_settings():
     assert "kvd serve" in service["ExecStart"]
     parse_serve(shlex.split(service["ExecStart"])[2:])
     assert set(service["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
-    # Type=notify and WatchdogSec only once the daemon speaks sd_notify (checked for real in
-    # test_daemon_serves_with_the_example_config); until then Type=exec and no watchdog
-    assert service["Type"] in ("notify", "exec")
-    if "WatchdogSec" in service:
-        assert service["Type"] == "notify" and service["WatchdogSec"] == "30"
+    # the daemon speaks sd_notify (checked for real in test_daemon_serves_with_the_example_config)
+    assert service["Type"] == "notify"
+    assert service["WatchdogSec"] == "30"
+    assert "HUP" in service["ExecReload"]
     assert service.get("DynamicUser", "no") == "no"  # clients must be able to run as the daemon's user
     assert "MemoryDenyWriteExecute" not in service
     for comment in ("MemoryMax=", "DeviceAllow=", "MemoryDenyWriteExecute", "DynamicUser"):
@@ -259,7 +258,7 @@ def test_pod_sidecar_manifest():
     assert re.search(r"name: KVD_SOCKET\n\s+value: ipc:///run/kvd/kvd\.sock$", body, re.M)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert re.search(rf"^\s+{probe}:$", body, re.M), probe
-    assert "/readyz" in text and "/healthz" in text  # documented for when 9470 serves them
+    assert "path: /readyz" in text and "path: /healthz" in text
     assert len(re.findall(r"^\s+limits:$", body, re.M)) == 2 and "memory: 4608Mi" in body
     assert 'prometheus.io/scrape: "true"' in body and 'prometheus.io/port: "9470"' in body
     assert "containerPort: 7470" in body and "containerPort: 9470" in body
