@@ -119,6 +119,10 @@ def test_remote_pool_full_reaches_the_client_as_pool_full(daemons):
         with pytest.raises(kvd.PoolFull) as info:
             ca.put("huge", {"x": torch.zeros(32 << 20, dtype=torch.uint8)}, dest="B")
         assert info.value.remote == "B"
+        # the blocks return once ZeroMQ has let go of the chunks sent before B refused
+        deadline = time.monotonic() + 3
+        while ca.stats()["pool"]["used_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert ca.stats()["pool"]["used_bytes"] == 0
         ca.put("fits", {"x": torch.ones(1 << 20, dtype=torch.uint8)}, dest="B")
         assert cb.get("fits")["x"].sum().item() == 1 << 20
