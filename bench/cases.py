@@ -61,12 +61,13 @@ def pull(a: DaemonProc, b: DaemonProc, nbytes: int, repeats: int) -> Sample:
     return sample
 
 
-def _concurrent_pusher(socket: str, worker: int, count: int, nbytes: int, start, results) -> None:
+def _concurrent_pusher(socket: str, worker: int, count: int, nbytes: int, ready, start, results) -> None:
     import kvd
 
     async def main() -> tuple[float, float]:
         data = torch.full((nbytes,), worker, dtype=torch.uint8)
         async with kvd.AsyncClient(socket) as c:
+            ready.put(worker)
             start.wait()
             t0 = time.time()
             await asyncio.gather(*(c.put(f"c{worker}-{i}", {"x": data}, dest="B") for i in range(count)))
@@ -78,12 +79,13 @@ def _concurrent_pusher(socket: str, worker: int, count: int, nbytes: int, start,
 def concurrent_pushes(a: DaemonProc, b: DaemonProc, processes: int, per_process: int, nbytes: int) -> float:
     """Aggregate bytes/second of processes x per_process concurrent pushes of nbytes."""
     ctx = mp.get_context("spawn")
-    start, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_concurrent_pusher, args=(a.socket, w, per_process, nbytes, start, results))
+    ready, start, results = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_concurrent_pusher, args=(a.socket, w, per_process, nbytes, ready, start, results))
              for w in range(processes)]
     for proc in procs:
         proc.start()
-    time.sleep(3.0)  # let every worker import torch and connect
+    for _ in procs:  # every worker has imported torch and connected
+        ready.get(timeout=120)
     start.set()
     spans = [results.get(timeout=300) for _ in procs]
     for proc in procs:

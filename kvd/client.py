@@ -2,7 +2,7 @@
 
 Each operation (`_put`, `_get`, ...) is written once, as a generator that yields the
 requests it needs answered and receives the replies: no I/O inside. `AsyncClient` drives
-it over zmq.asyncio (many concurrent operations per connection); `Client` drives it over
+it on the event loop (many concurrent operations per connection); `Client` drives it over
 a blocking socket in the caller's thread (no event loop, no thread hop: the lowest
 latency for the common synchronous worker). Only control messages cross the socket;
 tensor bytes are copied by this process straight into (put) or out of (get) the daemon's
@@ -19,7 +19,6 @@ from typing import Any, Generator, Mapping
 
 import torch
 import zmq
-import zmq.asyncio
 
 from . import protocol as p
 from .config import default_socket
@@ -30,6 +29,7 @@ from .streaming import (
     Emit, Receive, StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream,
 )
 from .tensors import as_tensor, check_out, copy_in, copy_out, spec_of
+from .zsock import LoopSocket
 
 log = logging.getLogger(__name__)
 
@@ -151,11 +151,10 @@ class AsyncClient(_ClientCore):
 
     def __init__(self, socket: str | None = None, *, reply_timeout: float = REPLY_GRACE) -> None:
         super().__init__(socket, reply_timeout)
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: LoopSocket | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._streams: dict[int, asyncio.Queue] = {}  # get_stream req -> its later messages
-        self._reader: asyncio.Task | None = None
         self._connecting: asyncio.Lock | None = None
 
     async def _steps(self, op: Operation):
@@ -181,7 +180,7 @@ class AsyncClient(_ClientCore):
                 else:
                     msg, wait = step
                     if wait is NO_REPLY:
-                        self._sock.send_multipart(p.encode(msg))
+                        self._sock.send_now(p.encode(msg))
                         continue
                     if isinstance(msg, p.GetStream):
                         self._streams[msg.req] = asyncio.Queue()
@@ -194,7 +193,7 @@ class AsyncClient(_ClientCore):
         try:
             step = op.throw(exc)
             while not isinstance(step, (Emit, Receive)) and step[1] is NO_REPLY:
-                self._sock.send_multipart(p.encode(step[0]))
+                self._sock.send_now(p.encode(step[0]))
                 step = op.send(None)
         except (StopIteration, StreamClosed):
             pass
@@ -220,7 +219,7 @@ class AsyncClient(_ClientCore):
         fut = asyncio.get_running_loop().create_future()
         self._pending[msg.req] = fut
         try:
-            await self._sock.send_multipart(p.encode(msg))
+            self._sock.send_now(p.encode(msg))
             reply = await asyncio.wait_for(fut, wait + self.reply_timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"daemon at {self.endpoint} did not answer {msg.TYPE} in time") from None
@@ -228,22 +227,20 @@ class AsyncClient(_ClientCore):
             self._pending.pop(msg.req, None)
         return self._raise_if_error(reply)
 
-    async def _read(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart()
-            try:
-                msg = p.decode(frames)
-            except KvdError as exc:
-                log.warning("undecodable reply from the daemon: %s", exc)
-                continue
-            req = getattr(msg, "req", 0)
-            fut = self._pending.pop(req, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-            elif req in self._streams:
-                self._streams[req].put_nowait(msg)
-            elif isinstance(msg, p.Error):
-                log.warning("daemon reported: %s", msg.message)
+    def _on_reply(self, frames: list) -> None:
+        try:
+            msg = p.decode(frames)
+        except KvdError as exc:
+            log.warning("undecodable reply from the daemon: %s", exc)
+            return
+        req = getattr(msg, "req", 0)
+        fut = self._pending.pop(req, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+        elif req in self._streams:
+            self._streams[req].put_nowait(msg)
+        elif isinstance(msg, p.Error):
+            log.warning("daemon reported: %s", msg.message)
 
     async def connect(self) -> None:
         """Connect and map the pool. Every operation calls it; explicit use is optional."""
@@ -255,11 +252,11 @@ class AsyncClient(_ClientCore):
             if self._pool is not None:
                 return
             self._check_endpoint()
-            self._ctx = zmq.asyncio.Context()
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.connect(self.endpoint)
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+            self._ctx = zmq.Context()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._sock = LoopSocket(sock, self._on_reply)
             await self._drive(self._hello())
 
     async def put(self, request_id: str, kv: Mapping[str, Any], *, dest: str | None = None,
@@ -307,19 +304,12 @@ class AsyncClient(_ClientCore):
         return await self._drive(self._simple(p.ListEntries(req=next(self._reqs))))
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._reader = None
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(KvdError("client closed"))
         self._pending.clear()
         if self._sock is not None:
-            self._sock.close()
+            self._sock.close(0)
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()
