@@ -325,7 +325,7 @@ class ClientService:
             entry = self.store.ready(msg.request_id)
             if entry is None:
                 # the pull's own deadline (timeout + transfer_timeout) bounds this wait
-                entry = await self.exchange.pull(msg.request_id, msg.source, msg.timeout, keep=False)
+                entry = await self.exchange.pull(msg.request_id, msg.source, msg.timeout, keep=msg.keep)
             if entry.state is not State.READY:  # taken by another reader in the meantime
                 entry = await self.wait_ready(msg.request_id, deadline)
         else:
