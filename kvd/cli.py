@@ -53,6 +53,12 @@ def _serve_parser(sub) -> None:
     add("--log-format", choices=["text", "json"], help="(default: text)")
     add("--metrics-port", type=int, help=f"Prometheus /metrics port, 0 = off (default: {DEFAULT_METRICS_PORT})")
     add("--metrics-host", help="address the metrics server binds (default: 127.0.0.1)")
+    add("--curve-secret-key", metavar="FILE",
+        help="authenticate and encrypt peer traffic with this CURVE key pair (a .key_secret file from "
+             "`kvd keygen`); needs --curve-allow")
+    add("--curve-allow", action="append", metavar="KEY|FILE|DIR",
+        help="public keys allowed to connect (repeatable): a .key file, a directory of them, or a Z85 "
+             "key; a file named PEER.key also gives the key used to dial peer PEER")
 
 
 def _client_parser(sub, name: str, help_text: str):
@@ -73,11 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
     _client_parser(sub, "ls", "list the entries a running daemon holds")
     rm = _client_parser(sub, "rm", "delete an entry from a running daemon")
     rm.add_argument("request_id")
+    keygen = sub.add_parser("keygen", help="write a CURVE key pair for --curve-secret-key",
+                            description="Write NAME.key (public: give it to the peers' --curve-allow) and "
+                                        "NAME.key_secret (0600: this daemon's --curve-secret-key).")
+    keygen.add_argument("name", help="usually the node id")
+    keygen.add_argument("--dir", default=".", help="where to write the files (default: .)")
     return parser
+
+
+def forbid_unpickling(event: str, args: tuple) -> None:
+    """Audit hook for the daemon: loading a pickled object is how ZeroMQ KV transports were taken
+    over (vLLM CVE-2025-29783 and kin). kvd never unpickles; if anything tries, stop it."""
+    if event == "pickle.find_class":
+        raise RuntimeError(f"kvd refuses to unpickle {args[0]}.{args[1]}: no pickle in this process")
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvloop
+
+    sys.addaudithook(forbid_unpickling)
 
     from .daemon import Daemon
     from .logs import setup_logging
@@ -166,4 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return serve(args)
+    if args.command == "keygen":
+        from .auth import keygen
+
+        public_file, secret_file = keygen(args.dir, args.name)
+        print(f"public key: {public_file}\nsecret key: {secret_file} (keep it private)")
+        return 0
     return client_command(args)

@@ -57,6 +57,8 @@ class Config:
     log_format: str = "text"  # text | json
     metrics_port: int = DEFAULT_METRICS_PORT  # 0 = disabled
     metrics_host: str = "127.0.0.1"
+    curve_secret_key: str = ""  # our key pair (from `kvd keygen`); empty: no CURVE
+    curve_allow: tuple[str, ...] = ()  # public keys allowed to connect: files, directories, Z85 strings
 
     def __post_init__(self) -> None:
         problems = []
@@ -90,6 +92,8 @@ class Config:
         for name in ("default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "drain_timeout"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
+        if self.curve_allow and not self.curve_secret_key:
+            problems.append("curve_allow needs curve_secret_key (our own key pair)")
         if not 0 <= self.metrics_port < 65536:
             problems.append("metrics_port must be 0-65535")
         if problems:
@@ -140,6 +144,9 @@ def _coerce(name: str, value: Any) -> Any:
         return bool(value)
     if name == "peers":
         return parse_peers(value) if isinstance(value, (str, list)) else dict(value)
+    if name == "curve_allow":
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(item.strip() for item in items if item.strip())
     return str(value)
 
 

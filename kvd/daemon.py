@@ -18,6 +18,7 @@ from typing import Callable
 
 import zmq
 
+from .auth import load_keys, start_authenticator
 from .config import Config
 from .device import open_staging_memory
 from .errors import BadRequest, Timeout
@@ -51,6 +52,7 @@ class Daemon:
         self.ctx: zmq.Context | None = None
         self.local: LoopSocket | None = None
         self.http: HttpEndpoint | None = None
+        self.authenticator = None
         self._tasks: set[asyncio.Task] = set()
         self._stop_requested = asyncio.Event()
         self.draining = False
@@ -66,11 +68,16 @@ class Daemon:
         num_blocks = cfg.pool_size // cfg.block_size
         self.store = Store(BlockAllocator(num_blocks), cfg.block_size, cfg.default_ttl or None)
         self.ctx = zmq.Context()
+        curve = None
+        if cfg.curve_secret_key:
+            curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow))
+            self.authenticator = start_authenticator(self.ctx, curve)
         local = self.ctx.socket(zmq.ROUTER)
         local.setsockopt(zmq.LINGER, 0)
         self._bind_local(local, cfg.socket)
         self.exchange = Exchange(cfg, self.store, self.memory.host_view(), self.ctx, self.incarnation,
                                  self.metrics)
+        self.exchange.curve = curve
         self.service = ClientService(self)
         self.exchange.events = self.service  # arrivals wake waiters and stream readers
         await self.exchange.start()
@@ -82,9 +89,10 @@ class Daemon:
         self.ready = True
         self.notifier.notify(f"READY=1\nSTATUS=serving {cfg.socket}, peers on {self.exchange.bound_endpoint}")
         log.info("kvd %s ready: pool %s on %s (%d blocks of %s), clients on %s, peers on %s, %d peer(s) "
-                 "configured, metrics %s", cfg.node_id, format_size(cfg.pool_size), cfg.device, num_blocks,
+                 "configured, metrics %s%s", cfg.node_id, format_size(cfg.pool_size), cfg.device, num_blocks,
                  format_size(cfg.block_size), cfg.socket, self.exchange.bound_endpoint, len(cfg.peers),
-                 f"on http://{cfg.metrics_host}:{self.http.port}/metrics" if self.http else "off")
+                 f"on http://{cfg.metrics_host}:{self.http.port}/metrics" if self.http else "off",
+                 f", CURVE on ({len(curve.allowed)} allowed keys)" if curve else "")
 
     @staticmethod
     def _bind_local(sock: zmq.Socket, endpoint: str) -> None:
@@ -144,6 +152,8 @@ class Daemon:
                     os.unlink(self.config.socket[len("ipc://"):])
                 except FileNotFoundError:
                     pass
+        if self.authenticator is not None:
+            self.authenticator.stop()
         if self.ctx is not None:
             self.ctx.destroy(linger=500)  # closes any socket a failed start left open
         self.exchange = None

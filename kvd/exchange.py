@@ -25,6 +25,7 @@ from .errors import (
     BadRequest, ChecksumMismatch, KvdError, NotFound, PeerUnavailable, ProtocolError, error_from_code,
 )
 from .layout import TensorSpec, physical_segments
+from .auth import CurveKeys, make_server
 from .metrics import Metrics
 from .peers import Channel, PeerLink, tune_peer_socket
 from .store import Entry, State, Store
@@ -111,6 +112,7 @@ class Exchange:
         self.ctx = ctx
         self.incarnation = incarnation
         self.metrics = metrics
+        self.curve: CurveKeys | None = None  # set before start() when CURVE is configured
         # told about arriving entries: wait_ready(), on_progress(), on_published(), on_dropped()
         self.events: EntryEvents | None = None
         self._router_seen: dict[bytes, float] = {}  # routing id -> last message (liveness)
@@ -130,6 +132,8 @@ class Exchange:
         router = self.ctx.socket(zmq.ROUTER)
         tune_peer_socket(router)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer is an error, not silence
+        if self.curve is not None:
+            make_server(router, self.curve)
         router.bind(self.config.listen)
         self.bound_endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.router = LoopSocket(router, self._on_router_frames, copy=False)
@@ -137,7 +141,12 @@ class Exchange:
             self.links[name] = self._new_link(name, endpoint)
 
     def _new_link(self, name: str, endpoint: str) -> PeerLink:
-        return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation, self._on_link_message)
+        return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation, self._on_link_message,
+                        self.curve, self._on_peer_restart)
+
+    def _on_peer_restart(self, link: PeerLink) -> None:
+        """A peer came back with a new incarnation: whatever we had in flight with it is gone."""
+        self._fail_channel(link.channel.key, f"peer {link.name} restarted")
 
     async def close(self) -> None:
         for transfer in list(self.transfers.values()):

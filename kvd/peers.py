@@ -14,6 +14,7 @@ from typing import Callable
 import zmq
 
 from . import protocol as p
+from .auth import CurveKeys, make_client
 from .errors import PeerUnavailable
 from .zsock import LoopSocket
 
@@ -49,7 +50,8 @@ class PeerLink:
     """Our DEALER to one peer's ROUTER, with its handshake state."""
 
     def __init__(self, ctx: zmq.Context, name: str, endpoint: str, node_id: str, incarnation: int,
-                 on_message: Callable[["PeerLink", p.Message], None]) -> None:
+                 on_message: Callable[["PeerLink", p.Message], None], curve: CurveKeys | None = None,
+                 on_restart: Callable[["PeerLink"], None] | None = None) -> None:
         self.name = name
         self.endpoint = endpoint
         self.remote_node_id: str | None = None
@@ -60,6 +62,9 @@ class PeerLink:
         sock = ctx.socket(zmq.DEALER)
         tune_peer_socket(sock)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue into a connection that is not up
+        if curve is not None:
+            make_client(sock, curve, name)
+        self._on_restart = on_restart
         sock.connect(endpoint)
         self.socket = LoopSocket(sock, self._on_frames, copy=False)
         self.channel = Channel(("dealer", endpoint), name,
@@ -103,11 +108,14 @@ class PeerLink:
             log.warning("peer %s sent an undecodable message: %s", self.name, exc)
             return
         if isinstance(msg, p.PeerHelloOk):
+            restarted = self.remote_incarnation is not None and self.remote_incarnation != msg.incarnation
             self.remote_node_id, self.remote_incarnation = msg.node_id, msg.incarnation
             if not self.connected:
                 log.info("peer %s connected: node %s at %s", self.name, msg.node_id, self.endpoint)
-            elif self.remote_incarnation != msg.incarnation:
+            if restarted:
                 log.warning("peer %s answered with a new incarnation: it restarted", self.name)
+                if self._on_restart is not None:
+                    self._on_restart(self)
             self.connected = True
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(None)

@@ -130,8 +130,7 @@ class LoopSocket:
         self._closed = True
         self._loop.remove_reader(self.sock.FD)
         for _, _, _, future in self._pending:
-            if not future.done():
-                future.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "socket closed"))
+            future.cancel()  # never sent; whoever waits on it sees CancelledError
         self._pending.clear()
         self.sock.close(linger)
 
