@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -83,6 +84,12 @@ class Inbound:
     started: float = field(default_factory=time.monotonic)
 
 
+def _flip_a_bit(piece: memoryview) -> bytes:
+    corrupted = bytearray(piece)
+    corrupted[len(corrupted) // 2] ^= 0x10
+    return bytes(corrupted)
+
+
 def gather(pool: memoryview, segments: list[tuple[int, int]]) -> list[memoryview]:
     return [pool[off:off + n] for off, n in segments]
 
@@ -113,6 +120,9 @@ class Exchange:
         self.incarnation = incarnation
         self.metrics = metrics
         self.curve: CurveKeys | None = None  # set before start() when CURVE is configured
+        # test hook (fault injection): flip one bit in every Nth chunk sent, after its checksum
+        self._corrupt_every = int(os.environ.get("KVD_TEST_CORRUPT_EVERY_NTH_CHUNK", "0") or 0)
+        self._chunks_sent = 0
         # told about arriving entries: wait_ready(), on_progress(), on_published(), on_dropped()
         self.events: EntryEvents | None = None
         self._router_seen: dict[bytes, float] = {}  # routing id -> last message (liveness)
@@ -258,6 +268,9 @@ class Exchange:
             pieces = gather(self.pool, physical_segments(out.entry.extents, self.store.block_size, offset, length))
             chunk = p.Chunk(xfer=out.xfer, seq=seq, offset=offset, lengths=[len(x) for x in pieces],
                             digest=digest(out.checksum, pieces), payload=pieces)
+            if self._corrupt_every and self._chunks_sent % self._corrupt_every == self._corrupt_every - 1:
+                chunk.payload = [_flip_a_bit(pieces[0]), *pieces[1:]]
+            self._chunks_sent += 1
             out.sends.append(self._send(out.channel, chunk, track=True))
             self.counters["sent_bytes"] += length
             self.metrics.bytes.labels(out.channel.peer_name, "sent").inc(length)

@@ -252,3 +252,50 @@ def test_second_daemon_cannot_take_over_the_socket(daemons):
     assert result.returncode != 0
     assert "in use" in result.stderr
     assert_still_serving(first)
+
+
+def test_bit_flips_are_caught_by_the_checksum(daemons):
+    # A flips one bit in every 3rd chunk it sends (after computing the checksum)
+    port_a, port_b = free_port(), free_port()
+    a = daemons.start("A", port=port_a, peers={"B": f"tcp://127.0.0.1:{port_b}"}, pool_size="128MiB",
+                      env={"KVD_TEST_CORRUPT_EVERY_NTH_CHUNK": "3"}, extra=["--chunk-size", "1MiB"])
+    b = daemons.start("B", port=port_b, pool_size="128MiB")
+    data = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
+    with a.client() as ca, b.client() as cb:
+        with pytest.raises(kvd.ChecksumMismatch) as info:
+            ca.put("flipped", {"x": data}, dest="B")
+        assert info.value.remote == "B"
+        with pytest.raises(kvd.NotFound):
+            cb.get("flipped", timeout=0)  # a partial or corrupt cache is never visible
+        assert cb.stats()["pool"]["used_bytes"] == 0
+        # one-chunk puts: every third is corrupted on the way; each either fails loudly or is exact
+        outcomes = []
+        for i in range(6):
+            try:
+                ca.put(f"small-{i}", {"x": data[:1000]}, dest="B")
+            except kvd.ChecksumMismatch:
+                outcomes.append("caught")
+                continue
+            assert torch.equal(cb.get(f"small-{i}")["x"], data[:1000])
+            outcomes.append("exact")
+        assert outcomes.count("caught") == 2 and outcomes.count("exact") == 4, outcomes
+        assert cb.stats()["pool"]["used_bytes"] == 0
+
+
+def test_a_thousand_put_abort_cycles_leave_nothing_behind(daemon):
+    with daemon.client() as c:
+        baseline = c.stats()["pool"]
+        sizes = [1 << 10, 64 << 10, 300 << 10, 1 << 20, 5 << 20]
+        for i in range(1000):
+            size = sizes[i % len(sizes)]
+            c.put(f"cycle-{i}", {"x": torch.zeros(size, dtype=torch.uint8), "y": torch.zeros(7)})
+            if i % 3 == 0:
+                c.get(f"cycle-{i}")  # consumed
+            else:
+                assert c.delete(f"cycle-{i}")  # aborted
+        stats = c.stats()["pool"]
+        assert stats["used_bytes"] == baseline["used_bytes"] == 0
+        assert stats["largest_free_extent_blocks"] == baseline["largest_free_extent_blocks"]
+        # fully fragmented and freed again: a pool-sized put still fits
+        c.put("whole", {"x": torch.zeros(stats["capacity_bytes"], dtype=torch.uint8)})
+        assert c.delete("whole")
