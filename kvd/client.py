@@ -25,6 +25,7 @@ from .config import default_socket
 from .device import map_pool
 from .errors import BadRequest, KvdError, ProtocolError, Timeout, error_from_code
 from .layout import TensorSpec
+from .paged import get_blocks, put_blocks
 from .streaming import (
     Emit, Receive, StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream,
 )
@@ -135,6 +136,11 @@ class _ClientCore:
     def _simple(self, msg: p.Message) -> Operation:
         reply = yield msg, 0.0
         return reply.value
+
+    def _sync_device(self) -> None:
+        """Wait for this process's copies into or out of the pool (GPU pools copy asynchronously)."""
+        if self._pool is not None and self._pool.device.type == "cuda":
+            torch.cuda.current_stream(self._pool.device).synchronize()
 
     def _close_mapping(self) -> None:
         self._pool = None
@@ -290,6 +296,18 @@ class AsyncClient(_ClientCore):
                     yield value
         finally:
             await steps.aclose()
+
+    async def put_blocks(self, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, *,
+                         dest: str | None = None, ttl: float | None = None, meta: dict | None = None) -> None:
+        """See Client.put_blocks."""
+        await self.connect()
+        await self._drive(put_blocks(self, request_id, caches, block_ids, dest, ttl, meta))
+
+    async def get_blocks(self, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, *,
+                         source: str | None = None, timeout: float = 30.0, keep: bool = False) -> None:
+        """See Client.get_blocks."""
+        await self.connect()
+        await self._drive(get_blocks(self, request_id, caches, block_ids, source, timeout, keep))
 
     async def delete(self, request_id: str) -> bool:
         await self.connect()
@@ -470,6 +488,21 @@ class Client(_ClientCore):
         self.connect()
         with self._lock:
             yield from self._steps(read_stream(self, request_id, timeout, out, keep))
+
+    def put_blocks(self, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, *,
+                   dest: str | None = None, ttl: float | None = None, meta: dict | None = None) -> None:
+        """Hand off a request's blocks of paged caches: `caches` maps names to paged tensors
+        [num_blocks, ...] (e.g. one per layer for K and V), `block_ids` the request's rows in them.
+        Each tensor's rows are gathered into the pool by one index_select, written in place."""
+        self.connect()
+        self._drive(put_blocks(self, request_id, caches, block_ids, dest, ttl, meta))
+
+    def get_blocks(self, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, *,
+                   source: str | None = None, timeout: float = 30.0, keep: bool = False) -> None:
+        """Fetch a request's blocks into this worker's paged caches at `block_ids` (which may differ
+        from the producer's): one index_copy_ per tensor, straight from the pool."""
+        self.connect()
+        self._drive(get_blocks(self, request_id, caches, block_ids, source, timeout, keep))
 
     def delete(self, request_id: str) -> bool:
         """Drop a request's cache; True if it was held."""

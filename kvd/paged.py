@@ -1,0 +1,106 @@
+"""Paged KV caches: hand off a request's blocks straight from (and into) a worker's block table.
+
+An inference engine keeps each layer's KV cache as one big paged tensor
+[num_blocks, block_size, ...] and a request owns some block ids, scattered anywhere in it.
+`put_blocks` gathers those rows into the pool with one `index_select` per tensor, writing
+directly into the pool (no temporary, no per-block copies); `get_blocks` scatters them into
+the consumer's own block ids with one `index_copy_` per tensor. Operations are generators
+(no I/O), driven by Client / AsyncClient like the others.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from . import protocol as p
+from .errors import BadRequest
+from .layout import TensorSpec
+from .tensors import DTYPE_NAMES, TORCH_DTYPES, copy_in, copy_out
+
+NO_REPLY = None
+
+
+def _ids(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(block_ids, dtype=torch.long)
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise BadRequest("block_ids must be a non-empty 1-D sequence of block numbers")
+    return ids.to(device)
+
+
+def _check_ids(name: str, cache: torch.Tensor, ids: torch.Tensor) -> None:
+    if cache.dim() < 1:
+        raise BadRequest(f"{name!r}: a paged cache has the block index as its first dimension")
+    if int(ids.min()) < 0 or int(ids.max()) >= cache.shape[0]:
+        raise BadRequest(f"{name!r}: block ids must lie in 0..{cache.shape[0] - 1}")
+
+
+def _pool_view(pool: torch.Tensor, segments: list, spec: TensorSpec) -> torch.Tensor | None:
+    """The tensor's bytes in the pool as a typed view, when they are contiguous there."""
+    if len(segments) != 1:
+        return None
+    offset, length = segments[0]
+    return pool[offset:offset + length].view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+
+
+def put_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, dest: str | None,
+               ttl: float | None, meta: dict | None):
+    if not caches:
+        raise BadRequest("caches must name at least one paged tensor")
+    specs, gathers = [], {}
+    for name, cache in caches.items():
+        if not isinstance(cache, torch.Tensor) or cache.dtype not in DTYPE_NAMES:
+            raise BadRequest(f"{name!r}: expected a torch tensor of a supported dtype")
+        ids = gathers.setdefault(cache.device, _ids(block_ids, cache.device))
+        _check_ids(name, cache, ids)
+        specs.append(TensorSpec(name, DTYPE_NAMES[cache.dtype], (len(ids), *cache.shape[1:])))
+    slots = yield p.PutAlloc(req=next(core._reqs), request_id=request_id, tensors=[s.to_wire() for s in specs],
+                             ttl=ttl, meta=meta), 0.0
+    try:
+        for spec, segments, cache in zip(specs, slots.segments, caches.values()):
+            ids = gathers[cache.device]
+            target = _pool_view(core._pool, segments, spec)
+            if target is not None and target.device == cache.device:
+                torch.index_select(cache, 0, ids, out=target)  # one gather kernel, straight into the pool
+            else:
+                copy_in(core._pool, cache.index_select(0, ids), segments)
+        core._sync_device()
+    except BaseException:
+        yield p.Delete(req=next(core._reqs), request_id=request_id), NO_REPLY
+        raise
+    yield p.PutCommit(req=next(core._reqs), request_id=request_id, token=slots.token, dest=dest), \
+        (3600.0 if dest else 0.0)
+
+
+def get_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, source: str | None,
+               timeout: float, keep: bool):
+    slots = yield p.Get(req=next(core._reqs), request_id=request_id, timeout=float(timeout), source=source,
+                        keep=keep), float(timeout)
+    consume = not keep
+    try:
+        specs = [TensorSpec.from_wire(t) for t in slots.tensors]
+        by_name = {spec.name: (spec, segments) for spec, segments in zip(specs, slots.segments)}
+        if set(caches) != set(by_name):
+            raise BadRequest(f"caches name {sorted(caches)}, the entry holds {sorted(by_name)}")
+        for name, cache in caches.items():
+            spec, segments = by_name[name]
+            ids = _ids(block_ids, cache.device)
+            _check_ids(name, cache, ids)
+            if (DTYPE_NAMES.get(cache.dtype) != spec.dtype or tuple(cache.shape[1:]) != spec.shape[1:]
+                    or len(ids) != spec.shape[0]):
+                raise BadRequest(f"{name!r}: cache {cache.dtype} {tuple(cache.shape)} with {len(ids)} block ids "
+                                 f"does not fit the entry's {spec.dtype} {spec.shape}")
+        for name, cache in caches.items():
+            spec, segments = by_name[name]
+            ids = _ids(block_ids, cache.device)
+            source_rows = _pool_view(core._pool, segments, spec)
+            if source_rows is None:
+                source_rows = copy_out(core._pool, spec, segments, None)
+            cache.index_copy_(0, ids, source_rows.to(cache.device))  # one scatter kernel
+        core._sync_device()
+    except BaseException:
+        consume = False
+        raise
+    finally:
+        yield p.GetDone(req=next(core._reqs), request_id=request_id, token=slots.token, consume=consume,
+                        reply=False), NO_REPLY

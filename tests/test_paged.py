@@ -1,0 +1,54 @@
+"""Paged caches: a request's scattered blocks are gathered into the pool and scattered back."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvd
+
+
+def paged(num_blocks=32, block_size=16, heads=4, head_dim=32, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_blocks, block_size, heads, head_dim, generator=g).to(dtype)
+
+
+def test_blocks_move_between_different_block_tables(daemons):
+    a, b = daemons.pair()
+    layers = 4
+    prefill = {f"layer.{i}.{kv}": paged(seed=i * 2 + (kv == "v")) for i in range(layers) for kv in "kv"}
+    src_ids = [17, 3, 29, 8, 11]  # scattered, out of order
+    dst_ids = [0, 1, 2, 30, 31]  # the decode worker's own free blocks
+    decode = {name: torch.zeros_like(t) for name, t in prefill.items()}
+    with a.client() as ca, b.client() as cb:
+        ca.put_blocks("paged-1", prefill, src_ids, dest="B")
+        cb.get_blocks("paged-1", decode, dst_ids)
+        assert cb.stats()["entries"] == 0
+    for name in prefill:
+        got = decode[name][dst_ids].view(torch.int16)
+        assert torch.equal(got, prefill[name][src_ids].view(torch.int16))
+        untouched = [i for i in range(32) if i not in dst_ids]
+        assert not decode[name][untouched].view(torch.int16).any()
+
+
+def test_blocks_then_plain_get(client):
+    cache = paged(dtype=torch.float16)
+    client.put_blocks("paged-2", {"k": cache}, torch.tensor([5, 6, 7]))
+    got = client.get("paged-2")["k"]
+    assert got.shape == (3, 16, 4, 32) and torch.equal(got, cache[5:8])
+
+
+def test_block_errors(client):
+    cache = paged()
+    with pytest.raises(kvd.BadRequest, match="block ids"):
+        client.put_blocks("bad", {"k": cache}, [0, 99])
+    with pytest.raises(kvd.BadRequest, match="non-empty"):
+        client.put_blocks("bad", {"k": cache}, [])
+    client.put_blocks("fit", {"k": cache}, [1, 2])
+    with pytest.raises(kvd.BadRequest, match="does not fit"):
+        client.get_blocks("fit", {"k": torch.zeros(8, 16, 4, 16)}, [0, 1])
+    with pytest.raises(kvd.BadRequest, match="does not fit"):
+        client.get_blocks("fit", {"k": torch.zeros_like(cache)}, [0, 1, 2])
+    target = torch.zeros_like(cache)
+    client.get_blocks("fit", {"k": target}, [4, 5])  # the failed gets gave the entry back
+    assert torch.equal(target[4:6], cache[1:3])
+    assert client.stats()["pool"]["used_bytes"] == 0
