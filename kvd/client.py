@@ -58,6 +58,7 @@ class _ClientCore:
         self._mapping = None
         self._pool: torch.Tensor | None = None
         self.info: p.HelloOk | None = None
+        self._ipc_close = None  # closes a CUDA IPC mapping
         self.transfer_wait = STREAM_SILENCE
 
     @property
@@ -79,6 +80,12 @@ class _ClientCore:
         hello = yield p.Hello(req=next(self._reqs), client=f"pid-{os.getpid()}"), 10.0
         if not isinstance(hello, p.HelloOk):
             raise ProtocolError(f"expected hello_ok, got {hello.TYPE}")
+        if hello.pool_handle is not None:  # a GPU pool: map it by CUDA IPC, copy device to device
+            from .cuda import open_ipc_pool
+
+            self._pool, self._ipc_close = open_ipc_pool(hello.pool_handle, hello.pool_size, hello.device)
+            self.info = hello
+            return
         try:
             self._mapping, _ = map_pool(hello.pool_path, hello.pool_size)
         except OSError as exc:
@@ -100,6 +107,7 @@ class _ClientCore:
         try:
             for tensor, segments in zip(tensors.values(), slots.segments):
                 copy_in(self._pool, tensor, segments)
+            self._sync_device()
         except BaseException:
             # free the reservation now rather than at lease expiry
             yield p.Delete(req=next(self._reqs), request_id=request_id), NO_REPLY
@@ -125,6 +133,7 @@ class _ClientCore:
                 spec.name: copy_out(self._pool, spec, segments, out.get(spec.name))
                 for spec, segments in zip(specs, slots.segments)
             }
+            self._sync_device()
         except BaseException:
             consume = False  # give the entry back: nothing was delivered
             raise
@@ -144,6 +153,9 @@ class _ClientCore:
 
     def _close_mapping(self) -> None:
         self._pool = None
+        if self._ipc_close is not None:
+            self._ipc_close()
+            self._ipc_close = None
         if self._mapping is not None:
             try:
                 self._mapping.close()

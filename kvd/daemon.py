@@ -75,8 +75,8 @@ class Daemon:
         local = self.ctx.socket(zmq.ROUTER)
         local.setsockopt(zmq.LINGER, 0)
         self._bind_local(local, cfg.socket)
-        self.exchange = Exchange(cfg, self.store, self.memory.host_view(), self.ctx, self.incarnation,
-                                 self.metrics)
+        self.exchange = Exchange(cfg, self.store, self.memory.io(cfg.chunk_size, cfg.window), self.ctx,
+                                 self.incarnation, self.metrics)
         self.exchange.curve = curve
         self.service = ClientService(self)
         self.exchange.events = self.service  # arrivals wake waiters and stream readers

@@ -20,6 +20,7 @@ import os
 import typing
 
 from .errors import BadRequest
+from .poolio import HostPoolIO, PoolIO
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +28,11 @@ log = logging.getLogger(__name__)
 class StagingMemory(typing.Protocol):
     kind: str  # "cpu" or "cuda:N"
     size: int
-    client_path: str  # what a local client opens to map the pool
+    client_path: str  # what a local client opens to map a host pool ("" for a GPU pool)
+    ipc_handle: bytes | None  # CUDA IPC handle of a GPU pool (None for a host pool)
 
-    def host_view(self) -> memoryview:
-        """Writable bytes of the whole pool, for network I/O on the host."""
+    def io(self, chunk_size: int, window: int) -> PoolIO:
+        """How the exchange moves chunk bytes between this memory and the network."""
         ...
 
     def close(self) -> None: ...
@@ -40,6 +42,7 @@ class HostMemory:
     """The pool in host RAM: a memfd (default) or a file the daemon owns, mmapped shared."""
 
     kind = "cpu"
+    ipc_handle = None
 
     def __init__(self, size: int, path: str = "", prefault: bool = True) -> None:
         self.size = size
@@ -71,6 +74,9 @@ class HostMemory:
     def host_view(self) -> memoryview:
         return self._view
 
+    def io(self, chunk_size: int, window: int) -> PoolIO:
+        return HostPoolIO(self._view)
+
     def close(self) -> None:
         view = getattr(self, "_view", None)
         if view is not None:
@@ -98,9 +104,9 @@ def open_staging_memory(device: str, size: int, path: str = "", prefault: bool =
     if device == "cpu":
         return HostMemory(size, path, prefault)
     if device.startswith("cuda"):
-        raise BadRequest(
-            f"--device {device}: the CUDA staging pool is not part of this build yet; use --device cpu"
-        )
+        from .cuda import CudaMemory  # needs torch with CUDA and cupy (pip install kvd[cuda])
+
+        return CudaMemory(size, device)
     raise BadRequest(f"unknown device {device!r}: expected cpu or cuda:N")
 
 

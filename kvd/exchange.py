@@ -28,6 +28,7 @@ from .errors import (
 from .layout import TensorSpec, physical_segments
 from .auth import CurveKeys, make_server
 from .metrics import Metrics
+from .poolio import PoolIO
 from .peers import Channel, PeerLink, tune_peer_socket
 from .store import Entry, State, Store
 from .transfer import ReceiveLedger, SendWindow
@@ -84,38 +85,18 @@ class Inbound:
     started: float = field(default_factory=time.monotonic)
 
 
-def _flip_a_bit(piece: memoryview) -> bytes:
+def _flip_a_bit(piece) -> bytes:
     corrupted = bytearray(piece)
     corrupted[len(corrupted) // 2] ^= 0x10
     return bytes(corrupted)
 
 
-def gather(pool: memoryview, segments: list[tuple[int, int]]) -> list[memoryview]:
-    return [pool[off:off + n] for off, n in segments]
-
-
-def scatter(pool: memoryview, segments: list[tuple[int, int]], frames: list) -> None:
-    """Copy the payload frames, in order, into the pool segments (one memcpy per piece)."""
-    seg_index, seg_used = 0, 0
-    for frame in frames:
-        data = memoryview(frame)
-        pos = 0
-        while pos < len(data):
-            off, n = segments[seg_index]
-            take = min(n - seg_used, len(data) - pos)
-            pool[off + seg_used:off + seg_used + take] = data[pos:pos + take]
-            pos += take
-            seg_used += take
-            if seg_used == n:
-                seg_index, seg_used = seg_index + 1, 0
-
-
 class Exchange:
-    def __init__(self, config: Config, store: Store, pool: memoryview, ctx: zmq.Context,
+    def __init__(self, config: Config, store: Store, io: PoolIO, ctx: zmq.Context,
                  incarnation: int, metrics: Metrics) -> None:
         self.config = config
         self.store = store
-        self.pool = pool
+        self.io = io  # pool bytes <-> network buffers (direct for host pools, bounced for GPU pools)
         self.ctx = ctx
         self.incarnation = incarnation
         self.metrics = metrics
@@ -265,13 +246,16 @@ class Exchange:
     def _pump(self, out: Outbound) -> None:
         for seq in out.window.ready_to_send():
             offset, length = out.window.chunks[seq]
-            pieces = gather(self.pool, physical_segments(out.entry.extents, self.store.block_size, offset, length))
+            pieces, hold = self.io.outbound(
+                physical_segments(out.entry.extents, self.store.block_size, offset, length))
             chunk = p.Chunk(xfer=out.xfer, seq=seq, offset=offset, lengths=[len(x) for x in pieces],
                             digest=digest(out.checksum, pieces), payload=pieces)
             if self._corrupt_every and self._chunks_sent % self._corrupt_every == self._corrupt_every - 1:
                 chunk.payload = [_flip_a_bit(pieces[0]), *pieces[1:]]
             self._chunks_sent += 1
-            out.sends.append(self._send(out.channel, chunk, track=True))
+            sending = self._send(out.channel, chunk, track=True)
+            self.io.sent(hold, sending)
+            out.sends.append(sending)
             self.counters["sent_bytes"] += length
             self.metrics.bytes.labels(out.channel.peer_name, "sent").inc(length)
 
@@ -348,7 +332,7 @@ class Exchange:
         ledger.check(msg.seq, msg.offset, length)
         if digest(inbound.checksum, msg.payload) != msg.digest:
             raise ChecksumMismatch(f"chunk {msg.seq} of {entry.request_id!r} failed its {inbound.checksum} check")
-        scatter(self.pool, physical_segments(entry.extents, self.store.block_size, msg.offset, length), msg.payload)
+        self.io.inbound(physical_segments(entry.extents, self.store.block_size, msg.offset, length), msg.payload)
         ledger.mark(msg.seq, msg.offset, length)
         self.counters["received_bytes"] += length
         self.metrics.bytes.labels(inbound.channel.peer_name, "received").inc(length)

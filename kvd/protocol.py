@@ -62,6 +62,7 @@ class HelloOk(Message):
     pool_size: int
     block_size: int
     device: str
+    pool_handle: bytes | None = None  # CUDA IPC handle, when the pool is GPU memory
 
 
 @dataclass(slots=True)
@@ -329,6 +330,7 @@ _CHECKERS: dict[str, typing.Callable[[Any], bool]] = {
     "bool": lambda v: isinstance(v, bool),
     "list": lambda v: isinstance(v, list),
     "dict": lambda v: isinstance(v, dict),
+    "bytes": lambda v: isinstance(v, bytes),
     "Any": lambda v: True,
 }
 

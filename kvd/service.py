@@ -170,7 +170,8 @@ class ClientService:
             case p.Hello():
                 return p.HelloOk(req=msg.req, node_id=cfg.node_id, incarnation=self.daemon.incarnation,
                                  pool_path=self.daemon.memory.client_path, pool_size=cfg.pool_size,
-                                 block_size=cfg.block_size, device=cfg.device)
+                                 block_size=cfg.block_size, device=cfg.device,
+                                 pool_handle=self.daemon.memory.ipc_handle)
             case p.PutAlloc():
                 specs = [TensorSpec.from_wire(t) for t in msg.tensors]
                 entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.WRITING,

@@ -91,6 +91,7 @@ def write_stream(core, state: StreamState, kv: Mapping[str, Any]):
                              f"{spec.dtype} {spec.shape}")
         copy_in(core._pool, tensor, state.segments[i])
         indices.append(i)
+    core._sync_device()
     state.written.update(indices)
     yield p.PutPart(req=next(core._reqs), request_id=state.request_id, token=state.token,
                     tensors=indices), NO_REPLY
@@ -123,10 +124,12 @@ def read_stream(core, request_id: str, timeout: float, out: Mapping[str, torch.T
             ready = yield Receive(req, core.transfer_wait)
             done = ready.complete
             if ready.tensors:
-                yield Emit({
+                group = {
                     specs[i].name: copy_out(core._pool, specs[i], slots.segments[i], out.get(specs[i].name))
                     for i in ready.tensors
-                })
+                }
+                core._sync_device()
+                yield Emit(group)
         consume = not keep
     finally:
         yield p.GetDone(req=next(core._reqs), request_id=request_id, token=slots.token,

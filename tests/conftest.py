@@ -23,3 +23,21 @@ def daemon(daemons):
 def client(daemon):
     with daemon.client() as c:
         yield c
+
+
+def pytest_collection_modifyitems(config, items):
+    """`cuda` tests need a GPU: skip them cleanly without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            import cupy  # noqa: F401
+            return
+        except ImportError:
+            reason = "cupy is not installed (pip install 'kvd[cuda]')"
+    else:
+        reason = "no CUDA GPU on this machine"
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
