@@ -122,16 +122,15 @@ def get_shard(client: Client, request_id: str, layout: KVLayout, src_tp_size: in
     held = {rank: check_shard(_fetch(client, keys[rank], source, deadline, keep=not consume), srcs[rank], head_axis)
             for rank in needed}
     targets = _target_shapes(pieces, held, layout, head_axis, out)  # all checks done before any copy
-    (l0, l1), result = layout.layer_range(), {}
-    for kind in KINDS:
-        names = [f"layer.{g}.{kind}" for g in range(l0, l1)]
-        per_piece = [(p, slice_shard(p, [held[p.src_tp_rank, p.src_pp_rank][f"layer.{g}.{kind}"]
-                                         for g in range(*srcs[p.src_tp_rank, p.src_pp_rank].layer_range())],
-                                     head_axis)) for p in pieces]
-        dst = [out[n] for n in names] if out is not None else [torch.empty(targets[n], dtype=TORCH_DTYPES[layout.dtype])
-                                                               for n in names]
-        result.update(zip(names, assemble(layout, per_piece, head_axis, dst)))
-    if consume:  # the data went with its get; the layout entries are left
+    dtype, result = TORCH_DTYPES[layout.dtype], {}
+    for kind in KINDS:  # k and v are assembled alike, each as a list of per-layer tensors
+        names = [f"layer.{g}.{kind}" for g in range(*layout.layer_range())]
+        layers = {rank: [held[rank][f"layer.{g}.{kind}"] for g in range(*srcs[rank].layer_range())]
+                  for rank in needed}
+        data = [(p, slice_shard(p, layers[p.src_tp_rank, p.src_pp_rank], head_axis)) for p in pieces]
+        dst = [out[n] if out is not None else torch.empty(targets[n], dtype=dtype) for n in names]
+        result.update(zip(names, assemble(layout, data, head_axis, dst)))
+    if consume:  # the data entries went with their get; the layout entries go too
         for rank in needed:
             client.delete(keys[rank] + LAYOUT_SUFFIX)
     return {name: result[name] for name in shard_names(layout)}
