@@ -146,6 +146,23 @@ class _ClientCore:
         reply = yield msg, 0.0
         return reply.value
 
+    def _send_nowait(self, msg: p.Message) -> None:
+        raise NotImplementedError
+
+    def _unwind(self, op: Operation, exc: BaseException, reraise: bool) -> None:
+        """Throw exc into the operation, send the clean-up messages it yields, re-raise."""
+        try:
+            step = op.throw(exc)
+            while not isinstance(step, (Emit, Receive)) and step[1] is NO_REPLY:
+                self._send_nowait(step[0])
+                step = op.send(None)
+        except (StopIteration, StreamClosed):
+            pass
+        finally:
+            op.close()
+        if reraise:
+            raise exc
+
     def _sync_device(self) -> None:
         """Wait for this process's copies into or out of the pool (GPU pools copy asynchronously)."""
         if self._pool is not None and self._pool.device.type == "cuda":
@@ -189,7 +206,7 @@ class AsyncClient(_ClientCore):
                 try:
                     yield "emit", step.value
                 except GeneratorExit:
-                    await self._unwind(op, StreamClosed("iteration stopped early"), reraise=False)
+                    self._unwind(op, StreamClosed("iteration stopped early"), reraise=False)
                     raise
                 continue
             try:
@@ -198,27 +215,16 @@ class AsyncClient(_ClientCore):
                 else:
                     msg, wait = step
                     if wait is NO_REPLY:
-                        self._sock.send_now(p.encode(msg))
+                        self._send_nowait(msg)
                         continue
                     if isinstance(msg, p.GetStream):
                         self._streams[msg.req] = asyncio.Queue()
                     reply = await self._call(msg, wait)
             except BaseException as exc:
-                await self._unwind(op, exc, reraise=True)
+                self._unwind(op, exc, reraise=True)
 
-    async def _unwind(self, op: Operation, exc: BaseException, reraise: bool) -> None:
-        """Throw exc into the operation, send the clean-up messages it yields, re-raise."""
-        try:
-            step = op.throw(exc)
-            while not isinstance(step, (Emit, Receive)) and step[1] is NO_REPLY:
-                self._sock.send_now(p.encode(step[0]))
-                step = op.send(None)
-        except (StopIteration, StreamClosed):
-            pass
-        finally:
-            op.close()
-        if reraise:
-            raise exc
+    def _send_nowait(self, msg: p.Message) -> None:
+        self._sock.send_now(p.encode(msg))
 
     async def _drive(self, op: Operation) -> Any:
         async for kind, value in self._steps(op):
@@ -389,25 +395,14 @@ class Client(_ClientCore):
                 else:
                     msg, wait = step
                     if wait is NO_REPLY:
-                        self._sock.send_multipart(p.encode(msg))
+                        self._send_nowait(msg)
                         continue
                     reply = self._call(msg, wait)
             except BaseException as exc:
                 self._unwind(op, exc, reraise=True)
 
-    def _unwind(self, op: Operation, exc: BaseException, reraise: bool) -> None:
-        """Throw exc into the operation, send the clean-up messages it yields, re-raise."""
-        try:
-            step = op.throw(exc)
-            while not isinstance(step, (Emit, Receive)) and step[1] is NO_REPLY:
-                self._sock.send_multipart(p.encode(step[0]))
-                step = op.send(None)
-        except (StopIteration, StreamClosed):
-            pass
-        finally:
-            op.close()
-        if reraise:
-            raise exc
+    def _send_nowait(self, msg: p.Message) -> None:
+        self._sock.send_multipart(p.encode(msg))
 
     def _drive(self, op: Operation) -> Any:
         with self._lock:
