@@ -140,6 +140,8 @@ class Daemon:
         self.ready = False
         if self.exchange is not None:
             await self.exchange.close()  # aborts what is left, telling peers
+            for _ in range(3):  # let the requests waiting on those transfers send their errors
+                await asyncio.sleep(0)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
