@@ -116,7 +116,7 @@ class _ClientCore:
             (3600.0 if dest else 0.0)
 
     def _get(self, request_id: str, source: str | None, timeout: float, out: Mapping[str, torch.Tensor] | None,
-             keep: bool) -> Operation:
+             keep: bool, with_meta: bool = False) -> Operation:
         slots = yield p.Get(req=next(self._reqs), request_id=request_id, timeout=float(timeout),
                             source=source, keep=keep), float(timeout)
         consume = not keep
@@ -140,7 +140,7 @@ class _ClientCore:
         finally:
             yield p.GetDone(req=next(self._reqs), request_id=request_id, token=slots.token,
                             consume=consume, reply=False), NO_REPLY
-        return result
+        return (result, slots.meta) if with_meta else result
 
     def _simple(self, msg: p.Message) -> Operation:
         reply = yield msg, 0.0
@@ -290,10 +290,10 @@ class AsyncClient(_ClientCore):
         await self._drive(self._put(request_id, kv, dest, ttl, meta))
 
     async def get(self, request_id: str, *, source: str | None = None, timeout: float = 30.0,
-                  out: Mapping[str, torch.Tensor] | None = None, keep: bool = False) -> dict[str, torch.Tensor]:
+                  out: Mapping[str, torch.Tensor] | None = None, keep: bool = False, with_meta: bool = False):
         """See Client.get."""
         await self.connect()
-        return await self._drive(self._get(request_id, source, timeout, out, keep))
+        return await self._drive(self._get(request_id, source, timeout, out, keep, with_meta))
 
     async def put_stream(self, request_id: str, layout: Mapping[str, Any], *, dest: str | None = None,
                          ttl: float | None = None, meta: dict | None = None) -> "AsyncPutStream":
@@ -464,15 +464,16 @@ class Client(_ClientCore):
         self._drive(self._put(request_id, kv, dest, ttl, meta))
 
     def get(self, request_id: str, *, source: str | None = None, timeout: float = 30.0,
-            out: Mapping[str, torch.Tensor] | None = None, keep: bool = False) -> dict[str, torch.Tensor]:
+            out: Mapping[str, torch.Tensor] | None = None, keep: bool = False, with_meta: bool = False):
         """Fetch a request's KV cache, waiting up to `timeout` seconds for it to arrive.
 
         With source (a peer name or tcp:// endpoint), the local daemon pulls it from there.
         With out, bytes land in those tensors (same dtype and shape); other names get new
-        tensors. The entry is released after a successful get unless keep=True.
+        tensors. The entry is released after a successful get unless keep=True. With
+        with_meta=True, returns (tensors, meta): the `meta` dict given to put (None if none).
         """
         self.connect()
-        return self._drive(self._get(request_id, source, timeout, out, keep))
+        return self._drive(self._get(request_id, source, timeout, out, keep, with_meta))
 
     def put_stream(self, request_id: str, layout: Mapping[str, Any], *, dest: str | None = None,
                    ttl: float | None = None, meta: dict | None = None) -> "PutStream":

@@ -39,6 +39,7 @@ class ClientService:
         self._producers: dict[int, Producer] = {}  # entry token -> push in progress
         self._readers: dict[str, list[StreamReader]] = {}  # request id -> get_stream clients
         self._stream_leases: set[int] = set()
+        self._pulls: dict[tuple[str, str], asyncio.Future] = {}  # (source, request id) -> pull in flight
         self.counters = {"puts": 0, "gets": 0, "errors": 0}
         self.recent_errors: collections.deque = collections.deque(maxlen=RECENT_ERRORS)
 
@@ -312,6 +313,18 @@ class ClientService:
             self._readers.setdefault(entry.request_id, []).append(reader)
         return p.TensorsReady(req=msg.req, tensors=ready, complete=complete)
 
+    async def _pull_once(self, msg: p.Get) -> Entry:
+        """Pull request_id from msg.source; concurrent gets of the same id share one pull."""
+        key = (msg.source, msg.request_id)
+        pull = self._pulls.get(key)
+        if pull is None:
+            # the pull's own deadline (timeout + transfer_timeout) bounds this wait
+            pull = asyncio.ensure_future(self.exchange.pull(msg.request_id, msg.source, msg.timeout, keep=msg.keep))
+            self._pulls[key] = pull
+            pull.add_done_callback(lambda _: self._pulls.pop(key, None))
+            pull.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen by every waiter
+        return await asyncio.shield(pull)
+
     def _drop_reader(self, lease_token: int) -> None:
         for request_id, readers in list(self._readers.items()):
             kept = [r for r in readers if r.lease_token != lease_token]
@@ -324,9 +337,10 @@ class ClientService:
         deadline = time.monotonic() + msg.timeout
         if msg.source is not None and msg.source != self.config.node_id:
             entry = self.store.ready(msg.request_id)
-            if entry is None:
-                # the pull's own deadline (timeout + transfer_timeout) bounds this wait
-                entry = await self.exchange.pull(msg.request_id, msg.source, msg.timeout, keep=msg.keep)
+            if entry is None and msg.request_id in self.store.entries:
+                entry = await self.wait_ready(msg.request_id, deadline)  # already arriving (pushed)
+            elif entry is None:
+                entry = await self._pull_once(msg)
             if entry.state is not State.READY:  # taken by another reader in the meantime
                 entry = await self.wait_ready(msg.request_id, deadline)
         else:

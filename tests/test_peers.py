@@ -145,3 +145,34 @@ def test_duplicate_push_is_already_exists(daemons):
         with pytest.raises(kvd.AlreadyExists):
             ca.put("twice", {"x": torch.ones(4)}, dest="B")
         assert ca.stats()["pool"]["used_bytes"] == 0
+
+
+def test_concurrent_gets_of_one_request_share_one_pull(daemons):
+    a, b = daemons.pair(pool_size="128MiB")
+    data = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8)
+    with a.client() as ca:
+        ca.put("shared", {"x": data})
+    results, errors = [], []
+
+    def reader():
+        with b.client() as cb:
+            try:
+                results.append(cb.get("shared", source="A", keep=True, timeout=10)["x"])
+            except kvd.KvdError as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and len(results) == 4
+    assert all(torch.equal(r, data) for r in results)
+
+
+def test_get_returns_meta_on_request(daemons):
+    a, b = daemons.pair()
+    with a.client() as ca, b.client() as cb:
+        ca.put("with-meta", {"x": torch.ones(3)}, dest="B", meta={"kv_layout": {"tp_rank": 1}, "note": "hi"})
+        tensors, meta = cb.get("with-meta", with_meta=True)
+        assert meta == {"kv_layout": {"tp_rank": 1}, "note": "hi"} and tensors["x"].sum().item() == 3
