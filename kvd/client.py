@@ -303,11 +303,11 @@ class AsyncClient(_ClientCore):
         await self._drive(open_stream(self, state, ttl, meta))
         return AsyncPutStream(self, state)
 
-    async def get_stream(self, request_id: str, *, timeout: float = 30.0,
+    async def get_stream(self, request_id: str, *, source: str | None = None, timeout: float = 30.0,
                          out: Mapping[str, torch.Tensor] | None = None, keep: bool = False):
         """See Client.get_stream; an async iterator of {name: tensor} groups."""
         await self.connect()
-        steps = self._steps(read_stream(self, request_id, timeout, out, keep))
+        steps = self._steps(read_stream(self, request_id, timeout, out, keep, source))
         try:
             async for kind, value in steps:
                 if kind == "emit":
@@ -489,13 +489,15 @@ class Client(_ClientCore):
         self._drive(open_stream(self, state, ttl, meta))
         return PutStream(self, state)
 
-    def get_stream(self, request_id: str, *, timeout: float = 30.0,
+    def get_stream(self, request_id: str, *, source: str | None = None, timeout: float = 30.0,
                    out: Mapping[str, torch.Tensor] | None = None, keep: bool = False):
         """Iterate a cache as it arrives: yields {name: tensor} for each group of tensors that
-        became complete, the first as soon as the entry appears here (within timeout)."""
+        became complete, the first as soon as the entry appears here (within timeout). With
+        source (a peer), the local daemon pulls it from there and each group is handed over as
+        soon as its bytes have landed."""
         self.connect()
         with self._lock:
-            yield from self._steps(read_stream(self, request_id, timeout, out, keep))
+            yield from self._steps(read_stream(self, request_id, timeout, out, keep, source))
 
     def put_blocks(self, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, *,
                    dest: str | None = None, ttl: float | None = None, meta: dict | None = None) -> None:

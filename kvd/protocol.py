@@ -119,6 +119,8 @@ class GetStream(Message):
     req: int
     request_id: str
     timeout: float
+    source: str | None = None  # pull from this peer, streaming chunks to the reader as they land
+    keep: bool = False  # with source: the holder keeps its copy
 
 
 @dataclass(slots=True)

@@ -299,7 +299,17 @@ class ClientService:
         if not 0 <= msg.timeout <= MAX_WAIT:
             raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
         deadline = time.monotonic() + msg.timeout
-        entry = await self._wait_for(msg.request_id, deadline, lambda: self._streamable(msg.request_id))
+        pull = None
+        if self._is_remote(msg.source) and msg.request_id not in self.store.entries:
+            pull = self._start_pull(msg.source, msg.request_id, msg.timeout, msg.keep)
+            pull.add_done_callback(lambda _: self._wake(msg.request_id))  # a failed pull ends the wait
+
+        def find() -> Entry | None:
+            if pull is not None and pull.done() and not pull.cancelled() and pull.exception() is not None:
+                raise pull.exception()
+            return self._streamable(msg.request_id)
+
+        entry = await self._wait_for(msg.request_id, deadline, find)
         complete = entry.state is State.READY
         lease = self.store.lease(entry, consume=False, incomplete=True,
                                  deadline=time.monotonic() + self.config.lease_timeout if complete else None)
@@ -315,15 +325,18 @@ class ClientService:
 
     async def _pull_once(self, msg: p.Get) -> Entry:
         """Pull request_id from msg.source; concurrent gets of the same id share one pull."""
-        key = (msg.source, msg.request_id)
+        return await asyncio.shield(self._start_pull(msg.source, msg.request_id, msg.timeout, msg.keep))
+
+    def _start_pull(self, source: str, request_id: str, timeout: float, keep: bool) -> asyncio.Future:
+        key = (source, request_id)
         pull = self._pulls.get(key)
         if pull is None:
-            # the pull's own deadline (timeout + transfer_timeout) bounds this wait
-            pull = asyncio.ensure_future(self.exchange.pull(msg.request_id, msg.source, msg.timeout, keep=msg.keep))
+            # the pull's own deadline (timeout + transfer_timeout) bounds it
+            pull = asyncio.ensure_future(self.exchange.pull(request_id, source, timeout, keep=keep))
             self._pulls[key] = pull
             pull.add_done_callback(lambda _: self._pulls.pop(key, None))
             pull.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen by every waiter
-        return await asyncio.shield(pull)
+        return pull
 
     def _drop_reader(self, lease_token: int) -> None:
         for request_id, readers in list(self._readers.items()):

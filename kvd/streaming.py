@@ -111,10 +111,12 @@ def abort_stream(core, state: StreamState):
         yield p.Delete(req=next(core._reqs), request_id=state.request_id), NO_REPLY
 
 
-def read_stream(core, request_id: str, timeout: float, out: Mapping[str, torch.Tensor] | None, keep: bool):
+def read_stream(core, request_id: str, timeout: float, out: Mapping[str, torch.Tensor] | None, keep: bool,
+                source: str | None = None):
     """Yields Emit({name: tensor}) for each group of tensors as it becomes complete."""
     req = next(core._reqs)
-    slots = yield p.GetStream(req=req, request_id=request_id, timeout=float(timeout)), float(timeout)
+    slots = yield p.GetStream(req=req, request_id=request_id, timeout=float(timeout), source=source,
+                              keep=keep), float(timeout)
     specs = [TensorSpec.from_wire(t) for t in slots.tensors]
     out = out or {}
     consume = False

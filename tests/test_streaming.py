@@ -180,3 +180,19 @@ def test_async_streaming(daemons):
 
     got = asyncio.run(main())
     assert all(torch.equal(got[n].view(torch.int16), t.view(torch.int16)) for n, t in layers.items())
+
+
+def test_streamed_pull_hands_over_layers_as_they_land(daemons):
+    a, b = daemons.pair(pool_size="256MiB")
+    layers = {f"layer.{i}": torch.randint(0, 256, (8 << 20,), dtype=torch.uint8) for i in range(8)}
+    with a.client() as ca, b.client() as cb:
+        ca.put("pull-stream", layers)
+        got, groups = {}, 0
+        for group in cb.get_stream("pull-stream", source="A", timeout=10):
+            got.update(group)
+            groups += 1
+        assert groups > 1  # handed over in pieces, not all at the end
+        assert all(torch.equal(got[n], t) for n, t in layers.items())
+        assert ca.stats()["entries"] == 0 and cb.stats()["entries"] == 0
+        with pytest.raises(kvd.NotFound):
+            list(cb.get_stream("pull-missing", source="A", timeout=0))
