@@ -1,0 +1,399 @@
+"""A bounded soak: two daemons and 4 client processes churning for N minutes, watched for leaks.
+
+    python -m bench.soak                 # 10 minutes
+    python -m bench.soak --minutes 3     # shorter; --output FILE also writes the report
+
+Each client process loops over random operations on 64 KiB - 16 MiB caches (1-4 tensors of
+random dtypes): local put+get on either daemon, pushes both ways, pulls, keep-reads then delete,
+puts deleted before anyone reads them, streamed puts (pushed, or aborted half-written), stream
+readers that stop early, and puts with a short random ttl read back maybe after it ran out. Every
+byte read back is compared with what was put. Clients reconnect every so often (connection churn).
+
+At each sample (every minute; a quarter of the run for runs under 4 minutes) the clients pause
+between operations so both daemons are idle, and the soak records each daemon's open FDs, RSS
+beyond shared memory (the pool is shared memory, so it is not counted), pool bytes in use, entries,
+and error counters. At the end it prints a markdown table and exits non-zero if, between the first
+sample under load (minute 1) and the last, a daemon's FDs grew by more than --fd-bound or its RSS
+by more than --rss-bound-mb; or if any read returned other bytes than were put, any operation
+failed in a way it should not, a pool did not return to 0 bytes once the clients stopped, a client
+process died, or a daemon did not exit cleanly.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from .measure import rss_beyond_shared
+
+CACHE_MIN, CACHE_MAX = 64 << 10, 16 << 20
+DTYPES = ["float32", "float16", "bfloat16", "int8", "uint8", "int32"]
+OPS = {  # name: weight
+    "local": 3, "push": 3, "pull": 2, "keep_then_delete": 1, "delete_unread": 1,
+    "stream_push": 1, "stream_abort": 1, "reader_stops_early": 1, "short_ttl": 1,
+}
+RECONNECT_EVERY = 40  # operations between a client process's reconnects
+REPORT_EVERY = 2.0  # seconds between a client process's counter reports
+DRAIN_LIMIT = 20.0  # seconds the pools get to empty once the clients have stopped
+
+
+class Abandon(Exception):
+    """Raised inside a put_stream block to abort it."""
+
+
+# --- client processes ------------------------------------------------------------------------------
+
+def _worker(wid: int, sockets: dict[str, str], stop, seed: int, reports, pause, paused) -> None:
+    import torch
+
+    import kvd
+
+    dtypes = {name: getattr(torch, name) for name in DTYPES}
+    rng = random.Random(seed)
+    source = torch.randint(0, 256, (CACHE_MAX + 4096,), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(seed))
+    ops, expected, unexpected, mismatches = Counter(), Counter(), Counter(), 0
+    samples: list[str] = []
+    clients: dict[str, kvd.Client] = {}
+
+    def connect() -> None:
+        for c in clients.values():
+            c.close()
+        clients.update({node: kvd.Client(sock).connect() for node, sock in sockets.items()})
+
+    def cache() -> dict[str, torch.Tensor]:
+        total = int(math.exp(rng.uniform(math.log(CACHE_MIN), math.log(CACHE_MAX))))
+        count = rng.randint(1, 4)
+        kv = {}
+        for i in range(count):
+            dtype = dtypes[rng.choice(DTYPES)]
+            size = torch.empty(0, dtype=dtype).element_size()
+            numel = max(1, total // count // size)
+            offset = rng.randrange(0, source.numel() - numel * size) // 8 * 8
+            kv[f"layer.{i}"] = source[offset:offset + numel * size].view(dtype).clone()
+        return kv
+
+    def same(got: dict, kv: dict) -> bool:
+        return sorted(got) == sorted(kv) and all(
+            got[n].dtype == t.dtype and got[n].shape == t.shape
+            and torch.equal(got[n].view(torch.uint8), t.view(torch.uint8))
+            for n, t in kv.items())
+
+    def check(got: dict, kv: dict) -> None:
+        nonlocal mismatches
+        if not same(got, kv):
+            mismatches += 1
+
+    def run_op(op: str, rid: str) -> None:
+        nodes = ["A", "B"]
+        rng.shuffle(nodes)
+        here, there = nodes
+        kv = cache()
+        c, d = clients[here], clients[there]
+        if op == "local":
+            c.put(rid, kv, ttl=rng.choice([None, 60.0]))
+            check(c.get(rid, timeout=5), kv)
+        elif op == "push":
+            c.put(rid, kv, dest=there)
+            check(d.get(rid, timeout=10), kv)
+        elif op == "pull":
+            c.put(rid, kv)
+            check(d.get(rid, source=here, timeout=10), kv)
+        elif op == "keep_then_delete":
+            c.put(rid, kv)
+            check(c.get(rid, keep=True), kv)
+            check(c.get(rid, keep=True), kv)
+            if not c.delete(rid):
+                raise AssertionError("delete of a held entry returned False")
+        elif op == "stream_push":
+            layout = {n: (tuple(t.shape), t.dtype) for n, t in kv.items()}
+            names = list(kv)
+            with c.put_stream(rid, layout, dest=there) as stream:
+                split = rng.randint(1, len(names))
+                stream.write({n: kv[n] for n in names[:split]})
+                if names[split:]:
+                    stream.write({n: kv[n] for n in names[split:]})
+            check(d.get(rid, timeout=10), kv)
+        elif op == "stream_abort":
+            layout = {n: (tuple(t.shape), t.dtype) for n, t in kv.items()}
+            names = list(kv)
+            # at least one tensor stays unwritten: a pushed stream aborted after its last write is
+            # delivered anyway (a known bug, see tests/test_stateful.py), which would read as a leak here
+            written = names[:rng.randrange(len(names))]
+            try:
+                with c.put_stream(rid, layout, dest=rng.choice([None, there])) as stream:
+                    if written:
+                        stream.write({n: kv[n] for n in written})
+                    raise Abandon()
+            except Abandon:
+                pass
+            try:
+                c.get(rid, timeout=0)
+                raise AssertionError("an aborted stream is readable")
+            except kvd.NotFound:
+                expected["NotFound (aborted stream)"] += 1
+        elif op == "reader_stops_early":
+            c.put(rid, kv)
+            for _group in c.get_stream(rid, timeout=5):
+                break  # gives the entry back
+            check(c.get(rid, timeout=5), kv)
+        elif op == "short_ttl":
+            pushed = rng.random() < 0.5
+            c.put(rid, kv, ttl=rng.uniform(0.2, 1.0), dest=there if pushed else None)
+            time.sleep(rng.uniform(0.0, 1.5))
+            try:
+                check((d if pushed else c).get(rid, timeout=0), kv)
+            except kvd.NotFound:
+                expected["NotFound (ttl ran out)"] += 1
+
+    def delete_unread(rid: str) -> None:
+        nodes = ["A", "B"]
+        rng.shuffle(nodes)
+        here, there = nodes
+        kv = cache()
+        pushed = rng.random() < 0.5
+        clients[here].put(rid, kv, dest=there if pushed else None)
+        holder = clients[there] if pushed else clients[here]
+        if not holder.delete(rid):
+            raise AssertionError("delete of a held entry returned False")
+        try:
+            holder.get(rid, timeout=0)
+            raise AssertionError("a deleted entry is readable")
+        except kvd.NotFound:
+            expected["NotFound (deleted)"] += 1
+
+    names, weights = list(OPS), list(OPS.values())
+    last_report = 0.0
+    try:
+        connect()
+        i = 0
+        while not stop.is_set():
+            if pause.is_set():
+                with paused.get_lock():
+                    paused.value += 1
+                while pause.is_set() and not stop.is_set():
+                    time.sleep(0.01)
+                with paused.get_lock():
+                    paused.value -= 1
+                continue
+            if i and i % RECONNECT_EVERY == 0:
+                connect()
+            op = rng.choices(names, weights)[0]
+            rid = f"soak-{wid}-{i}-{op}"
+            i += 1
+            try:
+                if op == "delete_unread":
+                    delete_unread(rid)
+                else:
+                    run_op(op, rid)
+                ops[op] += 1
+            except kvd.PoolFull:
+                expected["PoolFull"] += 1  # back-pressure under load is allowed, never a hang
+                for c in clients.values():
+                    c.delete(rid)
+            except Exception as exc:  # noqa: BLE001 (anything else is a finding)
+                unexpected[f"{op}: {type(exc).__name__}"] += 1
+                if len(samples) < 10:
+                    samples.append(f"{op} {rid}: {type(exc).__name__}: {exc}")
+                for c in clients.values():
+                    try:
+                        c.delete(rid)
+                    except Exception:  # noqa: BLE001
+                        pass
+            if time.time() - last_report > REPORT_EVERY:
+                reports.put((wid, dict(ops), dict(expected), dict(unexpected), mismatches, samples, False))
+                last_report = time.time()
+    finally:
+        reports.put((wid, dict(ops), dict(expected), dict(unexpected), mismatches, samples, True))
+        for c in clients.values():
+            c.close()
+
+
+# --- the soak -----------------------------------------------------------------------------------------
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0, help="how long to churn (default: 10)")
+    parser.add_argument("--workers", type=int, default=4, help="client processes (default: 4)")
+    parser.add_argument("--pool-size", default="384MiB", help="each daemon's pool (default: 384MiB)")
+    parser.add_argument("--fd-bound", type=int, default=8, help="allowed FD growth per daemon (default: 8)")
+    parser.add_argument("--rss-bound-mb", type=float, default=32.0,
+                        help="allowed growth of RSS beyond shared memory per daemon, MB (default: 32)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
+    args = parser.parse_args(argv)
+
+    from kvd.testing import DaemonFactory
+
+    import kvd
+
+    duration = args.minutes * 60
+    interval = 60.0 if args.minutes >= 4 else duration / 4
+    started = time.time()
+    ctx = mp.get_context("spawn")
+    problems: list[str] = []
+    rows: list[dict] = []
+    totals: dict[int, tuple] = {}
+
+    with tempfile.TemporaryDirectory() as workdir:
+        factory = DaemonFactory(Path(workdir), log_level="warning")
+        a, b = factory.pair(pool_size=args.pool_size, extra=["--lease-timeout", "5s"])
+        daemons = {"A": a, "B": b}
+        sockets = {name: d.socket for name, d in daemons.items()}
+        reports, pause, paused, stop = ctx.Queue(), ctx.Event(), ctx.Value("i", 0), ctx.Event()
+
+        def drain() -> None:
+            while True:
+                try:
+                    report = reports.get_nowait()
+                except queue.Empty:
+                    return
+                totals[report[0]] = report[1:]
+
+        def sample(label: str, workers: list) -> None:
+            alive = [w for w in workers if w.is_alive()]
+            pause.set()
+            wait_until = time.time() + 60
+            while paused.value < len([w for w in alive if w.is_alive()]) and time.time() < wait_until:
+                drain()
+                time.sleep(0.02)
+            time.sleep(0.5)  # let deferred frees and ttl sweeps run on idle daemons
+            drain()
+            ops_so_far = sum(sum(t[0].values()) for t in totals.values())
+            unexpected = sum(sum(t[2].values()) for t in totals.values())
+            mism = sum(t[3] for t in totals.values())
+            for name, d in daemons.items():
+                with kvd.Client(d.socket) as c:
+                    stats = c.stats()
+                    held = [f"{e['request_id']} ({e['state']}, ttl {e['ttl_s']})" for e in c.list()[:3]]
+                rows.append({
+                    "t": label, "daemon": name, "fds": fd_count(d.pid), "rss": rss_beyond_shared(d.pid),
+                    "used": stats["pool"]["used_bytes"], "entries": stats["entries"],
+                    "daemon_errors": stats["counters"].get("errors", 0),
+                    "xfer_failures": stats["counters"].get("failures", 0),
+                    "ops": ops_so_far, "unexpected": unexpected, "mismatches": mism, "held": held,
+                })
+            pause.clear()
+            print(f"[{label}] " + "; ".join(
+                f"{r['daemon']}: fds {r['fds']}, rss {r['rss'] / 1e6:.1f} MB, pool {r['used'] >> 20} MiB"
+                + (f" held by {', '.join(r['held'])}" if r["held"] else "") for r in rows[-2:]) + f"; client ops {ops_so_far}, unexpected errors {unexpected}, "
+                f"mismatches {mism}", flush=True)
+
+        try:
+            sample("start (no clients)", [])
+            workers = [ctx.Process(target=_worker, args=(w, sockets, stop, args.seed * 100 + w, reports,
+                                                         pause, paused), daemon=True)
+                       for w in range(args.workers)]
+            for w in workers:
+                w.start()
+            t0 = time.time()
+            deadline = t0 + duration
+            next_sample = t0 + interval
+            while True:
+                now = time.time()
+                if now >= next_sample - 0.01:
+                    sample(f"{(now - t0) / 60:.1f} min", workers)
+                    next_sample += interval
+                    if next_sample > deadline + 1:
+                        break  # that was the last one, taken with the clients still connected
+                    continue
+                drain()
+                if not all(w.is_alive() for w in workers):
+                    problems.append("a client process died during the run")
+                    break
+                time.sleep(min(0.5, max(0.0, next_sample - now)))
+            stop.set()
+            for w in workers:
+                w.join(120)
+            drain()
+            for w in workers:
+                if w.exitcode != 0:
+                    problems.append(f"client process {w.name} exited with {w.exitcode}")
+            # once the clients are gone, nothing may stay in the pools (an aborted push may hold its
+            # receiver's reservation until that daemon's transfer timeout, 15 s)
+            idle_start = time.time()
+            while True:
+                used = {}
+                for name, d in daemons.items():
+                    with kvd.Client(d.socket) as c:
+                        used[name] = (c.stats()["pool"]["used_bytes"], c.list())
+                if all(u == (0, []) for u in used.values()) or time.time() > idle_start + DRAIN_LIMIT:
+                    break
+                time.sleep(0.2)
+            drained_after = time.time() - idle_start
+            for name, (nbytes, entries) in used.items():
+                if nbytes or entries:
+                    left = ", ".join(f"{e['request_id']} ({e['state']}, ttl {e['ttl_s']})" for e in entries[:8])
+                    problems.append(f"{name}: {nbytes} pool bytes / {len(entries)} entries left "
+                                    f"{DRAIN_LIMIT}s after the clients stopped: {left}")
+            sample(f"idle, {drained_after:.1f}s after the clients stopped", [])
+        finally:
+            pause.clear()
+            problems.extend(factory.stop_all())
+
+    # --- verdict -------------------------------------------------------------------------------------
+    ops = sum((Counter(t[0]) for t in totals.values()), Counter())
+    expected = sum((Counter(t[1]) for t in totals.values()), Counter())
+    unexpected = sum((Counter(t[2]) for t in totals.values()), Counter())
+    mismatches = sum(t[3] for t in totals.values())
+    examples = [s for t in totals.values() for s in t[4]]
+    if len(totals) < args.workers:
+        problems.append(f"only {len(totals)} of {args.workers} client processes reported")
+    if mismatches:
+        problems.append(f"{mismatches} reads returned other bytes than were put")
+    if unexpected:
+        problems.append(f"{sum(unexpected.values())} operations failed unexpectedly: {dict(unexpected)}")
+    for name in ("A", "B"):
+        series = [r for r in rows if r["daemon"] == name and r["t"].endswith("min")]  # under load
+        if len(series) >= 2:
+            first, last = series[0], series[-1]  # minute 1 (the first sample under load) and the end
+            if last["fds"] - first["fds"] > args.fd_bound:
+                problems.append(f"{name}: FDs grew {first['fds']} -> {last['fds']} (bound {args.fd_bound})")
+            if (last["rss"] - first["rss"]) / 1e6 > args.rss_bound_mb:
+                problems.append(f"{name}: RSS beyond shared memory grew {first['rss'] / 1e6:.1f} -> "
+                                f"{last['rss'] / 1e6:.1f} MB (bound {args.rss_bound_mb} MB)")
+
+    lines = [
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.workers} client processes, "
+        f"{args.minutes:g} min, pools {args.pool_size}, run took {time.time() - started:.0f}s",
+        "",
+        "| t | daemon | FDs | RSS beyond shm (MB) | pool used (MiB) | entries | daemon error replies | "
+        "transfer failures | client ops | unexpected errors | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *[f"| {r['t']} | {r['daemon']} | {r['fds']} | {r['rss'] / 1e6:.1f} | {r['used'] / (1 << 20):.1f} | "
+          f"{r['entries']} | {r['daemon_errors']} | {r['xfer_failures']} | {r['ops']} | {r['unexpected']} | "
+          f"{r['mismatches']} |" for r in rows],
+        "",
+        f"- operations: {sum(ops.values())} ({', '.join(f'{k} {v}' for k, v in sorted(ops.items()))})",
+        f"- expected refusals: {', '.join(f'{k} {v}' for k, v in sorted(expected.items())) or 'none'}",
+        f"- unexpected errors: {sum(unexpected.values())}; data mismatches: {mismatches}",
+        f"- bounds: FD growth <= {args.fd_bound}, RSS growth <= {args.rss_bound_mb:g} MB per daemon, "
+        "first sample under load vs the last",
+        "- result: " + ("PASS" if not problems else "FAIL"),
+        *[f"  - {p}" for p in problems],
+        *([f"  - e.g. {e}" for e in examples[:5]] if unexpected else []),
+    ]
+    report = "\n".join(lines)
+    print(report)
+    if args.output:
+        args.output.write_text(report + "\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
