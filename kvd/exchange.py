@@ -81,6 +81,7 @@ class Inbound:
     deadline: float
     entry: Entry | None = None  # None until the Offer arrives
     ledger: ReceiveLedger | None = None
+    sealed: bool = True  # a stream is published only after the sender's seal
     checksum: str = "none"
     started: float = field(default_factory=time.monotonic)
 
@@ -178,11 +179,13 @@ class Exchange:
 
     # --- push and pull, as the daemon's client handlers call them ------------------------------
 
-    async def open_push(self, entry: Entry, lease_token: int, dest: str) -> Outbound:
+    async def open_push(self, entry: Entry, lease_token: int, dest: str, sealed: bool = True) -> Outbound:
         """Start sending a leased entry to dest: the Offer goes now, bytes as `queue` adds them.
 
-        The entry may still be being written (a streamed put). Await `out.done` for the end:
-        the peer has verified and published every byte. The exchange owns the lease from here."""
+        The entry may still be being written (a streamed put: sealed=False, and `seal` once the
+        producer commits, so that an abandoned stream is never published on the peer). Await
+        `out.done` for the end: the peer has verified and published every byte. The exchange
+        owns the lease from here."""
         try:
             link = self.link_for(dest)
             await link.ensure_ready(self.config.connect_timeout)
@@ -190,7 +193,12 @@ class Exchange:
             self.store.release(lease_token, success=False)  # nothing was sent: hand the lease back
             raise
         window = SendWindow(entry.total_bytes, self.config.chunk_size, self.config.window)
-        return self._start_outbound(random.getrandbits(63), entry, lease_token, link.channel, window)
+        return self._start_outbound(random.getrandbits(63), entry, lease_token, link.channel, window, sealed)
+
+    def seal(self, out: Outbound) -> None:
+        """The producer committed: the receiver may publish once every byte has arrived."""
+        if self.transfers.get(out.xfer) is out:
+            self._send(out.channel, p.Seal(xfer=out.xfer))
 
     def queue(self, out: Outbound, ranges: list[tuple[int, int]]) -> None:
         """Bytes of the entry that are ready to go (each byte exactly once over the transfer)."""
@@ -224,7 +232,7 @@ class Exchange:
     # --- sending ----------------------------------------------------------------------------
 
     def _start_outbound(self, xfer: int, entry: Entry, lease_token: int, channel: Channel,
-                        window: SendWindow) -> Outbound:
+                        window: SendWindow, sealed: bool = True) -> Outbound:
         cfg = self.config
         out = Outbound(
             xfer, entry, lease_token, channel, window, cfg.checksum,
@@ -237,8 +245,9 @@ class Exchange:
         self._send(channel, p.Offer(
             xfer=xfer, request_id=entry.request_id, tensors=[s.to_wire() for s in entry.specs],
             total_bytes=entry.total_bytes, chunk_size=cfg.chunk_size, checksum=cfg.checksum,
-            ttl=None if entry.expires_at is None else max(0.0, entry.expires_at - time.monotonic()),
-            meta=entry.meta,
+            # what is left of the ttl (never 0, which would mean "keep forever" to the receiver)
+            ttl=None if entry.expires_at is None else max(0.001, entry.expires_at - time.monotonic()),
+            meta=entry.meta, sealed=sealed,
         ))
         self._pump(out)
         return out
@@ -270,7 +279,11 @@ class Exchange:
                 out.done.set_result(None)
             log.debug("sent %s to %s (%d bytes)", out.entry.request_id, out.channel.peer_name, out.entry.total_bytes)
             return
-        # frames may still sit in ZeroMQ's queue: keep the blocks until its trackers say done
+        # frames may still sit in ZeroMQ's queue: keep the blocks until its trackers say done, or
+        # for at most transfer_timeout (a peer cut off without a reset can pin them for minutes;
+        # reusing the blocks then is safe: those bytes belong to a transfer the receiver has
+        # dropped, and they would fail their checksum anyway)
+        out.deadline = time.monotonic() + self.config.transfer_timeout
         self._deferred.append(out)
         self._release_deferred()
         if not out.done.done():
@@ -280,7 +293,7 @@ class Exchange:
     def _release_deferred(self) -> None:
         still = []
         for out in self._deferred:
-            if out.zmq_released():
+            if out.zmq_released() or time.monotonic() >= out.deadline:
                 try:
                     self.store.release(out.lease_token, success=False)
                 except NotFound:
@@ -317,11 +330,12 @@ class Exchange:
             return
         inbound.entry, inbound.checksum = entry, msg.checksum
         inbound.ledger = ReceiveLedger(entry.total_bytes, msg.chunk_size)
+        inbound.sealed = msg.sealed
         self.events.on_progress(entry, entry.complete_tensors())  # a stream reader may be waiting for it
         inbound.deadline = time.monotonic() + self.config.transfer_timeout
         self.transfers[msg.xfer] = inbound
         self._send(channel, p.Accept(xfer=msg.xfer))
-        if inbound.ledger.complete:  # an entry of zero bytes: nothing will follow
+        if inbound.ledger.complete and inbound.sealed:  # an entry of zero bytes: nothing will follow
             self._complete_inbound(inbound)
 
     def _on_chunk(self, inbound: Inbound, msg: p.Chunk) -> None:
@@ -339,7 +353,7 @@ class Exchange:
         completed = entry.mark_range(msg.offset, length)
         inbound.deadline = time.monotonic() + self.config.transfer_timeout
         self._send(inbound.channel, p.ChunkAck(xfer=inbound.xfer, seq=msg.seq))
-        if ledger.complete:
+        if ledger.complete and inbound.sealed:
             self._complete_inbound(inbound)
         elif completed:
             self.events.on_progress(entry, completed)
@@ -407,6 +421,10 @@ class Exchange:
                     if not transfer.window.all_acked:
                         raise ProtocolError("done before every chunk was acknowledged")
                     self._finish_outbound(transfer, None)
+                case p.Seal() if isinstance(transfer, Inbound) and transfer.ledger is not None:
+                    transfer.sealed = True
+                    if transfer.ledger.complete:
+                        self._complete_inbound(transfer)
                 case p.Chunk() if isinstance(transfer, Inbound):
                     self._on_chunk(transfer, msg)
                 case _:
@@ -475,7 +493,8 @@ class Exchange:
     def _fail_channel(self, key: tuple, reason: str) -> None:
         for transfer in list(self.transfers.values()):
             if transfer.channel.key == key:
-                self._fail(transfer, PeerUnavailable(reason), notify=False)
+                # notify: a peer that only stalled drops its half of the transfer when it resumes
+                self._fail(transfer, PeerUnavailable(reason), notify=True)
 
     def abort(self, transfer: "Outbound | Inbound", error: KvdError) -> None:
         """End a transfer from our side (its entry was dropped); the peer is told."""

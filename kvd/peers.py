@@ -122,6 +122,12 @@ class PeerLink:
             return
         if isinstance(msg, p.Pong):
             return
+        if isinstance(msg, p.Abort) and msg.xfer == 0 and self.connected:
+            # the peer does not know us (it restarted on the same address): introduce ourselves again
+            log.warning("peer %s no longer knows us (%s); handshaking again", self.name, msg.message)
+            self.connected = False
+            self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
+            return
         self._on_message(self, msg)
 
     def close(self) -> None:

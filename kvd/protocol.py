@@ -240,6 +240,15 @@ class Offer(Message):
     checksum: str  # "xxh3_64" | "crc32" | "none"
     ttl: float | None = None
     meta: dict | None = None
+    sealed: bool = True  # False: a stream; the receiver publishes only after a seal message
+
+
+@dataclass(slots=True)
+class Seal(Message):
+    """Sender -> receiver: the producer committed the stream; publish once every byte is in."""
+
+    TYPE: ClassVar[str] = "seal"
+    xfer: int
 
 
 @dataclass(slots=True)
@@ -317,7 +326,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, HelloOk, PutAlloc, PutSlots, PutPart, PutCommit, Get, GetStream, TensorsReady, GetSlots, GetDone, Delete, Stats,
-        ListEntries, Ok, Error, PeerHello, PeerHelloOk, Offer, Accept, Chunk, ChunkAck, Done,
+        ListEntries, Ok, Error, PeerHello, PeerHelloOk, Offer, Seal, Accept, Chunk, ChunkAck, Done,
         Abort, Pull, Ping, Pong,
     )
 }

@@ -117,6 +117,8 @@ class ClientService:
         producer = self._producers.get(entry.token)
         if producer is not None and producer.outbound is not None:
             self.exchange.abort(producer.outbound, error)
+        elif producer is not None and producer.task is not None:
+            producer.task.cancel()  # still connecting: nothing was sent yet, the lease goes back
 
     # --- local clients -------------------------------------------------------------------------------
 
@@ -180,7 +182,7 @@ class ClientService:
                 if msg.stream:
                     self._wake(entry.request_id)  # get_stream readers may start now
                     if self._is_remote(msg.dest):
-                        self._start_producer(entry, msg.dest)
+                        self._start_producer(entry, msg.dest, stream=True)
                 return p.PutSlots(req=msg.req, token=entry.token, segments=entry.segments(cfg.block_size))
             case p.PutPart():
                 entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
@@ -195,8 +197,12 @@ class ClientService:
                 entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
                 rest = [i for i, left in enumerate(entry.remaining) if left]
                 if producer is None and self._is_remote(msg.dest):
-                    producer = self._start_producer(entry, msg.dest)
+                    producer = self._start_producer(entry, msg.dest, stream=False)
                 self._written(entry, entry.mark_tensors(rest), rest)
+                if producer is not None and producer.stream:
+                    producer.committed = True
+                    if producer.outbound is not None:
+                        self.exchange.seal(producer.outbound)
                 self.store.publish(entry)
                 self.counters["puts"] += 1
                 self.metrics.local_bytes.labels("in").inc(entry.total_bytes)
@@ -253,16 +259,18 @@ class ClientService:
     def _is_remote(self, dest: str | None) -> bool:
         return dest is not None and dest != self.config.node_id
 
-    def _start_producer(self, entry: Entry, dest: str) -> Producer:
+    def _start_producer(self, entry: Entry, dest: str, stream: bool) -> Producer:
         """Push entry to dest as its bytes are written (the Offer goes out right away)."""
         lease = self.store.lease(entry, consume=True, deadline=None, incomplete=True)
-        producer = Producer(entry, lease.token, dest)
+        producer = Producer(entry, lease.token, dest, stream=stream, committed=not stream)
         self._producers[entry.token] = producer
 
         async def run() -> None:
-            producer.outbound = await self.exchange.open_push(entry, lease.token, dest)
+            producer.outbound = await self.exchange.open_push(entry, lease.token, dest, sealed=not stream)
             self.exchange.queue(producer.outbound, producer.pending)
             producer.pending = []
+            if stream and producer.committed:
+                self.exchange.seal(producer.outbound)
             await producer.outbound.done
 
         producer.task = self.daemon.spawn(run(), f"push-{entry.request_id}")
@@ -283,7 +291,10 @@ class ClientService:
     async def _finish_push(self, producer: Producer, msg: p.PutCommit) -> p.Message:
         entry = producer.entry
         try:
-            await producer.task
+            await asyncio.wait([producer.task])
+            if producer.task.cancelled():
+                raise NotFound(f"request {entry.request_id!r} was deleted before it was sent")
+            producer.task.result()
             self.exchange.counters["pushes"] += 1
         except BaseException:
             # the caller still has its tensors and gets the error; the local copy goes

@@ -21,6 +21,8 @@ class Producer:
     outbound: Outbound | None = None  # set once the peer accepted the connection
     pending: list[tuple[int, int]] = field(default_factory=list)  # ranges written before that
     task: asyncio.Task | None = None  # open_push + wait for done; its result is the push's outcome
+    stream: bool = False  # opened before the bytes were written: the peer waits for a seal
+    committed: bool = False  # the producer committed (seal as soon as the transfer is open)
 
 
 @dataclass(eq=False)

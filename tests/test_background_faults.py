@@ -264,13 +264,6 @@ def test_client_killed_mid_put_under_background_load(daemons, background):
         wait_used(d, baseline[d.node_id])
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "kvd bug: when the sender gives a transfer up on heartbeat loss it does not tell the receiver "
-    "(Exchange._fail_channel, notify=False). A receiver that was only stalled (SIGSTOP, a long GC or VM "
-    "pause, a network blip) keeps the half-received entry RECEIVING until its --transfer-timeout: the pool "
-    "bytes stay held and the client's retry of the same request id fails with AlreadyExists. Racy: when "
-    "the resumed receiver's housekeeping notices the sender's silence before the sender's queued messages "
-    "arrive, it drops the entry itself and the retry works (1 run in 3 here)"))
 def test_retry_after_a_receiver_stall_is_accepted(daemons):
     a, b = daemons.pair(pool_size="192MiB", extra=FREEZE_FLAGS)
     big = torch.randint(0, 256, (128 << 20,), dtype=torch.uint8)

@@ -215,11 +215,6 @@ def test_link_down_mid_push_fails_fast_and_leaks_nothing(daemons, net):
         wait_pools_empty(ca, cb, timeout=3)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "kvd bug: a push that failed because its peer vanished without a TCP reset (partition, power loss) "
-    "keeps its pool blocks until ZeroMQ lets go of the queued chunk frames, i.e. until the link comes "
-    "back or TCP gives up (tcp_retries2, ~15 min). ZMTP's heartbeat closes the connection only when its "
-    "PING got into the stuck TCP send buffer (in about 1 run of 8 here): not strict, it may pass"))
 def test_partition_frees_a_failed_push_while_the_link_is_still_down(daemons, net):
     a, b = start_pair(daemons, net, FAST_HEARTBEAT + ["--transfer-timeout", "3s"])
     data = random_bytes(64 << 20, 3)

@@ -37,6 +37,7 @@ EXAMPLES: dict[str, p.Message] = {
     "peer_hello_ok": p.PeerHelloOk(node_id="B", incarnation=987654321),
     "offer": p.Offer(xfer=11, request_id="req-1", tensors=[["x", "int8", [3, 3]]], total_bytes=9,
                      chunk_size=4 << 20, checksum="xxh3_64", ttl=60.0, meta={"layout": "paged"}),
+    "seal": p.Seal(xfer=11),
     "accept": p.Accept(xfer=11),
     "chunk": p.Chunk(xfer=11, seq=0, offset=0, lengths=[5, 3], digest=(1 << 64) - 1,
                      payload=[b"hello", b"abc"]),

@@ -297,10 +297,6 @@ def test_operations_match_the_model(daemons):
         pair.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvd bug: after a peer restarts on the same endpoint faster than --heartbeat-timeout, pushes to it "
-    "fail with ProtocolError 'say peer_hello first' forever: the new peer answers our pings with an "
-    "Abort, which counts as a sign of life, so the link is never marked lost and never re-handshakes"))
 def test_operations_match_the_model_across_peer_restarts(daemons):
     pair = Pair(daemons, extra=[])
     try:
@@ -311,10 +307,6 @@ def test_operations_match_the_model_across_peer_restarts(daemons):
         pair.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvd bug: the Offer carries the sender's remaining ttl clamped to 0.0 (exchange._start_outbound), and "
-    "the receiver reads ttl 0 as 'never expire' (Store.reserve), so a pushed entry whose ttl ran out "
-    "before it was sent is kept on the receiver forever, ignoring even its --default-ttl"))
 def test_pushed_entry_whose_ttl_ran_out_still_expires(daemons):
     a, b = daemons.pair(extra=["--default-ttl", "1s"])
     with a.client() as ca, b.client() as cb:
@@ -322,11 +314,6 @@ def test_pushed_entry_whose_ttl_ran_out_still_expires(daemons):
         wait_until(lambda: not cb.list(), f"still on B after {SETTLE + 1}s: {cb.list()}", timeout=SETTLE + 1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvd bug: a streamed push aborted after its last write is delivered anyway. Each put_part is sent on "
-    "at once, the receiver publishes when every byte has arrived (not on the producer's commit), and the "
-    "abort's Delete then finds the sender's entry already gone, so no Abort reaches the receiver: the "
-    "consumer can read a cache its producer abandoned, and it holds the receiver's pool until its ttl"))
 def test_stream_aborted_after_its_last_write_is_not_delivered(daemons):
     a, b = daemons.pair()
     layout = {"layer.0": ((1000,), torch.float32)}
