@@ -58,6 +58,8 @@ class _ClientCore:
         self._mapping = None
         self._pool: torch.Tensor | None = None
         self.info: p.HelloOk | None = None
+        self._sock = None
+        self._ctx = None
         self._ipc_close = None  # closes a CUDA IPC mapping
         self.transfer_wait = STREAM_SILENCE
 
@@ -167,6 +169,16 @@ class _ClientCore:
         """Wait for this process's copies into or out of the pool (GPU pools copy asynchronously)."""
         if self._pool is not None and self._pool.device.type == "cuda":
             torch.cuda.current_stream(self._pool.device).synchronize()
+
+    def _close_transport(self) -> None:
+        """Close the socket, its context and the pool mapping (subclasses own _sock and _ctx)."""
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        self._close_mapping()
 
     def _close_mapping(self) -> None:
         self._pool = None
@@ -344,13 +356,7 @@ class AsyncClient(_ClientCore):
             if not fut.done():
                 fut.set_exception(KvdError("client closed"))
         self._pending.clear()
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        self._close_mapping()
+        self._close_transport()
 
     async def __aenter__(self) -> "AsyncClient":
         await self.connect()
@@ -529,13 +535,7 @@ class Client(_ClientCore):
 
     def close(self) -> None:
         with self._lock:
-            if self._sock is not None:
-                self._sock.close(0)
-                self._sock = None
-            if self._ctx is not None:
-                self._ctx.term()
-                self._ctx = None
-            self._close_mapping()
+            self._close_transport()
 
     def __enter__(self) -> "Client":
         return self.connect()
