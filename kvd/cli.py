@@ -48,6 +48,7 @@ def _serve_parser(sub) -> None:
         help="on SIGTERM, in-flight transfers get this long to finish (default: 10s)")
     add("--chunk-size", metavar="SIZE", help="network chunk size (default: 4MiB)")
     add("--window", type=int, help="chunks in flight per transfer (default: 8)")
+    add("--io-threads", type=int, help="ZeroMQ I/O threads; raise on many cores and fast NICs (default: 1)")
     add("--checksum", choices=["xxh3_64", "crc32", "none"], help="per-chunk checksum (default: xxh3_64)")
     add("--log-level", choices=["debug", "info", "warning", "error"], help="(default: info)")
     add("--log-format", choices=["text", "json"], help="(default: text)")

@@ -52,6 +52,7 @@ class Config:
     drain_timeout: float = 10.0  # on SIGTERM, in-flight transfers get this long to finish
     chunk_size: int = 4 << 20
     window: int = 8  # chunks in flight per transfer
+    io_threads: int = 1  # ZeroMQ I/O threads (raise on many cores and fast NICs)
     checksum: str = "xxh3_64"
     log_level: str = "info"
     log_format: str = "text"  # text | json
@@ -76,6 +77,8 @@ class Config:
             problems.append("chunk_size must be a multiple of block_size")
         if self.window < 1:
             problems.append("window must be at least 1")
+        if not 1 <= self.io_threads <= 64:
+            problems.append("io_threads must be 1-64")
         if self.checksum not in ALGORITHMS:
             problems.append(f"checksum must be one of {ALGORITHMS}")
         if self.log_format not in ("text", "json"):
@@ -109,7 +112,7 @@ class Config:
 _SIZES = {"pool_size", "block_size", "chunk_size"}
 _DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "heartbeat_interval",
               "heartbeat_timeout", "drain_timeout"}
-_INTS = {"window", "metrics_port"}
+_INTS = {"window", "metrics_port", "io_threads"}
 _BOOLS = {"pool_prefault"}
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
 

@@ -67,7 +67,7 @@ class Daemon:
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
         num_blocks = cfg.pool_size // cfg.block_size
         self.store = Store(BlockAllocator(num_blocks), cfg.block_size, cfg.default_ttl or None)
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context(io_threads=cfg.io_threads)
         curve = None
         if cfg.curve_secret_key:
             curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow))
