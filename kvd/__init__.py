@@ -21,8 +21,12 @@ __all__ = [
 
 def __getattr__(name: str):
     # the client pulls in torch; the daemon never needs it, so import it only on demand
-    if name in ("Client", "AsyncClient"):
-        from . import client
+    if name == "Client":
+        from .client import Client
 
-        return getattr(client, name)
+        return Client
+    if name == "AsyncClient":
+        from .async_client import AsyncClient
+
+        return AsyncClient
     raise AttributeError(f"module 'kvd' has no attribute {name!r}")

@@ -15,7 +15,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Protocol
+from typing import Protocol
 
 import zmq
 

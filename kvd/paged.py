@@ -9,7 +9,7 @@ the consumer's own block ids with one `index_copy_` per tensor. Operations are g
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.testing import DaemonFactory, DaemonProc, free_port, wait_ready  # noqa: F401 (re-exported for tests)
+from kvd.testing import DaemonFactory
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvd
 from kvd.tensors import TORCH_DTYPES
 
 pytestmark = pytest.mark.cuda
