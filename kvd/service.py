@@ -117,8 +117,10 @@ class ClientService:
         producer = self._producers.get(entry.token)
         if producer is not None and producer.outbound is not None:
             self.exchange.abort(producer.outbound, error)
-        elif producer is not None and producer.task is not None:
-            producer.task.cancel()  # still connecting: nothing was sent yet, the lease goes back
+        elif producer is not None:
+            # still connecting: the push is aborted as soon as it opens (cancelling the task here
+            # could stop it before it ever ran, and then nobody would hand its lease back)
+            producer.dropped = error
 
     # --- local clients -------------------------------------------------------------------------------
 
@@ -267,6 +269,9 @@ class ClientService:
 
         async def run() -> None:
             producer.outbound = await self.exchange.open_push(entry, lease.token, dest, sealed=not stream)
+            if producer.dropped is not None:  # deleted while we were connecting
+                self.exchange.abort(producer.outbound, producer.dropped)
+                raise producer.dropped
             self.exchange.queue(producer.outbound, producer.pending)
             producer.pending = []
             if stream and producer.committed:
@@ -275,6 +280,8 @@ class ClientService:
 
         producer.task = self.daemon.spawn(run(), f"push-{entry.request_id}")
         producer.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen by _finish_push
+        # forget it once it is over, committed or not (an aborted stream never reaches _finish_push)
+        producer.task.add_done_callback(lambda _: self._producers.pop(entry.token, None))
         return producer
 
     def _written(self, entry: Entry, ranges: list[tuple[int, int]], indices: list[int]) -> None:
@@ -293,7 +300,7 @@ class ClientService:
         try:
             await asyncio.wait([producer.task])
             if producer.task.cancelled():
-                raise NotFound(f"request {entry.request_id!r} was deleted before it was sent")
+                raise ShuttingDown(f"daemon {self.config.node_id} stopped before {entry.request_id!r} was sent")
             producer.task.result()
             self.exchange.counters["pushes"] += 1
         except BaseException:

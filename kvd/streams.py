@@ -23,6 +23,7 @@ class Producer:
     task: asyncio.Task | None = None  # open_push + wait for done; its result is the push's outcome
     stream: bool = False  # opened before the bytes were written: the peer waits for a seal
     committed: bool = False  # the producer committed (seal as soon as the transfer is open)
+    dropped: Exception | None = None  # the entry was deleted or expired before the transfer opened
 
 
 @dataclass(eq=False)
