@@ -26,7 +26,7 @@ import torch
 import kvd
 from kvd.cli import build_parser
 from kvd.config import FIELD_NAMES, Config, load_config
-from tests.conftest import free_port
+from kvd.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
