@@ -328,12 +328,6 @@ def test_stream_aborted_after_its_last_write_is_not_delivered(daemons):
         assert cb.stats()["pool"]["used_bytes"] == 0
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "kvd bug (a race): aborting a pushed stream just after opening it. If the daemon handles the abort's "
-    "Delete before the producer task has opened the transfer (ClientService._start_producer: outbound is "
-    "still None, so on_dropped sends no Abort), the task opens it afterwards for the removed entry: the "
-    "receiver holds a RECEIVING entry, and the sender the blocks, until the receiver's --transfer-timeout "
-    "(the sender's own deadline is pushed back forever: it looks like a stream waiting on its producer)"))
 def test_streams_aborted_right_after_opening_leave_nothing_behind(daemons):
     a, b = daemons.pair(extra=["--drain-timeout", "1s"])  # a stuck transfer also holds up SIGTERM's drain
     layout = {"layer.0": ((20000,), torch.float32), "layer.1": ((20000,), torch.float32)}
