@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from . import protocol as p
-from .client import NO_REPLY, REPLY_GRACE, Operation, StreamClosed, _ClientCore, log
+from .client import CONNECT_TIMEOUT, NO_REPLY, REPLY_GRACE, Operation, StreamClosed, _ClientCore, log
 from .errors import KvdError, ProtocolError, Timeout
 from .paged import get_blocks, put_blocks
 from .streaming import (
@@ -25,8 +25,9 @@ from .zsock import LoopSocket
 class AsyncClient(_ClientCore):
     """Talks to the local kvd daemon from asyncio. Safe for concurrent use by tasks of one loop."""
 
-    def __init__(self, socket: str | None = None, *, reply_timeout: float = REPLY_GRACE) -> None:
-        super().__init__(socket, reply_timeout)
+    def __init__(self, socket: str | None = None, *, reply_timeout: float = REPLY_GRACE,
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        super().__init__(socket, reply_timeout, connect_timeout)
         self._ctx: zmq.Context | None = None
         self._sock: LoopSocket | None = None
         self._pending: dict[int, asyncio.Future] = {}
@@ -122,7 +123,11 @@ class AsyncClient(_ClientCore):
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.endpoint)
             self._sock = LoopSocket(sock, self._on_reply)
-            await self._drive(self._hello())
+            try:
+                await self._drive(self._hello())
+            except BaseException:
+                self._close_transport()  # a context left to the GC would block in term()
+                raise
 
     async def put(self, request_id: str, kv: Mapping[str, Any], *, dest: str | None = None,
                   ttl: float | None = None, meta: dict | None = None) -> None:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # how long past an operation's own timeout we wait for the daemon before calling it dead
 REPLY_GRACE = 30.0
+CONNECT_TIMEOUT = 10.0  # how long the first hello may take (beyond reply_timeout)
 # longest silence inside a stream being read: the daemon reports a stalled peer long before
 STREAM_SILENCE = 600.0
 NO_REPLY = None  # yield (msg, NO_REPLY): send and do not wait
@@ -49,9 +50,10 @@ Operation = Generator[tuple[p.Message, float | None], p.Message | None, Any]
 class _ClientCore:
     """What both faces share: the operations, request ids, and the mapped pool."""
 
-    def __init__(self, socket: str | None, reply_timeout: float) -> None:
+    def __init__(self, socket: str | None, reply_timeout: float, connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self.endpoint = socket or default_socket()
         self.reply_timeout = reply_timeout
+        self.connect_timeout = connect_timeout
         self._reqs = itertools.count(1)
         self._mapping = None
         self._pool: torch.Tensor | None = None
@@ -77,7 +79,7 @@ class _ClientCore:
     # --- operations (no I/O) -------------------------------------------------------------------
 
     def _hello(self) -> Operation:
-        hello = yield p.Hello(req=next(self._reqs), client=f"pid-{os.getpid()}"), 10.0
+        hello = yield p.Hello(req=next(self._reqs), client=f"pid-{os.getpid()}"), self.connect_timeout
         if not isinstance(hello, p.HelloOk):
             raise ProtocolError(f"expected hello_ok, got {hello.TYPE}")
         if hello.pool_handle is not None:  # a GPU pool: map it by CUDA IPC, copy device to device
@@ -198,8 +200,9 @@ class Client(_ClientCore):
     Client per thread, or AsyncClient, for concurrency.
     """
 
-    def __init__(self, socket: str | None = None, *, reply_timeout: float = REPLY_GRACE) -> None:
-        super().__init__(socket, reply_timeout)
+    def __init__(self, socket: str | None = None, *, reply_timeout: float = REPLY_GRACE,
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        super().__init__(socket, reply_timeout, connect_timeout)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._lock = threading.RLock()
@@ -280,7 +283,11 @@ class Client(_ClientCore):
                 self._check_endpoint()
                 self._ctx = self._ctx or zmq.Context()
                 self._reset_socket()
-                self._drive(self._hello())
+                try:
+                    self._drive(self._hello())
+                except BaseException:
+                    self._close_transport()  # a context left to the GC would block in term()
+                    raise
         return self
 
     def put(self, request_id: str, kv: Mapping[str, Any], *, dest: str | None = None,

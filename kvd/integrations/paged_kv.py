@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from ..client import Client, PutStream
-from ..errors import BadRequest, LayoutMismatch
+from ..errors import BadRequest, KvdError, LayoutMismatch, PoolFull
 from ..tensors import DTYPE_NAMES
 
 log = logging.getLogger("kvd.paged_kv")
@@ -44,6 +45,22 @@ META_KEY = "paged_kv"
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """How many blocks hold num_tokens tokens."""
     return math.ceil(num_tokens / block_size)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as uint8 (last dim scaled): gathers and scatters on it work for every dtype
+    (CPU torch has no index_copy_ for fp8) and move the bits unchanged."""
+    return tensor.view(torch.uint8)
+
+
+def _discard(client: Client | None) -> None:
+    """Close a client we stop using (its zmq context must not be left to the garbage collector)."""
+    if client is not None:
+        try:
+            client.close()
+        except Exception:
+            pass
+    return None
 
 
 def entry_key(request_key: str, tp_rank: int) -> str:
@@ -145,7 +162,7 @@ class PagedKVWorker:
 
     def __init__(self, caches: Mapping[str, torch.Tensor], layout: PagedKVLayout, *,
                  connect: Callable[[], Client], ttl: float = 300.0, load_timeout: float = 30.0,
-                 load_threads: int = 4) -> None:
+                 load_threads: int = 4, retry_after: float = 10.0) -> None:
         self.caches = dict(caches)
         self.layout = layout
         self._connect = connect
@@ -153,6 +170,10 @@ class PagedKVWorker:
         self._client: Client | None = None  # the engine thread's (saves)
         self._streams: dict[str, tuple[PutStream, set[str]]] = {}  # req id -> (stream, layers written)
         self._failed_saves: set[str] = set()
+        # an unreachable daemon must not stall every forward step: after a connection failure,
+        # saves fail at once (the consumer recomputes) until retry_after has passed
+        self.retry_after = retry_after
+        self._down_until = 0.0
         self._loads: dict[str, tuple[LoadSpec, Future]] = {}
         self._executor = ThreadPoolExecutor(max_workers=load_threads, thread_name_prefix="kvd-load")
         self._local = threading.local()  # one client per load thread
@@ -169,10 +190,13 @@ class PagedKVWorker:
         for spec in specs:
             if spec.req_id in self._failed_saves:
                 continue
+            if time.monotonic() < self._down_until:
+                self._failed_saves.add(spec.req_id)
+                continue
             try:
                 stream, written = self._streams.get(spec.req_id) or self._open(spec)
                 ids = torch.as_tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
-                stream.write({layer_name: kv_layer.index_select(0, ids)})
+                stream.write({layer_name: as_bytes(kv_layer).index_select(0, ids).view(kv_layer.dtype)})
                 written.add(layer_name)
             except Exception as exc:  # never into the engine: the consumer recomputes instead
                 self._fail_save(spec.req_id, exc)
@@ -191,7 +215,6 @@ class PagedKVWorker:
 
     def finish_saves(self) -> set[str]:
         """Commit every stream opened this step; returns the request ids whose save failed."""
-        failed, self._failed_saves = self._failed_saves, set()
         streams, self._streams = self._streams, {}
         for req_id, (stream, written) in streams.items():
             try:
@@ -201,19 +224,25 @@ class PagedKVWorker:
                 stream.commit()
             except Exception as exc:
                 self._fail_save(req_id, exc, stream)
-                failed.add(req_id)
+        failed, self._failed_saves = self._failed_saves, set()
         return failed
 
     def _fail_save(self, req_id: str, exc: BaseException, stream: PutStream | None = None) -> None:
-        log.error("kvd: saving the KV of request %s failed: %s", req_id, exc)
         self._failed_saves.add(req_id)
+        if isinstance(exc, KvdError) and not isinstance(exc, (BadRequest, PoolFull)):
+            self._client = _discard(self._client)  # gone or stuck: reconnect, not before retry_after
+            self._down_until = time.monotonic() + self.retry_after
+            log.error("kvd: saving the KV of request %s failed: %s; saves skipped for %gs", req_id, exc,
+                      self.retry_after)
+            return
+        log.error("kvd: saving the KV of request %s failed: %s", req_id, exc)
         entry = self._streams.pop(req_id, None)
         stream = stream or (entry[0] if entry else None)
         if stream is not None:
             try:
                 stream.abort()
             except Exception:
-                self._client = None  # the connection is in an unknown state: start afresh
+                self._client = _discard(self._client)  # the connection is in an unknown state
 
     # -- loads (background threads) --------------------------------------------------------
     def start_load(self, spec: LoadSpec) -> None:
@@ -232,13 +261,13 @@ class PagedKVWorker:
             tensors, meta = self._load_client().get(key, source=spec.source, timeout=self.load_timeout,
                                                     with_meta=True)
         except Exception:
-            self._local.client = None
+            self._local.client = _discard(self._local.client)
             raise
         self.check_entry(key, tensors, meta, spec)
         ids = torch.as_tensor(spec.block_ids[spec.first_block:], dtype=torch.long)
         for name, cache in self.caches.items():
             rows = tensors[name][spec.first_block:len(spec.block_ids)]
-            cache.index_copy_(0, ids.to(cache.device), rows.to(cache.device))
+            as_bytes(cache).index_copy_(0, ids.to(cache.device), as_bytes(rows).to(cache.device))
 
     def check_entry(self, key: str, tensors: Mapping[str, torch.Tensor], meta: Any, spec: LoadSpec) -> None:
         """Raise LayoutMismatch unless the entry is exactly what this worker's blocks can take."""

@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..client import Client
+from .handshake import ConnectorSettings, dest_for_prefill, params_for_decode, params_for_decoder
 from .paged_kv import LoadSpec, PagedKVLayout, PagedKVWorker, SaveSpec, blocks_for
 
 if TYPE_CHECKING:
@@ -61,43 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvd.vllm")
 
-__all__ = ["KVDConnector", "KVDConnectorMetadata", "ConnectorSettings", "params_for_decode"]
-
-
-@dataclass(frozen=True)
-class ConnectorSettings:
-    socket: str | None = None
-    endpoint: str | None = None
-    push_to: str | None = None
-    ttl: float = 300.0
-    load_timeout: float = 30.0
-    load_threads: int = 4
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
-        extra = dict(extra or {})
-        known = {"kvd_socket", "kvd_endpoint", "kvd_push_to", "kvd_ttl", "kvd_load_timeout", "kvd_load_threads"}
-        unknown = sorted(k for k in extra if k.startswith("kvd_") and k not in known)
-        if unknown:
-            raise ValueError(f"unknown kvd options in kv_connector_extra_config: {unknown} (known: {sorted(known)})")
-        return cls(socket=extra.get("kvd_socket"), endpoint=extra.get("kvd_endpoint"),
-                   push_to=extra.get("kvd_push_to"), ttl=float(extra.get("kvd_ttl", 300.0)),
-                   load_timeout=float(extra.get("kvd_load_timeout", 30.0)),
-                   load_threads=int(extra.get("kvd_load_threads", 4)))
-
-
-def params_for_decode(params: dict[str, Any] | None) -> tuple[str, int, str | None] | None:
-    """(request key, tokens, source or None) from a decode request's kv_transfer_params, or None
-    when they do not ask for a kvd load. Raises ValueError on malformed kvd params."""
-    if not params or not params.get("do_remote_prefill") or "kvd_request_id" not in params:
-        return None
-    key, num_tokens = params["kvd_request_id"], params.get("kvd_num_tokens")
-    if not isinstance(key, str) or not key or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"malformed kvd kv_transfer_params: {params!r}")
-    source = None if params.get("kvd_pushed") else params.get("kvd_source")
-    if source is not None and not isinstance(source, str):
-        raise ValueError(f"kvd_source must be an endpoint string, got {source!r}")
-    return key, num_tokens, source
+__all__ = ["KVDConnector", "KVDConnectorMetadata"]
 
 
 @dataclass
@@ -127,7 +92,8 @@ class KVDConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
 
     def _client(self) -> Client:
-        return Client(self.settings.socket).connect()
+        # the daemon answers at once: short timeouts keep a dead daemon from stalling the engine
+        return Client(self.settings.socket, reply_timeout=5.0, connect_timeout=2.0).connect()
 
     # ================================ scheduler side ======================================
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -189,10 +155,14 @@ class KVDConnector(KVConnectorBase_V1):
         prompt = request.num_prompt_tokens
         if req_id in self._saved or computed_after_step < prompt:
             return
-        params = request.kv_transfer_params or {}
+        try:
+            dest = dest_for_prefill(request.kv_transfer_params, self.settings.push_to)
+        except ValueError as exc:
+            log.warning("request %s: %s; its KV is not handed off", req_id, exc)
+            self._producing.pop(req_id)
+            return
         spec = SaveSpec(req_id, f"{self._engine_id}:{req_id}",
-                        self._block_ids[req_id][:blocks_for(prompt, self._block_size)], prompt,
-                        params.get("kvd_dest") or self.settings.push_to)
+                        self._block_ids[req_id][:blocks_for(prompt, self._block_size)], prompt, dest)
         self._saved[req_id] = spec
         meta.saves.append(spec)
 
@@ -207,16 +177,7 @@ class KVDConnector(KVConnectorBase_V1):
                                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # nothing handed off (an unclaimed entry expires after kvd_ttl)
         # kvd holds its own copy of the blocks: vLLM may free them now
-        return False, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "kvd_request_id": spec.request_key,
-            "kvd_num_tokens": spec.num_tokens,
-            "kvd_source": self._source_endpoint(),
-            "kvd_pushed": spec.dest is not None,
-            "kvd_dest": spec.dest,
-            "remote_engine_id": self._engine_id,
-        }
+        return False, params_for_decoder(spec, self._source_endpoint(), self._engine_id)
 
     def _source_endpoint(self) -> str | None:
         if self._endpoint is None:

@@ -1,0 +1,74 @@
+"""The kv_transfer_params handshake between a prefill and a decode vLLM instance, and the
+connector's options: plain data, no vLLM import (tested on its own)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .paged_kv import SaveSpec
+
+OPTIONS = {"kvd_socket", "kvd_endpoint", "kvd_push_to", "kvd_ttl", "kvd_load_timeout", "kvd_load_threads"}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    socket: str | None = None
+    endpoint: str | None = None
+    push_to: str | None = None
+    ttl: float = 300.0
+    load_timeout: float = 30.0
+    load_threads: int = 4
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        unknown = sorted(k for k in extra if k.startswith("kvd_") and k not in OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown kvd options in kv_connector_extra_config: {unknown} (known: {sorted(OPTIONS)})")
+        for name in ("kvd_socket", "kvd_endpoint", "kvd_push_to"):
+            if extra.get(name) is not None and not isinstance(extra[name], str):
+                raise ValueError(f"{name} must be a string, got {extra[name]!r}")
+        settings = cls(socket=extra.get("kvd_socket"), endpoint=extra.get("kvd_endpoint"),
+                       push_to=extra.get("kvd_push_to"), ttl=float(extra.get("kvd_ttl", 300.0)),
+                       load_timeout=float(extra.get("kvd_load_timeout", 30.0)),
+                       load_threads=int(extra.get("kvd_load_threads", 4)))
+        if settings.ttl <= 0 or settings.load_timeout <= 0 or settings.load_threads < 1:
+            raise ValueError(f"kvd_ttl and kvd_load_timeout must be > 0 and kvd_load_threads >= 1: {settings}")
+        return settings
+
+
+def params_for_decode(params: dict[str, Any] | None) -> tuple[str, int, str | None] | None:
+    """(request key, tokens, source or None) from a decode request's kv_transfer_params, or None
+    when they do not ask for a kvd load. Raises ValueError on malformed kvd params."""
+    if not params or not params.get("do_remote_prefill") or "kvd_request_id" not in params:
+        return None
+    key, num_tokens = params["kvd_request_id"], params.get("kvd_num_tokens")
+    if not isinstance(key, str) or not key or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"malformed kvd kv_transfer_params: {params!r}")
+    source = None if params.get("kvd_pushed") else params.get("kvd_source")
+    if source is not None and not isinstance(source, str):
+        raise ValueError(f"kvd_source must be an endpoint string, got {source!r}")
+    return key, num_tokens, source
+
+
+def dest_for_prefill(params: dict[str, Any] | None, default: str | None) -> str | None:
+    """Where a prefill request's KV is pushed: its own `kvd_dest`, else the connector's default
+    (None: kept on the prefill daemon, for decode to pull)."""
+    dest = (params or {}).get("kvd_dest") or default
+    if dest is not None and not isinstance(dest, str):
+        raise ValueError(f"kvd_dest must be a peer name or tcp:// endpoint, got {dest!r}")
+    return dest
+
+
+def params_for_decoder(spec: SaveSpec, source: str | None, engine_id: str | None) -> dict[str, Any]:
+    """What a finished prefill request returns: the decode request carries it to find the KV."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "kvd_request_id": spec.request_key,
+        "kvd_num_tokens": spec.num_tokens,
+        "kvd_source": source,
+        "kvd_pushed": spec.dest is not None,
+        "kvd_dest": spec.dest,
+        "remote_engine_id": engine_id,
+    }
