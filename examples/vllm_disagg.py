@@ -56,7 +56,20 @@ def make_tiny_llama(path: Path, layers: int = 4, seed: int = 0) -> Path:
                                       torch_dtype="float32")
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
+    save_word_tokenizer(path, config.vocab_size)
     return path
+
+
+def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A tokenizer for the random model, so `vllm serve` can take text ("w17 w3 w250"): word i is
+    token i. The engines here take token ids and do not need it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", bos_token="w1",
+                            eos_token="w2").save_pretrained(path)
 
 
 def engine_main(conn, model: str, kv_transfer_config: dict[str, Any], dtype: str) -> None:
@@ -227,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--save-model", metavar="DIR", help="only write the model (and a tokenizer) to DIR, e.g. "
+                                                            "for vllm serve")
     args = parser.parse_args(argv)
+    if args.save_model:
+        print(make_tiny_llama(Path(args.save_model)))
+        return 0
     args.scenarios = args.scenarios or ["push", "pull", "noise"]
     result = run(args.scenarios, prompts=args.prompts, max_tokens=args.max_tokens, dtype=args.dtype)
     if args.json:
