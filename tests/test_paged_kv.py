@@ -239,3 +239,15 @@ def test_connector_settings():
     for bad in ({"kvd_sockt": "x"}, {"kvd_ttl": 0}, {"kvd_load_threads": 0}, {"kvd_socket": 5}):
         with pytest.raises(ValueError):
             ConnectorSettings.from_extra(bad)
+
+
+def test_kvd_and_the_engine_agnostic_parts_import_without_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['vllm'] = None\n"  # any `import vllm` now raises ImportError
+            "import kvd, kvd.integrations, kvd.integrations.paged_kv, kvd.integrations.handshake\n"
+            "try:\n    import kvd.integrations.vllm\nexcept ImportError:\n    print('vllm-less')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "vllm-less"
