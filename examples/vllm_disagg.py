@@ -72,14 +72,16 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
                             eos_token="w2").save_pretrained(path)
 
 
-def engine_main(conn, model: str, kv_transfer_config: dict[str, Any], dtype: str) -> None:
+def engine_main(conn, model: str, kv_transfer_config: dict[str, Any], dtype: str, tp: int = 1) -> None:
     """One vLLM engine in its own process, answering generate requests from the proxy."""
+    if tp > 1:  # the CPU backend binds each TP worker's threads to cores; on one NUMA node, say which
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(tp)))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     try:
         llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, block_size=BLOCK_SIZE, max_model_len=1024,
-                  enforce_eager=True, gpu_memory_utilization=0.2, enable_prefix_caching=False, max_num_seqs=16, seed=0,
+                  enforce_eager=True, gpu_memory_utilization=0.2, enable_prefix_caching=False, max_num_seqs=16, seed=0, tensor_parallel_size=tp,
                   kv_transfer_config=KVTransferConfig(**kv_transfer_config))
     except BaseException as exc:
         conn.send(("error", repr(exc)))
@@ -105,13 +107,13 @@ def engine_main(conn, model: str, kv_transfer_config: dict[str, Any], dtype: str
 class Engine:
     """The proxy's handle on an engine process."""
 
-    def __init__(self, name: str, model: str, kvd_socket: str, dtype: str) -> None:
+    def __init__(self, name: str, model: str, kvd_socket: str, dtype: str, tp: int = 1) -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
         config = {"kv_connector": "KVDConnector", "kv_connector_module_path": "kvd.integrations.vllm",
                   "kv_role": "kv_both", "kv_connector_extra_config": {"kvd_socket": kvd_socket}}
-        self.proc = ctx.Process(target=engine_main, args=(child, model, config, dtype), name=f"engine-{name}")
+        self.proc = ctx.Process(target=engine_main, args=(child, model, config, dtype, tp), name=f"engine-{name}")
         self.proc.start()
 
     def wait_ready(self) -> None:
@@ -156,7 +158,7 @@ def replace_with_noise(kvd_socket: str, keys: list[str]) -> None:
 SCENARIOS = {"push": (False, False), "pull": (True, False), "noise": (False, True)}  # name: (pull, noise)
 
 
-def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: str = "float32",
+def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: str = "float32", tp: int = 1,
         workdir: Path | None = None) -> dict[str, Any]:
     """Start two daemons and two engines once, then run each scenario on fresh prompts."""
     from kvd.testing import DaemonFactory
@@ -167,17 +169,17 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
     engines: list[Engine] = []
     try:
         daemon_p, daemon_d = daemons.pair(pool_size="256MiB")
-        prefill = Engine("prefill", model, daemon_p.socket, dtype)
-        decode = Engine("decode", model, daemon_d.socket, dtype)
+        prefill = Engine("prefill", model, daemon_p.socket, dtype, tp)
+        decode = Engine("decode", model, daemon_d.socket, dtype, tp)
         engines = [prefill, decode]
         started = time.monotonic()
         prefill.wait_ready()
         decode.wait_ready()
-        result: dict[str, Any] = {"engine_startup_s": round(time.monotonic() - started, 1), "dtype": dtype}
+        result: dict[str, Any] = {"engine_startup_s": round(time.monotonic() - started, 1), "dtype": dtype, "tp": tp}
         for index, name in enumerate(scenarios):
             pull, noise = SCENARIOS[name]
             result[name] = handoff(prefill, decode, daemon_p, daemon_d, default_prompts(prompts, seed=index),
-                                   max_tokens=max_tokens, pull=pull, noise=noise)
+                                   max_tokens=max_tokens, pull=pull, noise=noise, tp=tp)
         return result
     finally:
         for engine in engines:
@@ -186,7 +188,7 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
 
 
 def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[list[int]], *, max_tokens: int,
-            pull: bool, noise: bool) -> dict[str, Any]:
+            pull: bool, noise: bool, tp: int = 1) -> dict[str, Any]:
     """The proxy's work for a batch of prompts, and the comparison with decode computing them itself."""
     from kvd.integrations.paged_kv import entry_key
 
@@ -198,7 +200,7 @@ def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[l
     params = [out["kv_transfer_params"] for out in prefilled]
     if noise:
         store = daemon_p.socket if pull else daemon_d.socket
-        replace_with_noise(store, [entry_key(p["kvd_request_id"], 0) for p in params])
+        replace_with_noise(store, [entry_key(p["kvd_request_id"], rank) for p in params for rank in range(tp)])
     with daemon_d.client() as client_d:
         gets_before = client_d.stats()["counters"]
     t2 = time.monotonic()
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of both engines")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save-model", metavar="DIR", help="only write the model (and a tokenizer) to DIR, e.g. "
                                                             "for vllm serve")
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(make_tiny_llama(Path(args.save_model)))
         return 0
     args.scenarios = args.scenarios or ["push", "pull", "noise"]
-    result = run(args.scenarios, prompts=args.prompts, max_tokens=args.max_tokens, dtype=args.dtype)
+    result = run(args.scenarios, prompts=args.prompts, max_tokens=args.max_tokens, dtype=args.dtype, tp=args.tp)
     if args.json:
         print(json.dumps(result))
     ok = True
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"max |logprob diff| {outcome['max_logprob_diff']:.2e}, prefill {outcome['prefill_s']}s, "
                   f"decode {outcome['decode_s']}s, entries left {outcome['entries_left']}")
     if not args.json:
-        print(f"engines started in {result['engine_startup_s']}s; {'OK' if ok else 'FAILED'}")
+        print(f"engines (TP={args.tp}, {args.dtype}) started in {result['engine_startup_s']}s; {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 
