@@ -13,13 +13,16 @@ each prompt:
      paged cache and generates.
 
 It then checks the decode engine's output against the same engine computing the prompt itself
-(no kv_transfer_params): same tokens, same log-probabilities. With --noise it first replaces every
-KV entry in daemon D by random values of the same shape (a negative control: the output must
-change, proving the transferred KV is what decode attends to). The model is a small Llama built
-from a config with a fixed seed (no downloads, no tokenizer: prompts are token ids).
+(no kv_transfer_params): same tokens, same log-probabilities. Scenarios: push (prefill's daemon
+streams to decode's), pull (decode's daemon pulls from prefill's), noise (push, then every KV
+entry is replaced by random values of the same shape: a negative control, the output must change,
+proving the transferred KV is what decode attends to) and lost (push, then the entries are
+deleted: decode waits kvd_load_timeout, reports the blocks as failed, and vLLM recomputes the
+prompt: the output must still match). The model is a small Llama built from a config with a
+fixed seed (no downloads; prompts are token ids).
 
-    python examples/vllm_disagg.py                  # push, pull and the noise control, 4 prompts each
-    python examples/vllm_disagg.py push --prompts 6 --dtype bfloat16
+    python examples/vllm_disagg.py                  # push, pull, noise and lost, 4 prompts each
+    python examples/vllm_disagg.py push --prompts 6 --dtype bfloat16 --tp 2
 """
 from __future__ import annotations
 
@@ -112,7 +115,8 @@ class Engine:
         self.name = name
         self.conn, child = ctx.Pipe()
         config = {"kv_connector": "KVDConnector", "kv_connector_module_path": "kvd.integrations.vllm",
-                  "kv_role": "kv_both", "kv_connector_extra_config": {"kvd_socket": kvd_socket}}
+                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                  "kv_connector_extra_config": {"kvd_socket": kvd_socket, "kvd_load_timeout": LOAD_TIMEOUT}}
         self.proc = ctx.Process(target=engine_main, args=(child, model, config, dtype, tp), name=f"engine-{name}")
         self.proc.start()
 
@@ -155,7 +159,9 @@ def replace_with_noise(kvd_socket: str, keys: list[str]) -> None:
             client.put(key, noise, meta=meta)
 
 
-SCENARIOS = {"push": (False, False), "pull": (True, False), "noise": (False, True)}  # name: (pull, noise)
+# name: (pull, then what happens to the KV before decode reads it)
+SCENARIOS = {"push": (False, None), "pull": (True, None), "noise": (False, "noise"), "lost": (False, "lost")}
+LOAD_TIMEOUT = 5.0  # seconds decode waits for an entry before recomputing the prompt
 
 
 def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: str = "float32", tp: int = 1,
@@ -177,9 +183,9 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
         decode.wait_ready()
         result: dict[str, Any] = {"engine_startup_s": round(time.monotonic() - started, 1), "dtype": dtype, "tp": tp}
         for index, name in enumerate(scenarios):
-            pull, noise = SCENARIOS[name]
+            pull, fault = SCENARIOS[name]
             result[name] = handoff(prefill, decode, daemon_p, daemon_d, default_prompts(prompts, seed=index),
-                                   max_tokens=max_tokens, pull=pull, noise=noise, tp=tp)
+                                   max_tokens=max_tokens, pull=pull, fault=fault, tp=tp)
         return result
     finally:
         for engine in engines:
@@ -188,7 +194,7 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
 
 
 def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[list[int]], *, max_tokens: int,
-            pull: bool, noise: bool, tp: int = 1) -> dict[str, Any]:
+            pull: bool, fault: str | None = None, tp: int = 1) -> dict[str, Any]:
     """The proxy's work for a batch of prompts, and the comparison with decode computing them itself."""
     from kvd.integrations.paged_kv import entry_key
 
@@ -198,9 +204,15 @@ def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[l
     prefilled = prefill.generate(prompts, 1, first)
     t1 = time.monotonic()
     params = [out["kv_transfer_params"] for out in prefilled]
-    if noise:
-        store = daemon_p.socket if pull else daemon_d.socket
-        replace_with_noise(store, [entry_key(p["kvd_request_id"], rank) for p in params for rank in range(tp)])
+    keys = [entry_key(p["kvd_request_id"], rank) for p in params for rank in range(tp)]
+    store = daemon_p.socket if pull else daemon_d.socket
+    if fault == "noise":
+        replace_with_noise(store, keys)
+    elif fault == "lost":  # e.g. expired, or the decode daemon restarted: decode must recompute
+        import kvd
+
+        with kvd.Client(store) as client:
+            assert all(client.delete(key) for key in keys)
     with daemon_d.client() as client_d:
         gets_before = client_d.stats()["counters"]
     t2 = time.monotonic()
@@ -211,7 +223,7 @@ def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[l
         stats_d = client_d.stats()
         left = {"prefill_daemon": client_p.stats()["entries"], "decode_daemon": stats_d["entries"]}
     return {
-        "prompt_tokens": [len(p) for p in prompts], "mode": "pull" if pull else "push", "noise": noise,
+        "prompt_tokens": [len(p) for p in prompts], "mode": "pull" if pull else "push", "fault": fault,
         "prefill_s": round(t1 - t0, 3), "decode_s": round(t3 - t2, 3),
         "kv_transfer_params": params,
         "decode_daemon_counters": {k: stats_d["counters"].get(k, 0) - gets_before.get(k, 0)
@@ -237,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("scenarios", nargs="*", choices=[[], *sorted(SCENARIOS)],
                         help="push: prefill's daemon streams to decode's; pull: decode's daemon pulls; "
-                             "noise: push, then the KV is replaced by noise (the output must change)")
+                             "noise: push, then the KV is replaced by noise (the output must change); "
+                             "lost: push, then the KV is deleted (decode recomputes: same output)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -249,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_model:
         print(make_tiny_llama(Path(args.save_model)))
         return 0
-    args.scenarios = args.scenarios or ["push", "pull", "noise"]
+    args.scenarios = args.scenarios or ["push", "pull", "noise", "lost"]
     result = run(args.scenarios, prompts=args.prompts, max_tokens=args.max_tokens, dtype=args.dtype, tp=args.tp)
     if args.json:
         print(json.dumps(result))
@@ -257,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.scenarios:
         outcome = result[name]
         same = all(outcome["tokens_equal"])
-        ok &= same != outcome["noise"]
+        ok &= same != (outcome["fault"] == "noise")
         if not args.json:
             print(f"{name:6} prompts {outcome['prompt_tokens']}: tokens equal {outcome['tokens_equal']}, "
                   f"max |logprob diff| {outcome['max_logprob_diff']:.2e}, prefill {outcome['prefill_s']}s, "

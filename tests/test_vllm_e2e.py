@@ -19,7 +19,7 @@ def outcome(tmp_path_factory):
     sys.path.insert(0, str(EXAMPLE.parent))  # spawned engine processes inherit sys.path and import it too
     import vllm_disagg as example
 
-    return example.run(["push", "pull", "noise"], prompts=4, max_tokens=8, workdir=tmp_path_factory.mktemp("vllm"))
+    return example.run(["push", "pull", "noise", "lost"], prompts=4, max_tokens=8, workdir=tmp_path_factory.mktemp("vllm"))
 
 
 @pytest.mark.timeout(900)
@@ -54,3 +54,14 @@ def test_noise_in_place_of_the_kv_changes_the_output(outcome):
     assert noise["decode_daemon_counters"]["gets"] >= 4
     assert not all(noise["tokens_equal"]), noise["decoded"]
     assert noise["max_logprob_diff"] > 0.1
+
+
+@pytest.mark.timeout(900)
+def test_lost_kv_is_recomputed_not_served(outcome):
+    """The entries are gone before decode reads them: each load fails after kvd_load_timeout, the
+    connector reports the blocks, vLLM recomputes the prompts, and the output is still right."""
+    lost = outcome["lost"]
+    assert lost["tokens_equal"] == [True] * 4, (lost["reference"], lost["decoded"])
+    assert lost["decode_daemon_counters"]["gets"] == 0  # nothing was there to read
+    assert lost["decode_s"] >= 5.0  # it waited kvd_load_timeout before recomputing
+    assert lost["entries_left"] == {"prefill_daemon": 0, "decode_daemon": 0}
