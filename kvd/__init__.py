@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncClient", "Client", "KvdError", "NotFound", "PoolFull", "Timeout", "PeerUnavailable",
     "ProtocolError", "BadRequest", "AlreadyExists", "ChecksumMismatch", "ShuttingDown",
-    "VersionMismatch", "LayoutMismatch", "Unauthorized", "InternalError", "__version__",
+    "VersionMismatch", "LayoutMismatch", "Unauthorized", "InternalError", "Rows", "__version__",
 ]
 
 
@@ -29,4 +29,8 @@ def __getattr__(name: str):
         from .async_client import AsyncClient
 
         return AsyncClient
+    if name == "Rows":
+        from .paged import Rows
+
+        return Rows
     raise AttributeError(f"module 'kvd' has no attribute {name!r}")

@@ -9,6 +9,7 @@ the consumer's own block ids with one `index_copy_` per tensor. Operations are g
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -21,14 +22,14 @@ from .tensors import DTYPE_NAMES, TORCH_DTYPES, copy_in, copy_out
 NO_REPLY = None
 
 
-def _ids(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+def block_index(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     ids = torch.as_tensor(block_ids, dtype=torch.long)
     if ids.dim() != 1 or ids.numel() == 0:
         raise BadRequest("block_ids must be a non-empty 1-D sequence of block numbers")
     return ids.to(device)
 
 
-def _check_ids(name: str, cache: torch.Tensor, ids: torch.Tensor) -> None:
+def check_block_ids(name: str, cache: torch.Tensor, ids: torch.Tensor) -> None:
     if cache.dim() < 1:
         raise BadRequest(f"{name!r}: a paged cache has the block index as its first dimension")
     if int(ids.min()) < 0 or int(ids.max()) >= cache.shape[0]:
@@ -43,6 +44,36 @@ def _pool_view(pool: torch.Tensor, segments: list, spec: TensorSpec) -> torch.Te
     return pool[offset:offset + length].view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Rows `block_ids` of a paged cache [num_blocks, ...]: as a value of a stream write
+    (`stream.write({"layer.0": Rows(cache, ids)})`) they are gathered straight into the pool."""
+
+    cache: torch.Tensor
+    block_ids: Sequence[int] | torch.Tensor
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The same memory as uint8 (the last dim scaled), or None when its last dim is strided.
+    Gathers on bytes work for every dtype (CPU torch has no fp8 index kernels) and keep bits."""
+    try:
+        return tensor.view(torch.uint8)
+    except RuntimeError:
+        return None
+
+
+def gather_rows(pool: torch.Tensor, segments: list, spec: TensorSpec, cache: torch.Tensor,
+                ids: torch.Tensor) -> None:
+    """cache[ids] -> the tensor's pool segments: one gather kernel into the pool where possible."""
+    target = _pool_view(pool, segments, spec)
+    source, out = _as_bytes(cache), _as_bytes(target) if target is not None else None
+    if out is not None and source is not None and target.device == cache.device:
+        torch.index_select(source, 0, ids, out=out)  # straight into the pool, no temporary
+        return
+    rows = source.index_select(0, ids).view(cache.dtype) if source is not None else cache.index_select(0, ids)
+    copy_in(pool, rows, segments)
+
+
 def put_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, dest: str | None,
                ttl: float | None, meta: dict | None):
     if not caches:
@@ -51,19 +82,14 @@ def put_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_
     for name, cache in caches.items():
         if not isinstance(cache, torch.Tensor) or cache.dtype not in DTYPE_NAMES:
             raise BadRequest(f"{name!r}: expected a torch tensor of a supported dtype")
-        ids = gathers.setdefault(cache.device, _ids(block_ids, cache.device))
-        _check_ids(name, cache, ids)
+        ids = gathers.setdefault(cache.device, block_index(block_ids, cache.device))
+        check_block_ids(name, cache, ids)
         specs.append(TensorSpec(name, DTYPE_NAMES[cache.dtype], (len(ids), *cache.shape[1:])))
     slots = yield p.PutAlloc(req=next(core._reqs), request_id=request_id, tensors=[s.to_wire() for s in specs],
                              ttl=ttl, meta=meta), 0.0
     try:
         for spec, segments, cache in zip(specs, slots.segments, caches.values()):
-            ids = gathers[cache.device]
-            target = _pool_view(core._pool, segments, spec)
-            if target is not None and target.device == cache.device:
-                torch.index_select(cache, 0, ids, out=target)  # one gather kernel, straight into the pool
-            else:
-                copy_in(core._pool, cache.index_select(0, ids), segments)
+            gather_rows(core._pool, segments, spec, cache, gathers[cache.device])
         core._sync_device()
     except BaseException:
         yield p.Delete(req=next(core._reqs), request_id=request_id), NO_REPLY
@@ -84,15 +110,15 @@ def get_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_
             raise BadRequest(f"caches name {sorted(caches)}, the entry holds {sorted(by_name)}")
         for name, cache in caches.items():
             spec, segments = by_name[name]
-            ids = _ids(block_ids, cache.device)
-            _check_ids(name, cache, ids)
+            ids = block_index(block_ids, cache.device)
+            check_block_ids(name, cache, ids)
             if (DTYPE_NAMES.get(cache.dtype) != spec.dtype or tuple(cache.shape[1:]) != spec.shape[1:]
                     or len(ids) != spec.shape[0]):
                 raise BadRequest(f"{name!r}: cache {cache.dtype} {tuple(cache.shape)} with {len(ids)} block ids "
                                  f"does not fit the entry's {spec.dtype} {spec.shape}")
         for name, cache in caches.items():
             spec, segments = by_name[name]
-            ids = _ids(block_ids, cache.device)
+            ids = block_index(block_ids, cache.device)
             source_rows = _pool_view(core._pool, segments, spec)
             if source_rows is None:
                 source_rows = copy_out(core._pool, spec, segments, None)

@@ -15,6 +15,7 @@ import torch
 from . import protocol as p
 from .errors import BadRequest
 from .layout import TensorSpec
+from .paged import Rows, block_index, check_block_ids, gather_rows
 from .tensors import DTYPE_NAMES, as_tensor, copy_in, copy_out
 
 NO_REPLY = None
@@ -84,12 +85,20 @@ def write_stream(core, state: StreamState, kv: Mapping[str, Any]):
         i = state.index[name]
         if i in state.written:
             raise BadRequest(f"{name!r} was already written")
-        tensor = as_tensor(name, value)
         spec = state.specs[i]
-        if DTYPE_NAMES[tensor.dtype] != spec.dtype or tuple(tensor.shape) != spec.shape:
-            raise BadRequest(f"{name!r} is {tensor.dtype} {tuple(tensor.shape)}, the stream declared "
-                             f"{spec.dtype} {spec.shape}")
-        copy_in(core._pool, tensor, state.segments[i])
+        if isinstance(value, Rows):  # rows of a paged cache: gathered straight into the pool
+            ids = block_index(value.block_ids, value.cache.device)
+            check_block_ids(name, value.cache, ids)
+            dtype, shape = value.cache.dtype, (len(ids), *value.cache.shape[1:])
+        else:
+            tensor = as_tensor(name, value)
+            dtype, shape = tensor.dtype, tuple(tensor.shape)
+        if DTYPE_NAMES.get(dtype) != spec.dtype or shape != spec.shape:
+            raise BadRequest(f"{name!r} is {dtype} {shape}, the stream declared {spec.dtype} {spec.shape}")
+        if isinstance(value, Rows):
+            gather_rows(core._pool, state.segments[i], spec, value.cache, ids)
+        else:
+            copy_in(core._pool, tensor, state.segments[i])
         indices.append(i)
     core._sync_device()
     state.written.update(indices)

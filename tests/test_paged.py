@@ -52,3 +52,27 @@ def test_block_errors(client):
     client.get_blocks("fit", {"k": target}, [4, 5])  # the failed gets gave the entry back
     assert torch.equal(target[4:6], cache[1:3])
     assert client.stats()["pool"]["used_bytes"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.int8], ids=str)
+def test_stream_writes_rows_of_a_paged_cache_straight_into_the_pool(daemons, dtype):
+    a, b = daemons.pair()
+    gen = torch.Generator().manual_seed(5)
+    caches = {f"layer.{i}": torch.randint(0, 256, (30, 2, 16, 8 * dtype.itemsize), generator=gen,
+                                          dtype=torch.uint8).view(dtype) for i in range(3)}
+    ids = [29, 3, 17, 0]
+    with a.client() as ca, b.client() as cb:
+        layout = {name: ((len(ids), 2, 16, 8), dtype) for name in caches}
+        with ca.put_stream("rows", layout, dest="B") as stream:
+            for name, cache in caches.items():
+                stream.write({name: kvd.Rows(cache, ids)})
+        got = cb.get("rows")
+        for name, cache in caches.items():
+            assert torch.equal(got[name].view(torch.uint8), cache[ids].view(torch.uint8))
+        stream = ca.put_stream("bad", layout)
+        with pytest.raises(kvd.BadRequest, match="declared"):
+            stream.write({"layer.0": kvd.Rows(caches["layer.0"], ids[:3])})  # 3 rows, 4 declared
+        with pytest.raises(kvd.BadRequest, match="block ids"):
+            stream.write({"layer.0": kvd.Rows(caches["layer.0"], [0, 1, 2, 30])})
+        stream.abort()
+        assert ca.stats()["entries"] == 0

@@ -35,6 +35,7 @@ import torch
 
 from ..client import Client, PutStream
 from ..errors import BadRequest, KvdError, LayoutMismatch, PoolFull
+from ..paged import Rows
 from ..tensors import DTYPE_NAMES
 
 log = logging.getLogger("kvd.paged_kv")
@@ -195,8 +196,7 @@ class PagedKVWorker:
                 continue
             try:
                 stream, written = self._streams.get(spec.req_id) or self._open(spec)
-                ids = torch.as_tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
-                stream.write({layer_name: as_bytes(kv_layer).index_select(0, ids).view(kv_layer.dtype)})
+                stream.write({layer_name: Rows(kv_layer, spec.block_ids)})  # one gather into the pool
                 written.add(layer_name)
             except Exception as exc:  # never into the engine: the consumer recomputes instead
                 self._fail_save(spec.req_id, exc)
