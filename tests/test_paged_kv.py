@@ -83,6 +83,11 @@ def test_blocks_cross_two_daemons_bit_exact_into_other_block_ids(daemons, dtype)
         assert torch.equal(bits(consumer_caches[name][untouched]), bits(before[name][untouched]))
     with b.client() as client:
         assert client.stats()["entries"] == 0  # the load consumed the entry
+    block_bytes = producer.caches[LAYERS[0]][0].numel() * dtype.itemsize
+    saved, loaded = producer.take_stats(), consumer.take_stats()
+    assert (saved.saves, saved.save_failures, saved.saved_bytes) == (1, 0, 5 * len(LAYERS) * block_bytes)
+    assert (loaded.loads, loaded.load_failures, loaded.loaded_bytes) == (1, 0, 5 * len(LAYERS) * block_bytes)
+    assert len(loaded.load_seconds) == 1 and consumer.take_stats().empty()
 
 
 def test_pull_from_the_producers_daemon_and_skip_a_locally_cached_prefix(daemons):
@@ -155,6 +160,8 @@ def test_a_missing_entry_fails_the_load_after_the_timeout(daemon):
     consumer.start_load(LoadSpec("r", "nobody:r", [1, 2], 2 * BLOCK))
     finished, failed, blocks = wait_results(consumer)
     assert finished == failed == {"r"} and blocks == {1, 2}
+    stats = consumer.take_stats()
+    assert (stats.loads, stats.load_failures) == (0, 1)
 
 
 def test_a_save_missing_a_layer_is_never_published(daemons):

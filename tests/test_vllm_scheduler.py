@@ -199,3 +199,18 @@ def test_malformed_kvd_params_mean_a_local_prefill(model_dir):
 def test_unknown_options_are_refused_at_start(model_dir):
     with pytest.raises(ValueError, match="kvd_sockt"):
         make_scheduler(model_dir, extra={"kvd_sockt": "/run/kvd.sock"})
+
+
+def test_transfer_stats_aggregate_across_workers_and_reduce_for_the_log():
+    from kvd.integrations.vllm import KVDConnectorStats
+
+    one = KVDConnector.build_kv_connector_stats({"saves": 2, "saved_bytes": 100, "load_seconds": [0.010]})
+    two = KVDConnectorStats(data={"loads": 3, "load_failures": 1, "loaded_bytes": 300,
+                                  "load_seconds": [0.020, 0.030, 0.040]})
+    assert KVDConnectorStats().is_empty() and not one.is_empty()
+    summary = one.aggregate(two).reduce()
+    assert summary["saves"] == 2 and summary["loads"] == 3 and summary["load_failures"] == 1
+    assert summary["saved_bytes"] == 100 and summary["loaded_bytes"] == 300
+    assert summary["load_ms_avg"] == 25.0 and summary["load_ms_p90"] == 40.0
+    one.reset()
+    assert one.is_empty()

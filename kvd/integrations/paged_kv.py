@@ -158,6 +158,22 @@ class TransferResults:
     failed_blocks: set[int] = field(default_factory=set)
 
 
+@dataclass
+class TransferStats:
+    """What one worker moved since the last take: counters and each load's duration."""
+
+    saves: int = 0
+    save_failures: int = 0
+    saved_bytes: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    loaded_bytes: int = 0
+    load_seconds: list[float] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.saves or self.save_failures or self.loads or self.load_failures)
+
+
 class PagedKVWorker:
     """One engine worker's (one TP rank's) side: streams saves, runs loads in the background."""
 
@@ -179,6 +195,8 @@ class PagedKVWorker:
         self._executor = ThreadPoolExecutor(max_workers=load_threads, thread_name_prefix="kvd-load")
         self._local = threading.local()  # one client per load thread
         self._layer_names = [name for name, _, _ in layout.layers]
+        self._stats = TransferStats()
+        self._stats_lock = threading.Lock()  # loads finish on their own threads
 
     # -- saves (engine thread) -------------------------------------------------------------
     def _save_client(self) -> Client:
@@ -198,6 +216,7 @@ class PagedKVWorker:
                 stream, written = self._streams.get(spec.req_id) or self._open(spec)
                 stream.write({layer_name: Rows(kv_layer, spec.block_ids)})  # one gather into the pool
                 written.add(layer_name)
+                self._stats.saved_bytes += len(spec.block_ids) * kv_layer[0].numel() * kv_layer.element_size()
             except Exception as exc:  # never into the engine: the consumer recomputes instead
                 self._fail_save(spec.req_id, exc)
 
@@ -222,9 +241,11 @@ class PagedKVWorker:
                 if missing:  # an entry with unwritten layers would hand over garbage
                     raise BadRequest(f"layers never saved in this step: {missing[:3]}")
                 stream.commit()
+                self._stats.saves += 1
             except Exception as exc:
                 self._fail_save(req_id, exc, stream)
         failed, self._failed_saves = self._failed_saves, set()
+        self._stats.save_failures += len(failed)
         return failed
 
     def _fail_save(self, req_id: str, exc: BaseException, stream: PutStream | None = None) -> None:
@@ -256,6 +277,7 @@ class PagedKVWorker:
         return client
 
     def _load(self, spec: LoadSpec) -> None:
+        started = time.monotonic()
         key = entry_key(spec.request_key, self.layout.tp_rank)
         try:
             tensors, meta = self._load_client().get(key, source=spec.source, timeout=self.load_timeout,
@@ -265,9 +287,15 @@ class PagedKVWorker:
             raise
         self.check_entry(key, tensors, meta, spec)
         ids = torch.as_tensor(spec.block_ids[spec.first_block:], dtype=torch.long)
+        loaded = 0
         for name, cache in self.caches.items():
             rows = tensors[name][spec.first_block:len(spec.block_ids)]
             as_bytes(cache).index_copy_(0, ids.to(cache.device), as_bytes(rows).to(cache.device))
+            loaded += rows.numel() * rows.element_size()
+        with self._stats_lock:
+            self._stats.loads += 1
+            self._stats.loaded_bytes += loaded
+            self._stats.load_seconds.append(time.monotonic() - started)
 
     def check_entry(self, key: str, tensors: Mapping[str, torch.Tensor], meta: Any, spec: LoadSpec) -> None:
         """Raise LayoutMismatch unless the entry is exactly what this worker's blocks can take."""
@@ -295,10 +323,18 @@ class PagedKVWorker:
             results.finished_loads.add(req_id)
             exc = future.exception()
             if exc is not None:
+                with self._stats_lock:
+                    self._stats.load_failures += 1
                 log.error("kvd: loading the KV of request %s failed: %s", req_id, exc)
                 results.failed_loads.add(req_id)
                 results.failed_blocks.update(spec.block_ids[spec.first_block:])
         return results
+
+    def take_stats(self) -> TransferStats:
+        """The counters since the last call (then reset)."""
+        with self._stats_lock:
+            stats, self._stats = self._stats, TransferStats()
+        return stats
 
     def pending_loads(self) -> int:
         return len(self._loads)

@@ -47,6 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
 from ..client import Client
 from .handshake import ConnectorSettings, dest_for_prefill, params_for_decode, params_for_decoder
 from .paged_kv import LoadSpec, PagedKVLayout, PagedKVWorker, SaveSpec, blocks_for
@@ -62,7 +64,41 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvd.vllm")
 
-__all__ = ["KVDConnector", "KVDConnectorMetadata"]
+__all__ = ["KVDConnector", "KVDConnectorMetadata", "KVDConnectorStats"]
+
+
+COUNTERS = ("saves", "save_failures", "saved_bytes", "loads", "load_failures", "loaded_bytes")
+
+
+@dataclass
+class KVDConnectorStats(KVConnectorStats):
+    """Workers -> vLLM's stats logger ("KV Transfer metrics: ..." every logging interval)."""
+
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.data.setdefault(name, 0)
+        self.data.setdefault("load_seconds", [])
+
+    def reset(self) -> None:
+        self.data = {}
+        self.__post_init__()
+
+    def aggregate(self, other: KVConnectorStats) -> "KVDConnectorStats":
+        for name in COUNTERS:
+            self.data[name] += other.data.get(name, 0)
+        self.data["load_seconds"] = self.data["load_seconds"] + list(other.data.get("load_seconds", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        summary: dict[str, int | float] = {name: self.data[name] for name in COUNTERS}
+        times = sorted(self.data["load_seconds"])
+        if times:
+            summary["load_ms_avg"] = round(sum(times) / len(times) * 1e3, 2)
+            summary["load_ms_p90"] = round(times[min(len(times) - 1, int(len(times) * 0.9))] * 1e3, 2)
+        return summary
+
+    def is_empty(self) -> bool:
+        return not any(self.data[name] for name in COUNTERS)
 
 
 @dataclass
@@ -248,6 +284,19 @@ class KVDConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def get_kv_connector_stats(self) -> KVDConnectorStats | None:
+        if self._worker is None:
+            return None
+        taken = self._worker.take_stats()
+        if taken.empty():
+            return None
+        return KVDConnectorStats(data={**{name: getattr(taken, name) for name in COUNTERS},
+                                       "load_seconds": taken.load_seconds})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVDConnectorStats:
+        return KVDConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         if self._worker is not None:
