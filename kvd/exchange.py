@@ -30,6 +30,7 @@ from .auth import CurveKeys, make_server
 from .metrics import Metrics
 from .poolio import PoolIO
 from .peers import Channel, PeerLink, tune_peer_socket
+from .peerset import PeerSet
 from .store import Entry, State, Store
 from .transfer import ReceiveLedger, SendWindow
 from .zsock import LoopSocket
@@ -107,11 +108,8 @@ class Exchange:
         self._chunks_sent = 0
         # told about arriving entries: wait_ready(), on_progress(), on_published(), on_dropped()
         self.events: EntryEvents | None = None
-        self._router_seen: dict[bytes, float] = {}  # routing id -> last message (liveness)
-        self._last_ping = 0.0
-        self.links: dict[str, PeerLink] = {}  # peer name or endpoint -> link
+        self.peers = PeerSet(config, ctx, incarnation, self._on_link_message, self._fail_channel)
         self.transfers: dict[int, Outbound | Inbound] = {}
-        self._router_peers: dict[bytes, str] = {}  # routing id -> node id, after PeerHello
         self._deferred: list[Outbound] = []  # finished sends whose frames ZeroMQ may still hold
         self._tasks: set[asyncio.Task] = set()
         self.counters = {"sent_bytes": 0, "received_bytes": 0, "pushes": 0, "pulls": 0, "failures": 0}
@@ -129,16 +127,7 @@ class Exchange:
         router.bind(self.config.listen)
         self.bound_endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.router = LoopSocket(router, self._on_router_frames, copy=False)
-        for name, endpoint in self.config.peers.items():
-            self.links[name] = self._new_link(name, endpoint)
-
-    def _new_link(self, name: str, endpoint: str) -> PeerLink:
-        return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation, self._on_link_message,
-                        self.curve, self._on_peer_restart)
-
-    def _on_peer_restart(self, link: PeerLink) -> None:
-        """A peer came back with a new incarnation: whatever we had in flight with it is gone."""
-        self._fail_channel(link.channel.key, f"peer {link.name} restarted")
+        self.peers.start(self.curve)
 
     async def close(self) -> None:
         for transfer in list(self.transfers.values()):
@@ -147,8 +136,7 @@ class Exchange:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for link in self.links.values():
-            link.close()
+        self.peers.close()
         if self.router is not None:
             self.router.close()
 
@@ -158,24 +146,25 @@ class Exchange:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # --- links ----------------------------------------------------------------------------
+    # --- links (kept by the PeerSet) ---------------------------------------------------------
+
+    @property
+    def links(self) -> dict[str, PeerLink]:
+        return self.peers.links
 
     def link_for(self, dest: str) -> PeerLink:
-        """A peer name from the config, or a tcp:// endpoint (linked on first use)."""
-        link = self.links.get(dest)
-        if link is not None:
-            return link
-        if dest.startswith("tcp://"):
-            self.links[dest] = link = self._new_link(dest, dest)
-            return link
-        known = ", ".join(sorted(n for n in self.links if not n.startswith("tcp://"))) or "none"
-        raise PeerUnavailable(f"unknown peer {dest!r} (configured peers: {known}; or give a tcp:// endpoint)")
+        return self.peers.link_for(dest)
 
     def peer_states(self) -> dict[str, dict]:
-        return {
-            name: {"endpoint": link.endpoint, "connected": link.connected, "node_id": link.remote_node_id}
-            for name, link in self.links.items()
-        }
+        return self.peers.states()
+
+    def set_peers(self, peers: dict[str, str]) -> None:
+        """Apply a reloaded peer list: new names are linked, removed ones closed."""
+        self.peers.set_peers(peers)
+
+    def heartbeat(self, now: float) -> None:
+        """Ping every linked peer; a peer silent past heartbeat_timeout is lost and its transfers fail."""
+        self.peers.heartbeat(now)
 
     # --- push and pull, as the daemon's client handlers call them ------------------------------
 
@@ -457,39 +446,6 @@ class Exchange:
         """Transfers are in flight (shutdown waits for them to finish)."""
         return bool(self.transfers)
 
-    def set_peers(self, peers: dict[str, str]) -> None:
-        """Apply a reloaded peer list: new names are linked, removed ones closed."""
-        for name in [n for n in self.links if not n.startswith("tcp://") and n not in peers]:
-            self.links.pop(name).close()
-            log.info("peer %s removed", name)
-        for name, endpoint in peers.items():
-            link = self.links.get(name)
-            if link is not None and link.endpoint != endpoint:
-                self.links.pop(name).close()
-                link = None
-            if link is None:
-                self.links[name] = self._new_link(name, endpoint)
-                log.info("peer %s added at %s", name, endpoint)
-
-    def heartbeat(self, now: float) -> None:
-        """Ping every linked peer; a peer silent past heartbeat_timeout is lost and its transfers fail."""
-        cfg = self.config
-        if now - self._last_ping >= cfg.heartbeat_interval:
-            self._last_ping = now
-            for link in self.links.values():
-                link.ping(now)
-        for link in self.links.values():
-            if link.connected and now - link.last_seen > cfg.heartbeat_timeout:
-                log.warning("peer %s lost: silent for %.1fs", link.name, now - link.last_seen)
-                link.mark_lost()
-                self._fail_channel(link.channel.key, f"peer {link.name} stopped answering")
-        for rid, seen in list(self._router_seen.items()):
-            if now - seen > cfg.heartbeat_timeout:
-                del self._router_seen[rid]
-                name = self._router_peers.pop(rid, rid.hex())
-                log.warning("peer %s (connected to us) lost: silent for %.1fs", name, now - seen)
-                self._fail_channel(("router", rid), f"peer {name} stopped answering")
-
     def _fail_channel(self, key: tuple, reason: str) -> None:
         for transfer in list(self.transfers.values()):
             if transfer.channel.key == key:
@@ -527,14 +483,13 @@ class Exchange:
             log.warning("send to peer failed: %s", sent.exception())
 
     def _router_channel(self, rid: bytes) -> Channel:
-        name = self._router_peers.get(rid, rid.hex())
+        name = self.peers.router_name(rid)
         return Channel(("router", rid), name, lambda frames, track: self.router.send(
             [rid, *frames], copy=False, track=track))
 
     def _on_router_frames(self, frames: list) -> None:
         rid = frames[0].bytes
-        if rid in self._router_peers:
-            self._router_seen[rid] = time.monotonic()
+        self.peers.router_seen(rid)
         channel = self._router_channel(rid)
         try:
             msg = p.decode([f.buffer for f in frames[1:]])
@@ -543,14 +498,11 @@ class Exchange:
             self._send(channel, p.Abort(xfer=0, code=exc.code, message=exc.message))
             return
         if isinstance(msg, p.PeerHello):
-            if self._router_peers.get(rid) != msg.node_id:
-                log.info("peer %s (incarnation %x) connected to us", msg.node_id, msg.incarnation)
-            self._router_peers[rid] = msg.node_id
-            self._router_seen[rid] = time.monotonic()
+            self.peers.router_hello(rid, msg)
             self._send(self._router_channel(rid),
                        p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation))
             return
-        if rid not in self._router_peers:
+        if not self.peers.router_known(rid):
             self._send(channel, p.Abort(xfer=getattr(msg, "xfer", 0), code=ProtocolError.code,
                                         message="say peer_hello first"))
             return
