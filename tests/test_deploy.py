@@ -264,6 +264,19 @@ def test_pod_sidecar_manifest():
     assert "containerPort: 7470" in body and "containerPort: 9470" in body
 
 
+def test_pod_worker_turns_on_the_vllm_connector_with_valid_options():
+    from kvd.integrations.handshake import ConnectorSettings
+
+    flags = [line.strip()[2:] for line in active_lines(POD) if "--kv-transfer-config=" in line]
+    assert len(flags) == 1
+    config = json.loads(flags[0].split("=", 1)[1])
+    assert config["kv_connector"] == "KVDConnector"
+    assert config["kv_connector_module_path"] == "kvd.integrations.vllm"
+    settings = ConnectorSettings.from_extra(config["kv_connector_extra_config"])  # raises on a bad option
+    assert settings.socket == "ipc:///run/kvd/kvd.sock"
+    assert settings.endpoint and settings.endpoint.endswith(".kvd-peers.default.svc.cluster.local:7470")
+
+
 def test_headless_service_matches_the_pod():
     body = "\n".join(active_lines(SERVICE))
     pod = "\n".join(active_lines(POD))
