@@ -258,3 +258,20 @@ def test_kvd_and_the_engine_agnostic_parts_import_without_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "vllm-less"
+
+
+def test_saves_resume_once_a_restarted_daemon_is_back(daemons):
+    first = daemons.start("P")
+    where = {"socket": first.socket}
+    layout = PagedKVLayout.from_caches(paged_caches(), model="tiny", block_size=BLOCK)
+    producer = PagedKVWorker(paged_caches(), layout, retry_after=0.5,
+                             connect=lambda: Client(where["socket"], reply_timeout=2.0, connect_timeout=1.0).connect())
+    assert save(producer, [SaveSpec("r1", "e:r1", [1], BLOCK)]) == set()
+    first.kill()
+    assert save(producer, [SaveSpec("r2", "e:r2", [1], BLOCK)]) == {"r2"}
+    second = daemons.start("P")  # the daemon comes back (systemd restarts it)
+    where["socket"] = second.socket
+    time.sleep(0.6)  # retry_after
+    assert save(producer, [SaveSpec("r3", "e:r3", [2], BLOCK)]) == set()
+    with second.client() as client:
+        assert [e["request_id"] for e in client.list()] == [entry_key("e:r3", 0)]
