@@ -124,7 +124,6 @@ class KVDConnector(KVConnectorBase_V1):
         self._endpoint: str | None = None
         # worker side
         self._worker: PagedKVWorker | None = None
-        self._pending_results = KVConnectorTransferResults()
         self._failed_blocks: set[int] = set()
 
     def _client(self) -> Client:
