@@ -25,7 +25,7 @@ LAYERS = ("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn")
 
 
 def paged_caches(num_blocks: int = 40, dtype=torch.float16, block_shape=(2, BLOCK, 8), seed: int = 0):
-    """Per-layer paged caches [num_blocks, K/V, block_size, heads*head_dim] filled with random bits."""
+    """Per-layer paged caches [num_blocks, *block_shape] (any block-first layout) filled with random bits."""
     gen = torch.Generator().manual_seed(seed)
     caches = {}
     for name in LAYERS:

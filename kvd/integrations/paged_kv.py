@@ -7,8 +7,8 @@ The mapping between a paged cache and a kvd entry:
 
 - One entry per request per tensor-parallel rank, key `f"{request_key}@tp{tp_rank}"`.
 - One tensor per attention layer, named by the engine's layer name. A layer's paged cache is a
-  tensor whose dim 0 is the block id (`[num_blocks, *block_shape]`, as vLLM's CPU and FlashAttention
-  layouts with K/V inside a block are); the entry holds the request's blocks of it, in the
+  tensor whose dim 0 is the block id (`[num_blocks, *block_shape]`; vLLM's CPU backend:
+  `[num_blocks, kv_heads, block_size, 2*head_size]`); the entry holds the request's blocks of it, in the
   request's order: `[n_blocks, *block_shape]`, same dtype. Block j holds tokens
   `[j*block_size, (j+1)*block_size)`; slots of the last block past `num_tokens` are unspecified.
 - The entry's meta: `{"paged_kv": PagedKVLayout.to_wire(), "num_tokens": n}`. A consumer whose own
