@@ -102,6 +102,8 @@ def finished_params(engine_outputs) -> dict[str, dict]:
 def test_the_connector_is_loaded_by_module_path(model_dir):
     scheduler = make_scheduler(model_dir)
     assert isinstance(scheduler.connector, KVDConnector)
+    # layer-wise saves run between layers: never inside a fully captured CUDA graph
+    assert KVDConnector.requires_piecewise_for_cudagraph({}) is True
 
 
 def test_prefill_saves_the_prompt_blocks_and_returns_params_for_decode(model_dir):

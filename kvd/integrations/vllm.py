@@ -126,6 +126,12 @@ class KVDConnector(KVConnectorBase_V1):
         self._worker: PagedKVWorker | None = None
         self._failed_blocks: set[int] = set()
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # save_kv_layer runs between attention layers: a fully captured CUDA graph would skip it
+        # on replay and hand off nothing, so vLLM must capture piecewise
+        return True
+
     def _client(self) -> Client:
         # the daemon answers at once: short timeouts keep a dead daemon from stalling the engine
         return Client(self.settings.socket, reply_timeout=5.0, connect_timeout=2.0).connect()
