@@ -369,6 +369,14 @@ class Client(_ClientCore):
         with self._lock:
             self._close_transport()
 
+    def __del__(self) -> None:
+        # a forgotten client: close the socket before its context is finalized, or the
+        # context's own finalizer can block forever in term() (found in CI, via cyclic GC)
+        try:
+            self._close_transport()
+        except Exception:
+            pass
+
     def __enter__(self) -> "Client":
         return self.connect()
 

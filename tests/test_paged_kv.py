@@ -34,10 +34,23 @@ def paged_caches(num_blocks: int = 40, dtype=torch.float16, block_shape=(2, BLOC
     return caches
 
 
+_workers: list[PagedKVWorker] = []
+
+
+@pytest.fixture(autouse=True)
+def close_workers():
+    """Every worker a test made is closed after it (its clients with it)."""
+    yield
+    while _workers:
+        _workers.pop().close()
+
+
 def worker(daemon, caches, *, model="tiny", block_size=BLOCK, tp_size=1, load_timeout=10.0) -> PagedKVWorker:
     layout = PagedKVLayout.from_caches(caches, model=model, block_size=block_size, tp_size=tp_size)
-    return PagedKVWorker(caches, layout, load_timeout=load_timeout,
+    made = PagedKVWorker(caches, layout, load_timeout=load_timeout,
                          connect=lambda: Client(daemon.socket, reply_timeout=2.0, connect_timeout=1.0).connect())
+    _workers.append(made)
+    return made
 
 
 def save(producer: PagedKVWorker, specs: list[SaveSpec]) -> set[str]:
@@ -266,6 +279,7 @@ def test_saves_resume_once_a_restarted_daemon_is_back(daemons):
     layout = PagedKVLayout.from_caches(paged_caches(), model="tiny", block_size=BLOCK)
     producer = PagedKVWorker(paged_caches(), layout, retry_after=0.5,
                              connect=lambda: Client(where["socket"], reply_timeout=2.0, connect_timeout=1.0).connect())
+    _workers.append(producer)
     assert save(producer, [SaveSpec("r1", "e:r1", [1], BLOCK)]) == set()
     first.kill()
     assert save(producer, [SaveSpec("r2", "e:r2", [1], BLOCK)]) == {"r2"}

@@ -194,6 +194,7 @@ class PagedKVWorker:
         self._loads: dict[str, tuple[LoadSpec, Future]] = {}
         self._executor = ThreadPoolExecutor(max_workers=load_threads, thread_name_prefix="kvd-load")
         self._local = threading.local()  # one client per load thread
+        self._load_clients: list[Client] = []  # the same, for close()
         self._layer_names = [name for name, _, _ in layout.layers]
         self._stats = TransferStats()
         self._stats_lock = threading.Lock()  # loads finish on their own threads
@@ -274,7 +275,17 @@ class PagedKVWorker:
         client = getattr(self._local, "client", None)
         if client is None:
             client = self._local.client = self._connect()
+            with self._stats_lock:
+                self._load_clients.append(client)
         return client
+
+    def _drop_load_client(self) -> None:
+        client, self._local.client = getattr(self._local, "client", None), None
+        if client is not None:
+            with self._stats_lock:
+                if client in self._load_clients:
+                    self._load_clients.remove(client)
+            _discard(client)
 
     def _load(self, spec: LoadSpec) -> None:
         started = time.monotonic()
@@ -283,7 +294,7 @@ class PagedKVWorker:
             tensors, meta = self._load_client().get(key, source=spec.source, timeout=self.load_timeout,
                                                     with_meta=True)
         except Exception:
-            self._local.client = _discard(self._local.client)
+            self._drop_load_client()  # the connection is in an unknown state: start afresh
             raise
         self.check_entry(key, tensors, meta, spec)
         ids = torch.as_tensor(spec.block_ids[spec.first_block:], dtype=torch.long)
@@ -343,5 +354,7 @@ class PagedKVWorker:
         self._executor.shutdown(wait=True, cancel_futures=True)
         for req_id in list(self._streams):
             self._fail_save(req_id, RuntimeError("worker shutting down"))
-        if self._client is not None:
-            self._client.close()
+        self._client = _discard(self._client)
+        for client in self._load_clients:
+            _discard(client)
+        self._load_clients.clear()
