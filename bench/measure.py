@@ -10,11 +10,30 @@ from typing import Callable
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _stat_cpu(stat: str) -> float:
+    """User + system CPU seconds from the text of a /proc .../stat file."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (and its threads) from /proc."""
     with open(f"/proc/{pid}/stat") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        return _stat_cpu(handle.read())
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name of a process (threads of the same name summed)."""
+    totals: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as handle:
+                stat = handle.read()
+        except OSError:  # the thread ended
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        totals[name] = totals.get(name, 0.0) + _stat_cpu(stat)
+    return totals
 
 
 def rss_beyond_shared(pid: int) -> int:

@@ -8,7 +8,6 @@ Reads utime+stime of every thread of each daemon from /proc before and after eac
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -18,23 +17,9 @@ import torch
 from kvd.testing import DaemonFactory
 
 from . import baselines, cases
+from .measure import thread_cpu
 
-HZ = os.sysconf("SC_CLK_TCK")
 SIZE = 256 << 20
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name (threads of the same name summed)."""
-    totals: dict[str, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / HZ
-    return totals
 
 
 def per_gb(before: dict[str, float], after: dict[str, float], nbytes: int) -> dict[str, float]:

@@ -22,18 +22,17 @@ from .tensors import DTYPE_NAMES, TORCH_DTYPES, copy_in, copy_out
 NO_REPLY = None
 
 
-def block_index(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+def block_index(name: str, block_ids: Sequence[int] | torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """block_ids as a long tensor on the cache's device, checked against the cache first (on the
+    host for a list: no device round trip per layer on a GPU)."""
+    if not isinstance(cache, torch.Tensor) or cache.dim() < 1:
+        raise BadRequest(f"{name!r}: a paged cache has the block index as its first dimension")
     ids = torch.as_tensor(block_ids, dtype=torch.long)
     if ids.dim() != 1 or ids.numel() == 0:
         raise BadRequest("block_ids must be a non-empty 1-D sequence of block numbers")
-    return ids.to(device)
-
-
-def check_block_ids(name: str, cache: torch.Tensor, ids: torch.Tensor) -> None:
-    if cache.dim() < 1:
-        raise BadRequest(f"{name!r}: a paged cache has the block index as its first dimension")
     if int(ids.min()) < 0 or int(ids.max()) >= cache.shape[0]:
         raise BadRequest(f"{name!r}: block ids must lie in 0..{cache.shape[0] - 1}")
+    return ids.to(cache.device)
 
 
 def _pool_view(pool: torch.Tensor, segments: list, spec: TensorSpec) -> torch.Tensor | None:
@@ -53,7 +52,7 @@ class Rows:
     block_ids: Sequence[int] | torch.Tensor
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+def byte_view(tensor: torch.Tensor) -> torch.Tensor | None:
     """The same memory as uint8 (the last dim scaled), or None when its last dim is strided.
     Gathers on bytes work for every dtype (CPU torch has no fp8 index kernels) and keep bits."""
     try:
@@ -66,12 +65,22 @@ def gather_rows(pool: torch.Tensor, segments: list, spec: TensorSpec, cache: tor
                 ids: torch.Tensor) -> None:
     """cache[ids] -> the tensor's pool segments: one gather kernel into the pool where possible."""
     target = _pool_view(pool, segments, spec)
-    source, out = _as_bytes(cache), _as_bytes(target) if target is not None else None
+    source, out = byte_view(cache), byte_view(target) if target is not None else None
     if out is not None and source is not None and target.device == cache.device:
         torch.index_select(source, 0, ids, out=out)  # straight into the pool, no temporary
         return
     rows = source.index_select(0, ids).view(cache.dtype) if source is not None else cache.index_select(0, ids)
     copy_in(pool, rows, segments)
+
+
+def scatter_rows(cache: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """rows -> cache[ids]: one scatter kernel, on bytes where possible (every dtype, bits kept)."""
+    rows = rows.to(cache.device)
+    target, source = byte_view(cache), byte_view(rows)
+    if target is not None and source is not None:
+        target.index_copy_(0, ids, source)
+    else:
+        cache.index_copy_(0, ids, rows)
 
 
 def put_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, dest: str | None,
@@ -82,14 +91,13 @@ def put_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_
     for name, cache in caches.items():
         if not isinstance(cache, torch.Tensor) or cache.dtype not in DTYPE_NAMES:
             raise BadRequest(f"{name!r}: expected a torch tensor of a supported dtype")
-        ids = gathers.setdefault(cache.device, block_index(block_ids, cache.device))
-        check_block_ids(name, cache, ids)
+        ids = gathers[name] = block_index(name, block_ids, cache)
         specs.append(TensorSpec(name, DTYPE_NAMES[cache.dtype], (len(ids), *cache.shape[1:])))
     slots = yield p.PutAlloc(req=next(core._reqs), request_id=request_id, tensors=[s.to_wire() for s in specs],
                              ttl=ttl, meta=meta), 0.0
     try:
-        for spec, segments, cache in zip(specs, slots.segments, caches.values()):
-            gather_rows(core._pool, segments, spec, cache, gathers[cache.device])
+        for spec, segments, (name, cache) in zip(specs, slots.segments, caches.items()):
+            gather_rows(core._pool, segments, spec, cache, gathers[name])
         core._sync_device()
     except BaseException:
         yield p.Delete(req=next(core._reqs), request_id=request_id), NO_REPLY
@@ -108,21 +116,20 @@ def get_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_
         by_name = {spec.name: (spec, segments) for spec, segments in zip(specs, slots.segments)}
         if set(caches) != set(by_name):
             raise BadRequest(f"caches name {sorted(caches)}, the entry holds {sorted(by_name)}")
+        scatters = {}
         for name, cache in caches.items():
             spec, segments = by_name[name]
-            ids = block_index(block_ids, cache.device)
-            check_block_ids(name, cache, ids)
+            ids = scatters[name] = block_index(name, block_ids, cache)
             if (DTYPE_NAMES.get(cache.dtype) != spec.dtype or tuple(cache.shape[1:]) != spec.shape[1:]
                     or len(ids) != spec.shape[0]):
                 raise BadRequest(f"{name!r}: cache {cache.dtype} {tuple(cache.shape)} with {len(ids)} block ids "
                                  f"does not fit the entry's {spec.dtype} {spec.shape}")
         for name, cache in caches.items():
             spec, segments = by_name[name]
-            ids = block_index(block_ids, cache.device)
             source_rows = _pool_view(core._pool, segments, spec)
             if source_rows is None:
                 source_rows = copy_out(core._pool, spec, segments, None)
-            cache.index_copy_(0, ids, source_rows.to(cache.device))  # one scatter kernel
+            scatter_rows(cache, scatters[name], source_rows)
         core._sync_device()
     except BaseException:
         consume = False

@@ -15,7 +15,7 @@ import torch
 from . import protocol as p
 from .errors import BadRequest
 from .layout import TensorSpec
-from .paged import Rows, block_index, check_block_ids, gather_rows
+from .paged import Rows, block_index, gather_rows
 from .tensors import DTYPE_NAMES, as_tensor, copy_in, copy_out
 
 NO_REPLY = None
@@ -87,8 +87,7 @@ def write_stream(core, state: StreamState, kv: Mapping[str, Any]):
             raise BadRequest(f"{name!r} was already written")
         spec = state.specs[i]
         if isinstance(value, Rows):  # rows of a paged cache: gathered straight into the pool
-            ids = block_index(value.block_ids, value.cache.device)
-            check_block_ids(name, value.cache, ids)
+            ids = block_index(name, value.block_ids, value.cache)
             dtype, shape = value.cache.dtype, (len(ids), *value.cache.shape[1:])
         else:
             tensor = as_tensor(name, value)

@@ -76,3 +76,14 @@ def test_stream_writes_rows_of_a_paged_cache_straight_into_the_pool(daemons, dty
             stream.write({"layer.0": kvd.Rows(caches["layer.0"], [0, 1, 2, 30])})
         stream.abort()
         assert ca.stats()["entries"] == 0
+
+
+def test_get_blocks_scatters_fp8_bit_exact(daemons):
+    """CPU torch has no fp8 index_copy_: the scatter runs on a byte view of the same memory."""
+    a, b = daemons.pair()
+    src = torch.randint(0, 256, (12, 16, 8), dtype=torch.uint8).view(torch.float8_e5m2)
+    dst = torch.zeros(12, 16, 8, dtype=torch.float8_e5m2)
+    with a.client() as ca, b.client() as cb:
+        ca.put_blocks("fp8", {"k": src}, block_ids=[4, 1, 9], dest="B")
+        cb.get_blocks("fp8", {"k": dst}, block_ids=[0, 11, 5])
+    assert torch.equal(dst[[0, 11, 5]].view(torch.uint8), src[[4, 1, 9]].view(torch.uint8))

@@ -35,7 +35,7 @@ import torch
 
 from ..client import Client, PutStream
 from ..errors import BadRequest, KvdError, LayoutMismatch, PoolFull
-from ..paged import Rows
+from ..paged import Rows, scatter_rows
 from ..tensors import DTYPE_NAMES
 
 log = logging.getLogger("kvd.paged_kv")
@@ -46,12 +46,6 @@ META_KEY = "paged_kv"
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """How many blocks hold num_tokens tokens."""
     return math.ceil(num_tokens / block_size)
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The same memory as uint8 (last dim scaled): gathers and scatters on it work for every dtype
-    (CPU torch has no index_copy_ for fp8) and move the bits unchanged."""
-    return tensor.view(torch.uint8)
 
 
 def _discard(client: Client | None) -> None:
@@ -301,7 +295,7 @@ class PagedKVWorker:
         loaded = 0
         for name, cache in self.caches.items():
             rows = tensors[name][spec.first_block:len(spec.block_ids)]
-            as_bytes(cache).index_copy_(0, ids.to(cache.device), as_bytes(rows).to(cache.device))
+            scatter_rows(cache, ids.to(cache.device), rows)
             loaded += rows.numel() * rows.element_size()
         with self._stats_lock:
             self._stats.loads += 1
