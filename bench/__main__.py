@@ -57,6 +57,7 @@ def main() -> int:
                for n in SIZES}
     tcp_pp = baselines.tcp_pingpong(64 << 10, 200)
     zmq_pp = baselines.zmq_ipc_pingpong(64 << 10, 200)
+    unix_pp = baselines.unix_pingpong(256, 200)  # a control message's size: what kvd's local link carries
     for n in SIZES:
         row("memcpy (numpy, 1 thread)", n, memcpy[n], None, "", None)
         row("raw TCP loopback", n, tcp[n], None, "", None)
@@ -87,7 +88,8 @@ def main() -> int:
             small_rt = cases.local_round_trip(a, 64 << 10, 200)
             small_push = cases.push(a, b, 64 << 10, 200).median
             rows.append(("kvd 64KiB local put+get", "64KiB", "", f"{small_rt * 1e3:.3f}", "",
-                         f"{small_rt / zmq_pp:.2f}x zmq ipc ping-pong ({zmq_pp * 1e6:.0f}us)"))
+                         f"{small_rt / zmq_pp:.2f}x zmq ipc ping-pong ({zmq_pp * 1e6:.0f}us), "
+                         f"{small_rt / unix_pp:.1f}x unix ping-pong ({unix_pp * 1e6:.0f}us)"))
             rows.append(("kvd 64KiB push", "64KiB", "", f"{small_push * 1e3:.3f}", "",
                          f"{small_push / tcp_pp:.2f}x TCP ping-pong ({tcp_pp * 1e6:.0f}us)"))
             target("64KiB local put+get / zmq ipc ping-pong", small_rt / zmq_pp, "<=", 2.0)

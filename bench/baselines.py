@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import struct
 
@@ -57,11 +58,21 @@ def tcp_throughput(nbytes: int, repeats: int) -> Sample:
     return sample
 
 
-def _tcp_echo(port_queue, size: int, rounds: int) -> None:
-    server = socket.create_server(("127.0.0.1", 0))
-    port_queue.put(server.getsockname()[1])
+def _stream_echo(address_queue, unix: bool, size: int, rounds: int) -> None:
+    if unix:
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(), "echo.sock")
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(path)
+        server.listen()
+        address_queue.put(path)
+    else:
+        server = socket.create_server(("127.0.0.1", 0))
+        address_queue.put(("127.0.0.1", server.getsockname()[1]))
     conn, _ = server.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not unix:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = bytearray(size)
     view = memoryview(buf)
     for _ in range(rounds):
@@ -74,12 +85,25 @@ def _tcp_echo(port_queue, size: int, rounds: int) -> None:
 
 def tcp_pingpong(size: int, rounds: int) -> float:
     """Median seconds for size bytes there and size bytes back over loopback TCP."""
+    return _stream_pingpong(False, size, rounds)
+
+
+def unix_pingpong(size: int, rounds: int) -> float:
+    """Median seconds for size bytes there and back over a unix stream socket (kvd's local link)."""
+    return _stream_pingpong(True, size, rounds)
+
+
+def _stream_pingpong(unix: bool, size: int, rounds: int) -> float:
     ctx = mp.get_context("spawn")
-    ports = ctx.Queue()
-    echo = ctx.Process(target=_tcp_echo, args=(ports, size, rounds + 20))
+    addresses = ctx.Queue()
+    echo = ctx.Process(target=_stream_echo, args=(addresses, unix, size, rounds + 20))
     echo.start()
-    sock = socket.create_connection(("127.0.0.1", ports.get(timeout=30)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if unix:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(addresses.get(timeout=30))
+    else:
+        sock = socket.create_connection(addresses.get(timeout=30))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     payload = bytes(size)
     buf = bytearray(size)
     view = memoryview(buf)

@@ -368,7 +368,7 @@ def daemon_report(factory) -> str:
     for d in factory.daemons:
         code = d.proc.poll()
         state = "running" if code is None else f"exited {code}"
-        sock_exists = os.path.exists(d.socket[len("ipc://"):])
+        sock_exists = os.path.exists(d.socket.split("://", 1)[1])
         parts.append(f"\n--- daemon {d.node_id} (pid {d.pid}, {state}, socket file "
                      f"{'present' if sock_exists else 'MISSING'}) log tail:\n{d.log()[-2000:]}")
     return "".join(parts)

@@ -1,8 +1,8 @@
 """`AsyncClient`: the client library for asyncio workers, driving the same operations as `Client`.
 
 The operations (put, get, streams, paged blocks) are written once in `kvd.client` as
-I/O-free generators; this face runs them on the event loop over a ZeroMQ socket watched by the
-loop, so any number of tasks can have requests in flight on one connection.
+I/O-free generators; this face runs them on the event loop over one connection to the daemon's
+local socket, so any number of tasks can have requests in flight on it.
 """
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import asyncio
 from typing import Any, Mapping
 
 import torch
-import zmq
 
 from . import protocol as p
 from .client import CONNECT_TIMEOUT, NO_REPLY, REPLY_GRACE, Operation, StreamClosed, _ClientCore, log
@@ -19,7 +18,7 @@ from .paged import get_blocks, put_blocks
 from .streaming import (
     Emit, Receive, StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream,
 )
-from .zsock import LoopSocket
+from .localsock import StreamConnection
 
 
 class AsyncClient(_ClientCore):
@@ -28,8 +27,8 @@ class AsyncClient(_ClientCore):
     def __init__(self, socket: str | None = None, *, reply_timeout: float = REPLY_GRACE,
                  connect_timeout: float = CONNECT_TIMEOUT) -> None:
         super().__init__(socket, reply_timeout, connect_timeout)
-        self._ctx: zmq.Context | None = None
-        self._sock: LoopSocket | None = None
+        self._sock: StreamConnection | None = None
+        self._lost: KvdError | None = None  # why the connection ended; the next call reconnects
         self._pending: dict[int, asyncio.Future] = {}
         self._streams: dict[int, asyncio.Queue] = {}  # get_stream req -> its later messages
         self._connecting: asyncio.Lock | None = None
@@ -66,7 +65,10 @@ class AsyncClient(_ClientCore):
                 self._unwind(op, exc, reraise=True)
 
     def _send_nowait(self, msg: p.Message) -> None:
-        self._sock.send_now(p.encode(msg))
+        try:
+            self._sock.send_now(p.encode(msg))
+        except KvdError:
+            pass  # clean-up only: a daemon that lost us gives back what we held by itself
 
     async def _drive(self, op: Operation) -> Any:
         async for kind, value in self._steps(op):
@@ -79,6 +81,8 @@ class AsyncClient(_ClientCore):
             reply = await asyncio.wait_for(self._streams[req].get(), wait + self.reply_timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"daemon at {self.endpoint} went silent during a stream") from None
+        if isinstance(reply, KvdError):
+            raise reply
         return self._raise_if_error(reply)
 
     async def _call(self, msg: p.Message, wait: float) -> p.Message:
@@ -108,25 +112,35 @@ class AsyncClient(_ClientCore):
         elif isinstance(msg, p.Error):
             log.warning("daemon reported: %s", msg.message)
 
+    def _on_lost(self, error: KvdError) -> None:
+        """The daemon closed the connection: every request waiting on it fails now."""
+        if self._lost is None:
+            self._lost = error
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._pending.clear()
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+
     async def connect(self) -> None:
         """Connect and map the pool. Every operation calls it; explicit use is optional."""
-        if self._pool is not None:
+        if self._pool is not None and self._lost is None:
             return
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
-            if self._pool is not None:
+            if self._pool is not None and self._lost is None:
                 return
+            self._close_transport()  # a lost connection: the daemon restarted? map its new pool
+            self._lost = None
             self._check_endpoint()
-            self._ctx = zmq.Context()
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.endpoint)
-            self._sock = LoopSocket(sock, self._on_reply)
+            self._sock = await StreamConnection.open(self.endpoint, self._on_reply, self._on_lost,
+                                                     self.connect_timeout)
             try:
                 await self._drive(self._hello())
             except BaseException:
-                self._close_transport()  # a context left to the GC would block in term()
+                self._close_transport()
                 raise
 
     async def put(self, request_id: str, kv: Mapping[str, Any], *, dest: str | None = None,

@@ -24,8 +24,8 @@ def _serve_parser(sub) -> None:
     add("--listen", metavar="tcp://HOST:PORT",
         help=f"peer-facing endpoint (default: tcp://127.0.0.1:{DEFAULT_PEER_PORT}; loopback unless you say)")
     add("--socket", metavar="ENDPOINT",
-        help="endpoint for local clients (default: ipc://$XDG_RUNTIME_DIR/kvd/kvd.sock, "
-             "or ipc:///tmp/kvd-$UID/kvd.sock)")
+        help="endpoint for local clients: unix://PATH (ipc://PATH is the same) or tcp://HOST:PORT "
+             "(default: unix://$XDG_RUNTIME_DIR/kvd/kvd.sock, or unix:///tmp/kvd-$UID/kvd.sock)")
     add("--pool-size", metavar="SIZE", help="staging pool size, e.g. 512MiB, 4GiB (default: 1GiB)")
     add("--block-size", metavar="SIZE", help="pool block size, a power of two (default: 64KiB)")
     add("--pool-path", metavar="FILE",

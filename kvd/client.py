@@ -4,7 +4,8 @@ Each operation (`_put`, `_get`, ...) is written once, as a generator that yields
 requests it needs answered and receives the replies: no I/O inside. `AsyncClient`
 (kvd.async_client) drives it on the event loop (many concurrent operations per connection); `Client` drives it over
 a blocking socket in the caller's thread (no event loop, no thread hop: the lowest
-latency for the common synchronous worker). Only control messages cross the socket;
+latency for the common synchronous worker). Only control messages cross the socket (a unix
+socket, `kvd.localsock`);
 tensor bytes are copied by this process straight into (put) or out of (get) the daemon's
 shared pool, mapped once at connect.
 """
@@ -17,13 +18,13 @@ import threading
 from typing import Any, Generator, Mapping
 
 import torch
-import zmq
 
 from . import protocol as p
 from .config import default_socket
 from .device import map_pool
 from .errors import BadRequest, KvdError, ProtocolError, Timeout, error_from_code
 from .layout import TensorSpec
+from .localsock import BlockingConnection, unix_path
 from .paged import get_blocks, put_blocks
 from .streaming import (
     Emit, Receive, StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream,
@@ -58,8 +59,7 @@ class _ClientCore:
         self._mapping = None
         self._pool: torch.Tensor | None = None
         self.info: p.HelloOk | None = None
-        self._sock = None
-        self._ctx = None
+        self._sock = None  # the connection (kvd.localsock)
         self._ipc_close = None  # closes a CUDA IPC mapping
         self.transfer_wait = STREAM_SILENCE
 
@@ -68,8 +68,18 @@ class _ClientCore:
         return self.info.node_id if self.info else None
 
     def _check_endpoint(self) -> None:
-        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[len("ipc://"):]):
+        path = unix_path(self.endpoint)
+        if path is not None and not os.path.exists(path):
             raise KvdError(f"no kvd daemon at {self.endpoint} (start one with `kvd serve`)")
+
+    def _connected(self) -> bool:
+        """Connected to a live daemon; a lost connection is closed here, so the caller reconnects."""
+        if self._pool is None:
+            return False
+        if self._sock is None or not self._sock.alive():
+            self._close_transport()  # the daemon went away (restarted?): map its new pool
+            return False
+        return True
 
     def _raise_if_error(self, reply: p.Message) -> p.Message:
         if isinstance(reply, p.Error):
@@ -171,13 +181,10 @@ class _ClientCore:
             torch.cuda.current_stream(self._pool.device).synchronize()
 
     def _close_transport(self) -> None:
-        """Close the socket, its context and the pool mapping (subclasses own _sock and _ctx)."""
+        """Close the connection and the pool mapping."""
         if self._sock is not None:
-            self._sock.close(0)
+            self._sock.close()
             self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
         self._close_mapping()
 
     def _close_mapping(self) -> None:
@@ -203,8 +210,7 @@ class Client(_ClientCore):
     def __init__(self, socket: str | None = None, *, reply_timeout: float = REPLY_GRACE,
                  connect_timeout: float = CONNECT_TIMEOUT) -> None:
         super().__init__(socket, reply_timeout, connect_timeout)
-        self._ctx: zmq.Context | None = None
-        self._sock: zmq.Socket | None = None
+        self._sock: BlockingConnection | None = None
         self._lock = threading.RLock()
 
     def _steps(self, op: Operation):
@@ -236,7 +242,10 @@ class Client(_ClientCore):
                 self._unwind(op, exc, reraise=True)
 
     def _send_nowait(self, msg: p.Message) -> None:
-        self._sock.send_multipart(p.encode(msg))
+        try:
+            self._sock.send(p.encode(msg))
+        except KvdError:
+            pass  # clean-up only: a daemon that lost us gives back what we held by itself
 
     def _drive(self, op: Operation) -> Any:
         with self._lock:
@@ -249,13 +258,13 @@ class Client(_ClientCore):
                 return stop.value
 
     def _receive(self, req: int, wait: float) -> p.Message:
-        deadline_ms = int((wait + self.reply_timeout) * 1000)
         while True:
-            if not self._sock.poll(deadline_ms):
+            frames = self._sock.receive(wait + self.reply_timeout)
+            if frames is None:
                 self._reset_socket()
                 raise Timeout(f"daemon at {self.endpoint} went silent during a stream")
             try:
-                reply = p.decode(self._sock.recv_multipart())
+                reply = p.decode(frames)
             except KvdError as exc:
                 log.warning("undecodable reply from the daemon: %s", exc)
                 continue
@@ -263,30 +272,29 @@ class Client(_ClientCore):
                 return self._raise_if_error(reply)
 
     def _call(self, msg: p.Message, wait: float) -> p.Message:
-        self._sock.send_multipart(p.encode(msg))
+        self._sock.send(p.encode(msg))
         try:
             return self._receive(msg.req, wait)  # skips stale replies to abandoned requests
         except Timeout:
             raise Timeout(f"daemon at {self.endpoint} did not answer {msg.TYPE} in time") from None
 
     def _reset_socket(self) -> None:
+        """A fresh connection (after a timeout, late replies would otherwise still arrive); the
+        daemon gives back what the old one held."""
         if self._sock is not None:
-            self._sock.close(0)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.endpoint)
+            self._sock.close()
+        self._sock = BlockingConnection(self.endpoint, self.connect_timeout)
 
     def connect(self) -> "Client":
         """Connect and map the pool. Every operation calls it; explicit use is optional."""
         with self._lock:
-            if self._pool is None:
+            if not self._connected():
                 self._check_endpoint()
-                self._ctx = self._ctx or zmq.Context()
                 self._reset_socket()
                 try:
                     self._drive(self._hello())
                 except BaseException:
-                    self._close_transport()  # a context left to the GC would block in term()
+                    self._close_transport()
                     raise
         return self
 
@@ -370,8 +378,6 @@ class Client(_ClientCore):
             self._close_transport()
 
     def __del__(self) -> None:
-        # a forgotten client: close the socket before its context is finalized, or the
-        # context's own finalizer can block forever in term() (found in CI, via cyclic GC)
         try:
             self._close_transport()
         except Exception:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .checksum import ALGORITHMS
+from .localsock import LOCAL_SCHEMES
 from .units import parse_duration, parse_size
 
 DEFAULT_PEER_PORT = 7470
@@ -20,7 +21,7 @@ DEFAULT_METRICS_PORT = 9470
 
 
 def default_runtime_dir() -> str:
-    """Where the ipc socket lives by default; clients compute the same path."""
+    """Where the client socket lives by default; clients compute the same path."""
     if os.environ.get("KVD_RUNTIME_DIR"):
         return os.environ["KVD_RUNTIME_DIR"]
     if os.environ.get("XDG_RUNTIME_DIR"):
@@ -29,7 +30,7 @@ def default_runtime_dir() -> str:
 
 
 def default_socket() -> str:
-    return os.environ.get("KVD_SOCKET") or f"ipc://{default_runtime_dir()}/kvd.sock"
+    return os.environ.get("KVD_SOCKET") or f"unix://{default_runtime_dir()}/kvd.sock"
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ class Config:
             problems.append("node_id must be 1-128 characters")
         if not self.listen.startswith("tcp://"):
             problems.append(f"listen must be a tcp:// endpoint, got {self.listen!r}")
-        if not self.socket.startswith(("ipc://", "tcp://")):
-            problems.append(f"socket must be an ipc:// (or tcp://) endpoint, got {self.socket!r}")
+        if not self.socket.startswith(LOCAL_SCHEMES):
+            problems.append(f"socket must be a unix://PATH (or tcp://) endpoint, got {self.socket!r}")
         if self.block_size < 4096 or self.block_size & (self.block_size - 1):
             problems.append(f"block_size must be a power of two >= 4096, got {self.block_size}")
         if self.pool_size < self.block_size:

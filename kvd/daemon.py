@@ -1,8 +1,8 @@
 """The kvd daemon: owns the pool and the sockets, and runs the process's life.
 
-One asyncio loop (uvloop). Local clients talk to a ROUTER on `--socket` (ipc://), served
-by `kvd.service`; peers talk to `kvd.exchange`. This module starts them in order, keeps
-house (expiry, deadlines, heartbeats, watchdog), reloads what can change on SIGHUP, and
+One asyncio loop (uvloop). Local clients talk to a unix socket at `--socket`
+(`kvd.localsock`), served by `kvd.service`; peers talk ZeroMQ to `kvd.exchange`. This
+module starts them in order, keeps house (expiry, deadlines, heartbeats, watchdog), reloads what can change on SIGHUP, and
 on SIGTERM drains in-flight work before it releases the pool and exits.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .service import ClientService
 from .store import Store
 from .systemd import Notifier
 from .units import format_size
-from .zsock import LoopSocket
+from .localsock import LocalServer, unix_path
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Daemon:
         self.exchange: Exchange | None = None
         self.service: ClientService | None = None
         self.ctx: zmq.Context | None = None
-        self.local: LoopSocket | None = None
+        self.local: LocalServer | None = None
         self.http: HttpEndpoint | None = None
         self.authenticator = None
         self._tasks: set[asyncio.Task] = set()
@@ -72,16 +72,15 @@ class Daemon:
         if cfg.curve_secret_key:
             curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow))
             self.authenticator = start_authenticator(self.ctx, curve)
-        local = self.ctx.socket(zmq.ROUTER)
-        local.setsockopt(zmq.LINGER, 0)
-        self._bind_local(local, cfg.socket)
+        self._claim_socket_path(cfg.socket)  # before anything binds: a second daemon stops here
         self.exchange = Exchange(cfg, self.store, self.memory.io(cfg.chunk_size, cfg.window), self.ctx,
                                  self.incarnation, self.metrics)
         self.exchange.curve = curve
         self.service = ClientService(self)
         self.exchange.events = self.service  # arrivals wake waiters and stream readers
         await self.exchange.start()
-        self.local = LoopSocket(local, self.service.on_local_message)
+        self.local = LocalServer(self.service.on_local_message, self.service.on_client_gone)
+        await self.local.start(cfg.socket)
         if cfg.metrics_port:
             self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: self.ready)
             await self.http.start()
@@ -95,21 +94,16 @@ class Daemon:
                  f", CURVE on ({len(curve.allowed)} allowed keys)" if curve else "")
 
     @staticmethod
-    def _bind_local(sock: zmq.Socket, endpoint: str) -> None:
-        if not endpoint.startswith("ipc://"):
-            sock.bind(endpoint)
+    def _claim_socket_path(endpoint: str) -> None:
+        """Make room for the client socket file: refuse a live daemon's, remove a stale one."""
+        path = unix_path(endpoint)
+        if path is None:
             return
-        path = endpoint[len("ipc://"):]
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         if os.path.exists(path):
             if _socket_in_use(path):
                 raise BadRequest(f"{endpoint} is in use by another daemon")
             os.unlink(path)  # stale socket of a daemon that did not exit cleanly
-        old_umask = os.umask(0o177)  # socket file 0600: only our user may connect
-        try:
-            sock.bind(endpoint)
-        finally:
-            os.umask(old_umask)
 
     # --- run and stop ----------------------------------------------------------------------------
 
@@ -149,9 +143,10 @@ class Daemon:
             await self.http.close()
         if self.local is not None:
             self.local.close()
-            if self.config.socket.startswith("ipc://"):
+            path = unix_path(self.config.socket)
+            if path is not None:
                 try:
-                    os.unlink(self.config.socket[len("ipc://"):])
+                    os.unlink(path)
                 except FileNotFoundError:
                     pass
         if self.authenticator is not None:
@@ -225,7 +220,7 @@ class Daemon:
             self.service.on_dropped(entry, Timeout(f"the writer of {entry.request_id!r} did not finish in time"))
         self.metrics.abandoned.inc(len(abandoned))
         for lease in stale:
-            self.service.lease_expired(lease.token)
+            self.service.lease_expired(lease)
             log.warning("read lease on %s expired; entry given back", lease.request_id)
         self.metrics.lease_expiries.inc(len(stale))
 
@@ -249,6 +244,7 @@ class Daemon:
             "entries_by_state": store.counts(),
             "expired_total": store.expired_total,
             "transfers_in_flight": len(self.exchange.transfers),
+            "local_clients": self.local.connections if self.local is not None else 0,
             "peers": self.exchange.peer_states(),
             "counters": {**self.service.counters, **self.exchange.counters},
             "recent_errors": list(self.service.recent_errors),

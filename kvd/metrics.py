@@ -95,3 +95,5 @@ class StateCollector(Collector):
             peers.add_metric([name], 1 if link.connected else 0)
         yield peers
         yield GaugeMetricFamily("kvd_ready", "1 once the pool and listeners are up", value=1 if d.ready else 0)
+        yield GaugeMetricFamily("kvd_local_clients", "Client connections open on the local socket",
+                                value=d.local.connections if d.local is not None else 0)

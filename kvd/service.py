@@ -1,4 +1,4 @@
-"""Serving local clients: put, get, streams, delete, stats, over the daemon's ipc socket.
+"""Serving local clients: put, get, streams, delete, stats, over the daemon's local socket.
 
 Handlers that can answer at once do so inside the socket callback; those that wait (for
 data to arrive, or on a peer) run as tasks, so one slow request never holds up another.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from . import protocol as p
 from .errors import BadRequest, KvdError, NotFound, ShuttingDown, Timeout
 from .layout import TensorSpec
-from .store import Entry, State
+from .store import Entry, Lease, State
 from .streams import Producer, StreamReader
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 MAX_WAIT = 3600.0  # longest get timeout we accept
 RECENT_ERRORS = 20  # kept for `kvd status`
+HELD_PRUNE_AT = 1024  # per connection: holds tracked before ended ones are pruned
 
 
 class ClientService:
@@ -40,6 +41,8 @@ class ClientService:
         self._readers: dict[str, list[StreamReader]] = {}  # request id -> get_stream clients
         self._stream_leases: set[int] = set()
         self._pulls: dict[tuple[str, str], asyncio.Future] = {}  # (source, request id) -> pull in flight
+        # connection -> what it holds: token -> request id (a put being written) or None (a read lease)
+        self._held: dict[bytes, dict[int, str | None]] = {}
         self.counters = {"puts": 0, "gets": 0, "errors": 0}
         self.recent_errors: collections.deque = collections.deque(maxlen=RECENT_ERRORS)
 
@@ -142,7 +145,49 @@ class ClientService:
             self._reply(rid, reply)
 
     def _reply(self, rid: bytes, msg: p.Message) -> None:
+        if isinstance(msg, p.GetSlots):
+            self._hold(rid, msg.token, None)
         self.daemon.local.send_now([rid, *p.encode(msg)])
+
+    def on_client_gone(self, rid: bytes) -> None:
+        """A client hung up: its unfinished puts are dropped and its reads given back now, not
+        at lease expiry (the next sweep does it, through the same path as an expired lease)."""
+        held = self._held.pop(rid, None)
+        if not held:
+            return
+        now = time.monotonic()
+        writes = reads = 0
+        for token, request_id in held.items():
+            if not self._is_live(token, request_id):
+                continue
+            if request_id is None:
+                self.store.set_lease_deadline(token, now)
+                self._drop_reader(token)
+                reads += 1
+            else:
+                self.store.entries[request_id].write_deadline = now
+                writes += 1
+        if writes or reads:
+            log.warning("a client disconnected with %d unfinished put(s) and %d open read(s); giving them back",
+                        writes, reads)
+
+    def _hold(self, rid: bytes, token: int, request_id: str | None) -> None:
+        held = self._held.setdefault(rid, {})
+        held[token] = request_id
+        if len(held) > HELD_PRUNE_AT:  # a long-lived client whose holds ended otherwise (expiry, delete)
+            for stale in [t for t, rq in held.items() if not self._is_live(t, rq)]:
+                del held[stale]
+
+    def _is_live(self, token: int, request_id: str | None) -> bool:
+        if request_id is None:
+            return self.store.lease_of(token) is not None
+        entry = self.store.entries.get(request_id)
+        return entry is not None and entry.token == token and entry.state is State.WRITING
+
+    def _release_hold(self, rid: bytes, token: int) -> None:
+        held = self._held.get(rid)
+        if held is not None:
+            held.pop(token, None)
 
     def _error(self, msg: p.Message, exc: Exception) -> p.Error:
         self.counters["errors"] += 1
@@ -155,8 +200,10 @@ class ClientService:
                                    "message": reply.message})
         return reply
 
-    def lease_expired(self, token: int) -> None:
-        self._stream_leases.discard(token)
+    def lease_expired(self, lease: Lease) -> None:
+        """A read lease ran out (or its client hung up): the entry is back, wake its waiters."""
+        self._stream_leases.discard(lease.token)
+        self._wake(lease.request_id)
 
     def _later(self, rid: bytes, msg: p.Message, coro) -> None:
         """Run a handler that waits (on a peer, or for data) without holding up other clients."""
@@ -181,6 +228,7 @@ class ClientService:
                 specs = [TensorSpec.from_wire(t) for t in msg.tensors]
                 entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.WRITING,
                                            time.monotonic() + cfg.lease_timeout)
+                self._hold(rid, entry.token, entry.request_id)
                 if msg.stream:
                     self._wake(entry.request_id)  # get_stream readers may start now
                     if self._is_remote(msg.dest):
@@ -191,6 +239,7 @@ class ClientService:
                 self._written(entry, entry.mark_tensors(msg.tensors), msg.tensors)
                 return None
             case p.PutCommit():
+                self._release_hold(rid, msg.token)
                 producer = self._producers.get(msg.token)
                 if producer is not None and producer.entry.request_id == msg.request_id and producer.entry.removed:
                     # every tensor was written and the peer already has them all: just report
@@ -226,6 +275,7 @@ class ClientService:
                 self._later(rid, msg, self._get_later(msg))
                 return None
             case p.GetDone():
+                self._release_hold(rid, msg.token)
                 lease = self.store.lease_of(msg.token)
                 entry = self.store.release(msg.token, success=msg.consume)
                 if lease is not None and msg.consume:

@@ -1,6 +1,6 @@
 """Start real `kvd serve` daemons in subprocesses, for tests, benchmarks and examples.
 
-Each daemon gets a free loopback port and an ipc socket in a directory you choose;
+Each daemon gets a free loopback port and a unix client socket in a directory you choose;
 `stop()` sends SIGTERM and returns the exit code.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .localsock import unix_path
 
 
 def free_port() -> int:
@@ -75,7 +77,7 @@ class DaemonFactory:
               wait: bool = True) -> DaemonProc:
         port = port or free_port()
         index = len(self.daemons)
-        sock = f"ipc://{self.workdir}/{node_id}-{index}.sock"
+        sock = f"unix://{self.workdir}/{node_id}-{index}.sock"
         listen = f"tcp://127.0.0.1:{port}"
         args = [sys.executable, "-m", "kvd", "serve", "--node-id", node_id, "--listen", listen,
                 "--socket", sock, "--pool-size", pool_size, "--metrics-port", "0", "--log-level", self.log_level]
@@ -113,31 +115,38 @@ class DaemonFactory:
 
 def wait_ready(daemon: DaemonProc, timeout: float = 20.0) -> None:
     """Wait until the daemon answers a hello on its client socket."""
-    path = daemon.socket[len("ipc://"):]
+    path = unix_path(daemon.socket)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if daemon.proc.poll() is not None:
             raise AssertionError(f"daemon {daemon.node_id} exited with {daemon.proc.returncode}:\n{daemon.log()}")
-        if os.path.exists(path) and _answers_hello(daemon.socket):
+        if (path is None or os.path.exists(path)) and _answers_hello(daemon.socket):
             return
         time.sleep(0.05)
     raise AssertionError(f"daemon {daemon.node_id} not ready after {timeout}s:\n{daemon.log()}")
 
 
+def raw_connection(endpoint: str, timeout: float = 5.0):
+    """A bare connection to a daemon's client socket, for sending hand-made messages:
+    `.send(frames)`, `.receive(timeout)` -> frames or None, `.close()`."""
+    from .localsock import BlockingConnection
+
+    return BlockingConnection(endpoint, timeout)
+
+
 def _answers_hello(endpoint: str) -> bool:
-    import zmq
-
     from . import protocol as p
+    from .errors import KvdError
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 500)
     try:
-        sock.connect(endpoint)
-        sock.send_multipart(p.encode(p.Hello(req=1, client="wait_ready")))
-        return isinstance(p.decode(sock.recv_multipart()), p.HelloOk)
-    except zmq.Again:
+        conn = raw_connection(endpoint, 0.5)
+    except KvdError:
+        return False
+    try:
+        conn.send(p.encode(p.Hello(req=1, client="wait_ready")))
+        frames = conn.receive(0.5)
+        return frames is not None and isinstance(p.decode(frames), p.HelloOk)
+    except KvdError:
         return False
     finally:
-        sock.close()
+        conn.close()

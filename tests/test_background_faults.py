@@ -18,11 +18,10 @@ import time
 
 import pytest
 import torch
-import zmq
 
 import kvd
 from kvd import protocol as p
-from kvd.testing import DaemonProc, free_port, wait_ready
+from kvd.testing import DaemonProc, free_port, raw_connection, wait_ready
 
 SIZES = [1, 4 << 10, 64 << 10, 300 << 10, 1 << 20, 2 << 20]  # bytes per background round trip
 
@@ -214,48 +213,46 @@ def test_receiver_frozen_past_heartbeat_under_background_load(daemons, backgroun
 
 
 def _die_after_put_alloc(endpoint: str, conn) -> None:
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(endpoint)
-    sock.send_multipart(p.encode(p.PutAlloc(req=1, request_id="orphan", tensors=[["x", "uint8", [16 << 20]]])))
-    slots = p.decode(sock.recv_multipart())
+    local = raw_connection(endpoint)
+    local.send(p.encode(p.PutAlloc(req=1, request_id="orphan", tensors=[["x", "uint8", [16 << 20]]])))
+    slots = p.decode(local.receive(5))
     conn.send(getattr(slots, "token", None))  # a pipe send is done when it returns, unlike a Queue's
+    conn.recv()  # wait until the test has seen the reservation
     os._exit(0)  # crash between reserve and commit
 
 
 def test_client_killed_mid_put_under_background_load(daemons, background):
-    a, b = daemons.pair(pool_size="128MiB", extra=["--lease-timeout", "1s"])
+    a, b = daemons.pair(pool_size="128MiB")  # the default 30 s lease: the crash itself frees the blocks
     baseline = {d.node_id: used_bytes(d) for d in (a, b)}
     load = background(a, peer="B", peer_daemon=b)
     time.sleep(0.3)
     ctx = mp.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_die_after_put_alloc, args=(a.socket, sender))
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=_die_after_put_alloc, args=(a.socket, child_end))
     proc.start()
-    assert receiver.poll(30), "the client process did not report its reservation"
-    token = receiver.recv()
-    proc.join(20)
-    assert proc.exitcode == 0 and token is not None
+    assert parent_end.poll(30), "the client process did not report its reservation"
+    token = parent_end.recv()
+    assert token is not None
     with a.client() as ca:
-        assert ca.list() and any(e["request_id"] == "orphan" and e["state"] == "writing" for e in ca.list())
+        assert any(e["request_id"] == "orphan" and e["state"] == "writing" for e in ca.list())
         with pytest.raises(kvd.NotFound):
             ca.get("orphan", timeout=0)  # never committed: not visible
-        time.sleep(1.6)  # past the lease timeout: the reservation is freed
+        parent_end.send("die")
+        proc.join(20)
+        assert proc.exitcode == 0
+        deadline = time.monotonic() + 3
+        while any(e["request_id"] == "orphan" for e in ca.list()):  # freed on the disconnect
+            assert time.monotonic() < deadline, "the dead client's reservation was not freed"
+            time.sleep(0.05)
         with pytest.raises(kvd.NotFound):
             ca.get("orphan", timeout=0)
-        assert all(e["request_id"] != "orphan" for e in ca.list())
-    # the dead client's commit, had it been sent late, is refused with NotFound (its token expired)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(a.socket)
+    # the dead client's commit, had it been sent late, is refused with NotFound (its token is gone)
+    local = raw_connection(a.socket)
     try:
-        sock.send_multipart(p.encode(p.PutCommit(req=2, request_id="orphan", token=token)))
-        reply = p.decode(sock.recv_multipart())
+        local.send(p.encode(p.PutCommit(req=2, request_id="orphan", token=token)))
+        reply = p.decode(local.receive(5))
     finally:
-        sock.close()
+        local.close()
     assert isinstance(reply, p.Error) and reply.code == kvd.NotFound.code, reply
     load.stop()
     load.check()

@@ -126,7 +126,7 @@ def _wait_for_notification(sock: socket.socket, seen: list[str], wanted: str, ti
 
 def test_daemon_serves_with_the_example_config(tmp_path):
     sock_path = tmp_path / "k.sock"
-    endpoint = f"ipc://{sock_path}"
+    endpoint = f"unix://{sock_path}"
     # what a service manager would hand a Type=notify service with WatchdogSec
     notify_path = tmp_path / "notify"
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -175,7 +175,7 @@ def test_daemon_serves_with_the_example_config(tmp_path):
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, log_path.read_text()
-        assert not sock_path.exists(), "the ipc socket was left behind"
+        assert not sock_path.exists(), "the client socket was left behind"
     finally:
         notify.close()
         if proc.poll() is None:
@@ -219,7 +219,7 @@ def test_unit_runtime_dir_gives_the_socket_clients_use(monkeypatch):
     """KVD_RUNTIME_DIR=/run/kvd in the unit + the example config = the socket the pod/README name."""
     monkeypatch.delenv("KVD_SOCKET", raising=False)
     monkeypatch.setenv("KVD_RUNTIME_DIR", read_unit()["Service"]["Environment"].split("=", 1)[1])
-    assert load_config(config_file=str(EXAMPLE), env={}).socket == "ipc:///run/kvd/kvd.sock"
+    assert load_config(config_file=str(EXAMPLE), env={}).socket == "unix:///run/kvd/kvd.sock"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
@@ -252,10 +252,10 @@ def test_pod_sidecar_manifest():
     assert re.search(r'^\s+command: \["kvd", "serve"\]$', body, re.M)
     serve = parse_serve(yaml_list(lines, "args"))
     assert serve.listen == "tcp://0.0.0.0:7470" and serve.metrics_host == "0.0.0.0"
-    # the ipc socket: one emptyDir, mounted at /run/kvd in kvd and in the worker
+    # the client socket: one emptyDir, mounted at /run/kvd in kvd and in the worker
     assert re.search(r"^\s+emptyDir: \{\}$", body, re.M)
     assert len(re.findall(r"^\s+mountPath: /run/kvd$", body, re.M)) == 2
-    assert re.search(r"name: KVD_SOCKET\n\s+value: ipc:///run/kvd/kvd\.sock$", body, re.M)
+    assert re.search(r"name: KVD_SOCKET\n\s+value: unix:///run/kvd/kvd\.sock$", body, re.M)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert re.search(rf"^\s+{probe}:$", body, re.M), probe
     assert "path: /readyz" in text and "path: /healthz" in text
@@ -273,7 +273,7 @@ def test_pod_worker_turns_on_the_vllm_connector_with_valid_options():
     assert config["kv_connector"] == "KVDConnector"
     assert config["kv_connector_module_path"] == "kvd.integrations.vllm"
     settings = ConnectorSettings.from_extra(config["kv_connector_extra_config"])  # raises on a bad option
-    assert settings.socket == "ipc:///run/kvd/kvd.sock"
+    assert settings.socket == "unix:///run/kvd/kvd.sock"
     assert settings.endpoint and settings.endpoint.endswith(".kvd-peers.default.svc.cluster.local:7470")
 
 

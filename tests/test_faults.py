@@ -4,6 +4,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
+import struct
 import threading
 import time
 
@@ -14,10 +16,13 @@ import zmq
 
 import kvd
 from kvd import protocol as p
-from kvd.testing import free_port
+from kvd.framing import MAX_FRAME_BYTES, MAX_FRAMES, MessageReader, encode_message
+from kvd.localsock import unix_path
+from kvd.testing import free_port, raw_connection
 
 
 def raw_dealer(endpoint: str) -> zmq.Socket:
+    """A bare ZeroMQ socket on a daemon's peer port."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -56,13 +61,57 @@ BAD_CLIENT_MESSAGES = [
 
 @pytest.mark.parametrize("frames", BAD_CLIENT_MESSAGES, ids=range(len(BAD_CLIENT_MESSAGES)))
 def test_malformed_client_messages_get_an_error_reply(daemon, frames):
-    sock = raw_dealer(daemon.socket)
-    sock.send_multipart(frames)
-    reply = p.decode(sock.recv_multipart())
+    conn = raw_connection(daemon.socket)
+    conn.send(frames)
+    reply = p.decode(conn.receive(5))
     assert isinstance(reply, p.Error), reply
     assert reply.code in (kvd.ProtocolError.code, kvd.BadRequest.code, kvd.VersionMismatch.code,
                           kvd.NotFound.code, kvd.PoolFull.code), reply
-    sock.close()
+    # the connection survives a bad message: the next request on it is answered
+    conn.send(p.encode(p.Stats(req=2)))
+    assert isinstance(p.decode(conn.receive(5)), p.Ok)
+    conn.close()
+    assert_still_serving(daemon)
+
+
+U32 = struct.Struct("<I")
+BAD_CLIENT_STREAMS = {
+    "no frames": U32.pack(0),
+    "too many frames": U32.pack(MAX_FRAMES + 1),
+    "a frame over the limit": U32.pack(1) + U32.pack(MAX_FRAME_BYTES + 1),
+    "a length of 4 GiB": U32.pack(1) + U32.pack(0xFFFFFFFF) + b"x" * 100,
+    "random bytes": bytes(range(7, 256)) * 3,
+}
+
+
+@pytest.mark.parametrize("stream", BAD_CLIENT_STREAMS.values(), ids=BAD_CLIENT_STREAMS.keys())
+def test_broken_framing_is_answered_and_only_that_connection_closed(daemon, stream):
+    with daemon.client() as bystander:
+        bystander.put("held", {"x": torch.arange(10)})
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(5)
+        sock.connect(unix_path(daemon.socket))
+        sock.sendall(stream)
+        received = b""
+        while chunk := sock.recv(65536):  # until the daemon hangs up
+            received += chunk
+        sock.close()
+        reply = p.decode(MessageReader().feed(received)[0])
+        assert isinstance(reply, p.Error) and reply.code == kvd.ProtocolError.code, reply
+        assert torch.equal(bystander.get("held")["x"], torch.arange(10))  # the other connection lives on
+    assert_still_serving(daemon)
+
+
+def test_a_message_cut_short_by_a_disconnect_is_dropped(daemon):
+    whole = encode_message(p.encode(p.PutAlloc(req=1, request_id="cut", tensors=[["x", "uint8", [1 << 20]]])))
+    for cut in (1, 4, 8, len(whole) - 1):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(unix_path(daemon.socket))
+        sock.sendall(whole[:cut])
+        sock.close()
+    with daemon.client() as c:
+        with pytest.raises(kvd.NotFound):
+            c.get("cut", timeout=0)
     assert_still_serving(daemon)
 
 
@@ -103,38 +152,62 @@ def test_garbage_on_the_peer_port_is_refused(daemons):
         assert torch.equal(cb.get("after-garbage")["x"], torch.ones(10))
 
 
-def test_client_that_dies_mid_put_leaks_nothing(daemons):
+def wait_until(condition, timeout: float) -> float:
+    """Seconds until condition() held; fails the test after timeout."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "condition not reached in time"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_client_that_disconnects_mid_put_leaks_nothing(daemons):
+    d = daemons.start("A")  # the default 30 s lease: what frees the blocks here is the disconnect
+    conn = raw_connection(d.socket)
+    conn.send(p.encode(p.PutAlloc(req=1, request_id="orphan", tensors=[["x", "uint8", [4 << 20]]])))
+    assert isinstance(p.decode(conn.receive(5)), p.PutSlots)
+    with d.client() as c:
+        assert c.stats()["pool"]["used_bytes"] == 4 << 20
+        conn.close()  # gone without committing
+        assert wait_until(lambda: c.stats()["pool"]["used_bytes"] == 0, 2.0) < 2.0
+        with pytest.raises(kvd.NotFound):
+            c.get("orphan", timeout=0)
+    assert "disconnected with 1 unfinished put(s)" in d.log()
+    assert_still_serving(d)
+
+
+def test_connected_client_that_never_commits_loses_its_reservation_at_lease_expiry(daemons):
     d = daemons.start("A", extra=["--lease-timeout", "1s"])
-    sock = raw_dealer(d.socket)
-    sock.send_multipart(p.encode(p.PutAlloc(req=1, request_id="orphan", tensors=[["x", "uint8", [4 << 20]]])))
-    assert isinstance(p.decode(sock.recv_multipart()), p.PutSlots)
-    sock.close()  # gone without committing
+    conn = raw_connection(d.socket)
+    conn.send(p.encode(p.PutAlloc(req=1, request_id="slow", tensors=[["x", "uint8", [4 << 20]]])))
+    slots = p.decode(conn.receive(5))
     with d.client() as c:
         assert c.stats()["pool"]["used_bytes"] == 4 << 20
         time.sleep(1.6)
         assert c.stats()["pool"]["used_bytes"] == 0
-        with pytest.raises(kvd.NotFound):
-            c.get("orphan", timeout=0)
+    conn.send(p.encode(p.PutCommit(req=2, request_id="slow", token=slots.token)))  # too late
+    reply = p.decode(conn.receive(5))
+    assert isinstance(reply, p.Error) and reply.code == kvd.NotFound.code, reply
+    conn.close()
     assert_still_serving(d)
 
 
 def _die_after_get_slots(endpoint: str) -> None:
-    sock = raw_dealer(endpoint)
-    sock.send_multipart(p.encode(p.Get(req=1, request_id="half-read", timeout=5.0)))
-    sock.recv_multipart()
+    conn = raw_connection(endpoint)
+    conn.send(p.encode(p.Get(req=1, request_id="half-read", timeout=5.0)))
+    conn.receive(5)
     os._exit(0)  # crash between lease and release
 
 
 def test_client_that_dies_mid_get_gives_the_entry_back(daemons):
-    d = daemons.start("A", extra=["--lease-timeout", "1s"])
+    d = daemons.start("A")  # the default 30 s lease: the disconnect gives the entry back
     with d.client() as c:
         c.put("half-read", {"x": torch.arange(100)})
         proc = mp.get_context("spawn").Process(target=_die_after_get_slots, args=(d.socket,))
         proc.start()
         proc.join(20)
-        assert c.stats()["entries_by_state"]["claimed"] == 1
-        time.sleep(1.6)
-        assert torch.equal(c.get("half-read")["x"], torch.arange(100))  # not lost
+        assert proc.exitcode == 0
+        assert torch.equal(c.get("half-read", timeout=2)["x"], torch.arange(100))  # not lost, not waiting 30 s
 
 
 def test_receiver_killed_mid_transfer(daemons):
@@ -233,7 +306,7 @@ def test_sigterm_exits_cleanly_and_removes_the_socket(daemons):
     with d.client() as c:
         c.put("left-behind", {"x": torch.ones(3)})
     assert d.stop() == 0
-    assert not os.path.exists(d.socket[len("ipc://"):])
+    assert not os.path.exists(unix_path(d.socket))
     assert "stopped" in d.log()
 
 

@@ -81,11 +81,16 @@ def test_metrics_move_by_the_right_amounts(daemons):
     assert metric(after_a, "kvd_errors_total", code="not_found") == 1
     assert metric(held_a, "kvd_pool_used_bytes") == 3 << 20
     assert metric(held_a, "kvd_pool_entries", state="ready") == 1
+    assert metric(held_a, "kvd_local_clients") == 1 and metric(held_b, "kvd_local_clients") == 1
     assert metric(held_b, "kvd_pool_used_bytes") == 2 * (3 << 20)
     assert metric(after_b, "kvd_pool_used_bytes") == 3 << 20
     assert metric(after_a, "kvd_pool_capacity_bytes") == 64 << 20
     assert metric(after_a, "kvd_peer_up", peer="B") == 1
     assert metric(after_a, "kvd_ready") == 1
+    deadline = time.monotonic() + 5
+    while metric(scrape(port_a)[1], "kvd_local_clients") != 0:  # the clients closed their connections
+        assert time.monotonic() < deadline, "the closed client connection is still counted"
+        time.sleep(0.05)
     assert 'node_id="A"' in after_a and "kvd_event_loop_lag_seconds" in after_a
 
 
