@@ -54,9 +54,15 @@ def push(a: DaemonProc, b: DaemonProc, nbytes: int, repeats: int) -> Sample:
 def pull(a: DaemonProc, b: DaemonProc, nbytes: int, repeats: int) -> Sample:
     """get(source=A, out=...) on B: B's daemon pulls from A, then the client copies out."""
     data, out = _tensor(nbytes, 2), torch.ones(nbytes, dtype=torch.uint8)
+
+    def fresh_entry() -> None:
+        # A drops its copy when B's done reaches it, which can be just after B's get returned
+        ca.delete("pull")
+        ca.put("pull", {"x": data})
+
     with a.client() as ca, b.client() as cb:
         sample = repeat(lambda: cb.get("pull", source="A", out={"x": out}), repeats, pids=(a.pid, b.pid),
-                        setup=lambda: ca.put("pull", {"x": data}))
+                        setup=fresh_entry)
     assert torch.equal(out, data), "pull delivered different bytes"
     return sample
 

@@ -37,7 +37,9 @@ from .zsock import LoopSocket
 
 log = logging.getLogger(__name__)
 
-OPTIMISTIC_WINDOW = 2  # chunks sent before the receiver accepts (wasted if it refuses)
+# chunks every sender sends right after the offer, before the receiver accepts (wasted if it
+# refuses); a receiver whose whole entry fits in them needs no accept (proto/PROTOCOL.md)
+EAGER_CHUNKS = 2
 
 
 class EntryEvents(Protocol):
@@ -84,6 +86,7 @@ class Inbound:
     ledger: ReceiveLedger | None = None
     sealed: bool = True  # a stream is published only after the sender's seal
     checksum: str = "none"
+    eager: bool = False  # every chunk came unasked (a small sealed entry): no accept, no acks, just done
     started: float = field(default_factory=time.monotonic)
 
 
@@ -228,8 +231,8 @@ class Exchange:
             asyncio.get_running_loop().create_future(), time.monotonic() + cfg.transfer_timeout,
         )
         # chunks follow the Offer without waiting for Accept (one round trip less per transfer),
-        # but only OPTIMISTIC_WINDOW of them until the receiver has said it has room
-        window.window = min(cfg.window, OPTIMISTIC_WINDOW)
+        # but only EAGER_CHUNKS of them until the receiver has said it has room
+        window.window = EAGER_CHUNKS
         self.transfers[xfer] = out
         self._send(channel, p.Offer(
             xfer=xfer, request_id=entry.request_id, tensors=[s.to_wire() for s in entry.specs],
@@ -323,7 +326,10 @@ class Exchange:
         self.events.on_progress(entry, entry.complete_tensors())  # a stream reader may be waiting for it
         inbound.deadline = time.monotonic() + self.config.transfer_timeout
         self.transfers[msg.xfer] = inbound
-        self._send(channel, p.Accept(xfer=msg.xfer))
+        # a small sealed entry's chunks are all on their way already: `done` alone will answer
+        inbound.eager = msg.sealed and msg.total_bytes <= EAGER_CHUNKS * msg.chunk_size
+        if not inbound.eager:
+            self._send(channel, p.Accept(xfer=msg.xfer))
         if inbound.ledger.complete and inbound.sealed:  # an entry of zero bytes: nothing will follow
             self._complete_inbound(inbound)
 
@@ -341,10 +347,12 @@ class Exchange:
         self.metrics.bytes.labels(inbound.channel.peer_name, "received").inc(length)
         completed = entry.mark_range(msg.offset, length)
         inbound.deadline = time.monotonic() + self.config.transfer_timeout
-        self._send(inbound.channel, p.ChunkAck(xfer=inbound.xfer, seq=msg.seq))
         if ledger.complete and inbound.sealed:
-            self._complete_inbound(inbound)
-        elif completed:
+            self._complete_inbound(inbound)  # its `done` acknowledges this last chunk too
+            return
+        if not inbound.eager:
+            self._send(inbound.channel, p.ChunkAck(xfer=inbound.xfer, seq=msg.seq))
+        if completed:
             self.events.on_progress(entry, completed)
 
     def _complete_inbound(self, inbound: Inbound) -> None:
@@ -407,8 +415,8 @@ class Exchange:
                     transfer.deadline = time.monotonic() + self.config.transfer_timeout
                     self._pump(transfer)
                 case p.Done() if isinstance(transfer, Outbound):
-                    if not transfer.window.all_acked:
-                        raise ProtocolError("done before every chunk was acknowledged")
+                    if not transfer.window.all_sent:
+                        raise ProtocolError("done before every chunk was sent")
                     self._finish_outbound(transfer, None)
                 case p.Seal() if isinstance(transfer, Inbound) and transfer.ledger is not None:
                     transfer.sealed = True

@@ -60,6 +60,11 @@ class SendWindow:
     def all_acked(self) -> bool:
         return self.queued_bytes == self.total_bytes and self.acked == len(self.chunks)
 
+    @property
+    def all_sent(self) -> bool:
+        """Every byte of the entry has gone out (the receiver's `done` acknowledges what is in flight)."""
+        return self.queued_bytes == self.total_bytes and self.next_seq == len(self.chunks)
+
 
 @dataclass
 class ReceiveLedger:

@@ -130,9 +130,9 @@ def test_garbage_on_the_peer_port_is_refused(daemons):
     sock.send_multipart(p.encode(p.PeerHello(node_id="evil", incarnation=1)))
     assert isinstance(p.decode(sock.recv_multipart()), p.PeerHelloOk)
     sock.send_multipart(p.encode(p.Offer(xfer=7, request_id="evil-1", tensors=[["x", "uint8", [100]]],
-                                         total_bytes=100, chunk_size=1 << 20, checksum="xxh3_64")))
-    assert isinstance(p.decode(sock.recv_multipart()), p.Accept)
-    bad = p.Chunk(xfer=7, seq=0, offset=0, lengths=[100], digest=12345, payload=[b"\x00" * 100])
+                                         total_bytes=100, chunk_size=10, checksum="xxh3_64")))
+    assert isinstance(p.decode(sock.recv_multipart()), p.Accept)  # 10 chunks: more than the eager 2
+    bad = p.Chunk(xfer=7, seq=0, offset=0, lengths=[10], digest=12345, payload=[b"\x00" * 10])
     sock.send_multipart(p.encode(bad))
     abort = p.decode(sock.recv_multipart())
     assert isinstance(abort, p.Abort) and abort.code == kvd.ChecksumMismatch.code
@@ -150,6 +150,31 @@ def test_garbage_on_the_peer_port_is_refused(daemons):
     with a.client() as ca, b.client() as cb:
         ca.put("after-garbage", {"x": torch.ones(10)}, dest="B")
         assert torch.equal(cb.get("after-garbage")["x"], torch.ones(10))
+
+
+def test_small_transfer_is_answered_by_done_alone(daemon):
+    """An offer whose chunks all come eagerly needs no accept, and `done` acknowledges the last
+    chunk: three messages per small transfer (offer, chunk, done) instead of five."""
+    from kvd.checksum import digest
+
+    sock = raw_dealer(daemon.listen)
+    sock.send_multipart(p.encode(p.PeerHello(node_id="small", incarnation=1)))
+    assert isinstance(p.decode(sock.recv_multipart()), p.PeerHelloOk)
+    payload = [bytes(range(256)) * 4, bytes(range(255, -1, -1)) * 4]
+    sock.send_multipart(p.encode(p.Offer(xfer=5, request_id="two-chunks", tensors=[["x", "uint8", [2048]]],
+                                         total_bytes=2048, chunk_size=1024, checksum="xxh3_64")))
+    for seq, piece in enumerate(payload):
+        sock.send_multipart(p.encode(p.Chunk(xfer=5, seq=seq, offset=seq * 1024, lengths=[1024],
+                                             digest=digest("xxh3_64", [piece]), payload=[piece])))
+    replies = []
+    sock.setsockopt(zmq.RCVTIMEO, 500)
+    with pytest.raises(zmq.Again):
+        while True:
+            replies.append(p.decode(sock.recv_multipart()))
+    assert [type(r) for r in replies] == [p.Done], replies
+    sock.close()
+    with daemon.client() as c:
+        assert c.get("two-chunks")["x"].numpy().tobytes() == b"".join(payload)
 
 
 def wait_until(condition, timeout: float) -> float:

@@ -265,3 +265,15 @@ def test_window_and_ledger_agree():
                 ledger.mark(seq, offset, length)
                 w.ack(seq)
         assert ledger.complete
+
+
+def test_all_sent_is_every_byte_queued_and_out():
+    w = SendWindow(total_bytes=10, chunk_size=4, window=8)
+    assert not w.all_sent  # nothing queued
+    w.add_range(0, 6)
+    w.ready_to_send()
+    assert not w.all_sent  # out, but the entry is not all queued (a stream still writing)
+    w.add_range(6, 4)
+    assert not w.all_sent
+    assert w.ready_to_send() == [2]
+    assert w.all_sent and not w.all_acked  # `done` may now end it; no ack was needed
