@@ -215,3 +215,72 @@ def test_async_client_concurrent_requests(daemon):
 def test_no_daemon_is_a_clear_error(tmp_path):
     with pytest.raises(kvd.KvdError, match="no kvd daemon"):
         kvd.Client(f"ipc://{tmp_path}/nothing.sock").connect()
+
+
+def _restart_in_place(daemons, old):
+    """SIGTERM a daemon, then start a new one on the same client socket (what systemd does)."""
+    assert old.stop() == 0
+    new = daemons.start(old.node_id, extra=["--socket", old.socket], wait=False)
+    new.socket = old.socket  # the last --socket wins
+    from kvd.testing import wait_ready
+
+    wait_ready(new)
+    return new
+
+
+def test_a_client_carries_on_across_a_daemon_restart(daemons):
+    d = daemons.start("A")
+    with d.client() as c:
+        c.put("before", {"x": torch.arange(10)})
+        first = c.info.incarnation
+        d = _restart_in_place(daemons, d)
+        # no error and no manual reconnect: the next call notices and maps the new daemon's pool
+        c.put("after", {"x": torch.arange(20)})
+        assert c.info.incarnation != first
+        assert torch.equal(c.get("after")["x"], torch.arange(20))
+        with pytest.raises(kvd.NotFound):
+            c.get("before", timeout=0)  # the old daemon's entries went with it
+
+
+def test_an_async_client_carries_on_across_a_daemon_restart(daemons):
+    import asyncio
+
+    d = daemons.start("A")
+
+    async def main(d):
+        async with d.async_client() as c:
+            await c.put("before", {"x": torch.arange(10)})
+            first = c.info.incarnation
+            d = await asyncio.to_thread(_restart_in_place, daemons, d)
+            await asyncio.sleep(0.1)  # the old connection's end has been seen by the loop
+            await c.put("after", {"x": torch.arange(20)})
+            assert c.info.incarnation != first
+            assert torch.equal((await c.get("after"))["x"], torch.arange(20))
+
+    asyncio.run(main(d))
+
+
+def test_a_daemon_dying_mid_call_fails_the_call_at_once(daemons):
+    import asyncio
+
+    d = daemons.start("A")
+    with d.client() as c:
+        c.stats()
+        killer = threading.Timer(0.3, d.proc.kill)
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(kvd.KvdError, match="connection to the kvd daemon .* was lost"):
+            c.get("never-put", timeout=20)  # waits on the daemon, which is killed meanwhile
+        assert time.monotonic() - started < 5  # not the 20 s timeout, nor the reply grace
+        killer.join()
+    d2 = daemons.start("B")
+
+    async def waiting_async_get():
+        async with d2.async_client() as c:
+            threading.Timer(0.3, d2.proc.kill).start()
+            await c.get("never-put", timeout=20)
+
+    started = time.monotonic()
+    with pytest.raises(kvd.KvdError, match="connection to the kvd daemon .* was lost"):
+        asyncio.run(waiting_async_get())
+    assert time.monotonic() - started < 5
