@@ -130,7 +130,6 @@ def _zmq_sink(endpoint_queue, transport: str, nbytes: int, runs: int) -> None:
         port = router.bind_to_random_port("tcp://127.0.0.1")
         endpoint_queue.put(f"tcp://127.0.0.1:{port}")
     else:
-        import os
         import tempfile
 
         path = os.path.join(tempfile.mkdtemp(), "z.sock")
@@ -142,7 +141,7 @@ def _zmq_sink(endpoint_queue, transport: str, nbytes: int, runs: int) -> None:
             frames = router.recv_multipart(copy=False)
             got += len(frames[2])
         router.send_multipart([frames[0].bytes, b"k"])
-    router.close(0)
+    router.close(linger=5000)  # linger 0 could drop the last ack, and the sender would wait forever
     ctx.term()
 
 
@@ -173,7 +172,6 @@ def zmq_throughput(nbytes: int, repeats: int, chunk: int = CHUNK) -> Sample:
 
 
 def _zmq_echo(endpoint_queue, rounds: int) -> None:
-    import os
     import tempfile
 
     ctx = zmq.Context()
@@ -183,7 +181,7 @@ def _zmq_echo(endpoint_queue, rounds: int) -> None:
     endpoint_queue.put(f"ipc://{path}")
     for _ in range(rounds):
         router.send_multipart(router.recv_multipart(copy=False), copy=False)
-    router.close(0)
+    router.close(linger=5000)  # linger 0 could drop the last reply, and the client would wait forever
     ctx.term()
 
 
