@@ -5,9 +5,8 @@ requests it needs answered and receives the replies: no I/O inside. `AsyncClient
 (kvd.async_client) drives it on the event loop (many concurrent operations per connection); `Client` drives it over
 a blocking socket in the caller's thread (no event loop, no thread hop: the lowest
 latency for the common synchronous worker). Only control messages cross the socket (a unix
-socket, `kvd.localsock`);
-tensor bytes are copied by this process straight into (put) or out of (get) the daemon's
-shared pool, mapped once at connect.
+socket, `kvd.localsock`); tensor bytes are copied by this process straight into (put) or out
+of (get) the daemon's shared pool, mapped once at connect.
 """
 from __future__ import annotations
 
@@ -261,7 +260,10 @@ class Client(_ClientCore):
         while True:
             frames = self._sock.receive(wait + self.reply_timeout)
             if frames is None:
-                self._reset_socket()
+                try:
+                    self._reset_socket()
+                except KvdError:
+                    self._close_transport()  # the daemon is gone: the next call reconnects
                 raise Timeout(f"daemon at {self.endpoint} went silent during a stream")
             try:
                 reply = p.decode(frames)

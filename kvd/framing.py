@@ -7,7 +7,7 @@ which costs 2-3x the latency of a small round trip), so each message — the sam
 
     u32 frame count, then for each frame: u32 length and the frame's bytes   (little-endian)
 
-Limits are checked as each length is read, so a bad or hostile stream is refused before
+At most MAX_FRAMES frames and MAX_MESSAGE_BYTES of them in all. Limits are checked as each length is read, so a bad or hostile stream is refused before
 anything is buffered for it; after a framing error the stream cannot be resynchronized and
 the connection must be closed.
 """
@@ -20,9 +20,10 @@ from .errors import ProtocolError
 from .protocol import MAX_HEADER_BYTES, MAX_PAYLOAD_FRAMES, Frame
 
 MAX_FRAMES = 1 + MAX_PAYLOAD_FRAMES
-# above the header cap on purpose: an oversized header still reaches protocol.decode, whose
-# error is answered in-band; only beyond this is the stream itself refused
-MAX_FRAME_BYTES = 4 * MAX_HEADER_BYTES
+# all frames of one message together (local messages carry no payload: tensor bytes go through
+# the pool). Above the header cap on purpose: an oversized header still reaches
+# protocol.decode, whose error is answered in-band; only beyond this is the stream refused.
+MAX_MESSAGE_BYTES = 4 * MAX_HEADER_BYTES
 
 _U32 = struct.Struct("<I")
 
@@ -72,12 +73,14 @@ class MessageReader:
             raise ProtocolError(f"message declares {count} frames (1 to {MAX_FRAMES} allowed)")
         pos = start + 4
         frames: list[bytes] = []
+        size = 0
         for _ in range(count):
             if len(buf) - pos < 4:
                 return None
             (length,) = _U32.unpack_from(buf, pos)
-            if length > MAX_FRAME_BYTES:
-                raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+            size += length
+            if size > MAX_MESSAGE_BYTES:
+                raise ProtocolError(f"message of more than {MAX_MESSAGE_BYTES} bytes (the local socket's limit)")
             pos += 4
             if len(buf) - pos < length:
                 return None

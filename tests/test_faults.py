@@ -16,7 +16,7 @@ import zmq
 
 import kvd
 from kvd import protocol as p
-from kvd.framing import MAX_FRAME_BYTES, MAX_FRAMES, MessageReader, encode_message
+from kvd.framing import MAX_FRAMES, MAX_MESSAGE_BYTES, MessageReader, encode_message
 from kvd.localsock import unix_path
 from kvd.testing import free_port, raw_connection
 
@@ -78,7 +78,7 @@ U32 = struct.Struct("<I")
 BAD_CLIENT_STREAMS = {
     "no frames": U32.pack(0),
     "too many frames": U32.pack(MAX_FRAMES + 1),
-    "a frame over the limit": U32.pack(1) + U32.pack(MAX_FRAME_BYTES + 1),
+    "a message over the limit": U32.pack(1) + U32.pack(MAX_MESSAGE_BYTES + 1),
     "a length of 4 GiB": U32.pack(1) + U32.pack(0xFFFFFFFF) + b"x" * 100,
     "random bytes": bytes(range(7, 256)) * 3,
 }

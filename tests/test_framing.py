@@ -7,7 +7,7 @@ import pytest
 
 from kvd import protocol as p
 from kvd.errors import ProtocolError
-from kvd.framing import MAX_FRAME_BYTES, MAX_FRAMES, MessageReader, encode_message
+from kvd.framing import MAX_MESSAGE_BYTES, MAX_FRAMES, MessageReader, encode_message
 
 U32 = struct.Struct("<I")
 
@@ -55,8 +55,11 @@ def test_memoryview_frames_are_written_whole():
 @pytest.mark.parametrize("wire, why", [
     (U32.pack(0), "0 frames"),
     (U32.pack(MAX_FRAMES + 1), f"{MAX_FRAMES + 1} frames"),
-    (U32.pack(1) + U32.pack(MAX_FRAME_BYTES + 1), "exceeds"),
-    (U32.pack(2) + U32.pack(1) + b"a" + U32.pack(0xFFFFFFFF), "exceeds"),
+    (U32.pack(1) + U32.pack(MAX_MESSAGE_BYTES + 1), "more than"),
+    (U32.pack(2) + U32.pack(1) + b"a" + U32.pack(0xFFFFFFFF), "more than"),
+    # each frame within the limit, together over it: refused before the second is buffered
+    (U32.pack(2) + U32.pack(MAX_MESSAGE_BYTES // 2 + 1) + b"a" * (MAX_MESSAGE_BYTES // 2 + 1)
+     + U32.pack(MAX_MESSAGE_BYTES // 2), "more than"),
 ])
 def test_limits_are_checked_before_buffering(wire, why):
     with pytest.raises(ProtocolError, match=why):

@@ -194,6 +194,10 @@ class KvdMachine(RuleBasedStateMachine):
                 b[rid] = a[rid]  # A keeps its copy, and B keeps the one it pulled
             else:
                 del a[rid]  # A drops its copy once B has it; B's reader consumed it
+                # ... when B's `done` reaches A, which can be just after B's get returned
+                ca = self.c("A")
+                wait_until(lambda: all(e["request_id"] != rid for e in ca.list()),
+                           f"A still holds {rid!r} after B pulled it")
         else:
             with pytest.raises(kvd.NotFound) as info:
                 cb.get(rid, source="A", timeout=0, keep=keep)
