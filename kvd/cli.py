@@ -148,6 +148,7 @@ def client_command(args: argparse.Namespace) -> int:
                       f" ({100 * pool['used_bytes'] / max(1, pool['capacity_bytes']):.1f}%)")
                 print(f"entries    {stats['entries']}  {stats['entries_by_state']}")
                 print(f"transfers  {stats['transfers_in_flight']} in flight")
+                print(f"clients    {stats['local_clients']} connected (this one included)")
                 print(f"listen     {stats['listen']}")
                 for name, peer in stats["peers"].items():
                     state = "connected" if peer["connected"] else "not connected"

@@ -31,6 +31,7 @@ def test_status_ls_rm(daemon):
     status = kvd_cli("status", "--socket", daemon.socket)
     assert status.returncode == 0, status.stderr
     assert "node       A" in status.stdout and "entries    1" in status.stdout
+    assert "connected (this one included)" in status.stdout
     data = json.loads(kvd_cli("status", "--socket", daemon.socket, "--json").stdout)
     assert data["entries"] == 1 and data["pool"]["used_bytes"] > 0
     listing = kvd_cli("ls", "--socket", daemon.socket)
