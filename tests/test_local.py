@@ -284,3 +284,24 @@ def test_a_daemon_dying_mid_call_fails_the_call_at_once(daemons):
     with pytest.raises(kvd.KvdError, match="connection to the kvd daemon .* was lost"):
         asyncio.run(waiting_async_get())
     assert time.monotonic() - started < 5
+
+
+def test_local_socket_on_tcp(daemons):
+    """--socket tcp://HOST:PORT (a client in another network namespace of the same host)."""
+    import asyncio
+
+    from kvd.testing import free_port, wait_ready
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    d = daemons.start("T", extra=["--socket", endpoint], wait=False)
+    d.socket = endpoint  # the last --socket wins
+    wait_ready(d)
+    with kvd.Client(endpoint) as c:
+        c.put("over-tcp", {"x": torch.arange(100)})
+        assert c.stats()["local_clients"] >= 1  # (the readiness probe may not be counted out yet)
+
+    async def main():
+        async with kvd.AsyncClient(endpoint) as c:
+            return await c.get("over-tcp")
+
+    assert torch.equal(asyncio.run(main())["x"], torch.arange(100))
