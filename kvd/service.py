@@ -150,22 +150,27 @@ class ClientService:
         self.daemon.local.send_now([rid, *p.encode(msg)])
 
     def on_client_gone(self, rid: bytes) -> None:
-        """A client hung up: its unfinished puts are dropped and its reads given back now, not
-        at lease expiry (the next sweep does it, through the same path as an expired lease)."""
+        """A client hung up: its unfinished puts are dropped and its reads given back now, as
+        they would be at lease expiry."""
         held = self._held.pop(rid, None)
         if not held:
             return
-        now = time.monotonic()
         writes = reads = 0
         for token, request_id in held.items():
             if not self._is_live(token, request_id):
                 continue
             if request_id is None:
-                self.store.set_lease_deadline(token, now)
+                lease = self.store.lease_of(token)
+                self._stream_leases.discard(token)
                 self._drop_reader(token)
+                self.store.release(token, success=False)
+                self._wake(lease.request_id)  # a get waiting for the entry may take it now
                 reads += 1
             else:
-                self.store.entries[request_id].write_deadline = now
+                entry = self.store.entries[request_id]
+                self.store.remove(entry)
+                self.on_dropped(entry, NotFound(f"the writer of {request_id!r} disconnected before committing"))
+                self.metrics.abandoned.inc()
                 writes += 1
         if writes or reads:
             log.warning("a client disconnected with %d unfinished put(s) and %d open read(s); giving them back",

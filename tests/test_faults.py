@@ -397,3 +397,26 @@ def test_a_thousand_put_abort_cycles_leave_nothing_behind(daemon):
         # fully fragmented and freed again: a pool-sized put still fits
         c.put("whole", {"x": torch.zeros(stats["capacity_bytes"], dtype=torch.uint8)})
         assert c.delete("whole")
+
+
+def test_stream_writer_that_disconnects_ends_its_push_and_its_readers_at_once(daemons):
+    a, b = daemons.pair()  # the default 30 s lease: what ends it all here is the disconnect
+    conn = raw_connection(a.socket)
+    tensors = [["k", "uint8", [1 << 20]], ["v", "uint8", [1 << 20]]]
+    conn.send(p.encode(p.PutAlloc(req=1, request_id="half-streamed", tensors=tensors, stream=True, dest="B")))
+    slots = p.decode(conn.receive(5))
+    assert isinstance(slots, p.PutSlots)
+    conn.send(p.encode(p.PutPart(req=2, request_id="half-streamed", token=slots.token, tensors=[0])))
+    with b.client() as cb:
+        reader = cb.get_stream("half-streamed", timeout=10)
+        first = next(reader)  # k arrived on B; v never will
+        assert set(first) == {"k"}
+        started = time.monotonic()
+        conn.close()  # the writer goes away mid-stream
+        with pytest.raises(kvd.KvdError, match="disconnected before committing"):
+            next(reader)
+        assert time.monotonic() - started < 3
+        reader.close()
+    with a.client() as ca, b.client() as cb:
+        wait_until(lambda: ca.stats()["pool"]["used_bytes"] == 0 and cb.stats()["pool"]["used_bytes"] == 0, 5)
+        assert ca.stats()["entries"] == 0 and cb.stats()["entries"] == 0
