@@ -105,7 +105,9 @@ class LocalServer:
         if self._server is not None:
             self._server.close()
             self._server = None
-        for conn in list(self._connections.values()):
+        connections = list(self._connections.values())
+        self._connections.clear()  # shutting down: no per-client clean-up to run
+        for conn in connections:
             conn.transport.abort()
 
 
