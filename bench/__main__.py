@@ -19,6 +19,9 @@ from .measure import human
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 256 << 20]
 SMALL_ROUNDS = 3
+# layer-streamed handoffs: (bytes per layer, seconds of "compute" per layer), 32 layers each
+STREAM_LAYERS = 32
+STREAM_CASES = [(2 << 20, 0.005), (8 << 20, 0.010)]
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -102,6 +105,18 @@ def main() -> int:
                          f"{small_push / tcp_pp:.2f}x TCP ping-pong ({tcp_pp * 1e6:.0f}us)"))
             target("64KiB local put+get / zmq ipc ping-pong", small_rt / zmq_pp, "<=", 2.0)
             target("64KiB push / TCP ping-pong", small_push / tcp_pp, "<=", 3.0)
+            for layer_bytes, pace in STREAM_CASES:
+                one_layer = cases.push(a, b, layer_bytes, 10 if args.quick else 20).median
+                whole = cases.push(a, b, STREAM_LAYERS * layer_bytes, 3 if args.quick else 5).median
+                runs = [cases.layer_streaming(a, b, STREAM_LAYERS, layer_bytes, pace, f"stream-{i}")
+                        for i in range(3 if args.quick else 7)]
+                tail = statistics.median(run.tail for run in runs)
+                case = f"{STREAM_LAYERS} x {human(layer_bytes)}, {pace * 1e3:g} ms/layer"
+                rows.append((f"kvd layer streaming, {case}", human(STREAM_LAYERS * layer_bytes), "",
+                             f"{tail * 1e3:.3f}", "",
+                             f"last layer {tail / one_layer:.2f}x one-layer push ({one_layer * 1e3:.2f} ms) after the "
+                             f"last write; overlap {1 - tail / whole:.0%} of the whole push ({whole * 1e3:.1f} ms)"))
+                target(f"layer streaming {case}: tail / one-layer push", tail / one_layer, "<=", 1.5)
             aggregate = cases.concurrent_pushes(a, b, processes=4, per_process=16, nbytes=4 << 20)
             rows.append(("kvd 64 x 4MiB pushes, 4 procs", "256MiB", f"{aggregate / 1e9:.2f}", "", "",
                          f"{aggregate / (256 << 20) * tcp[256 << 20]:.2f}x raw TCP"))

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -102,6 +104,64 @@ def concurrent_pushes(a: DaemonProc, b: DaemonProc, processes: int, per_process:
                 cb.delete(f"c{w}-{i}")
     elapsed = max(end for _, end in spans) - min(begin for begin, _ in spans)
     return processes * per_process * nbytes / elapsed
+
+
+@dataclass
+class StreamRun:
+    """One layer-streamed handoff: when each layer was written on A and arrived on B."""
+
+    written: list[float]  # perf_counter at the end of each write (the producer's clock)
+    arrived: list[float]  # perf_counter when the consumer had each layer (same process, same clock)
+
+    @property
+    def tail(self) -> float:
+        """How long after the producer's last write the consumer had the last layer."""
+        return max(self.arrived) - max(self.written)
+
+    @property
+    def lags(self) -> list[float]:
+        return [got - wrote for wrote, got in zip(self.written, self.arrived)]
+
+
+def layer_streaming(a: DaemonProc, b: DaemonProc, layers: int, layer_bytes: int, pace: float,
+                    request_id: str = "stream-bench") -> StreamRun:
+    """A producer on A writes `layers` tensors into put_stream(dest=B), one every `pace` seconds
+    (standing in for prefill computing layer i+1 while layer i is sent); a consumer on B
+    iterates get_stream in another thread, into preallocated tensors as an engine's KV cache
+    would be (fresh ones would time the page faults of touching new memory), and notes when
+    each layer arrives. Bytes verified."""
+    data = [_tensor(layer_bytes, seed) for seed in range(layers)]
+    names = [f"layer.{i}" for i in range(layers)]
+    out = {name: torch.ones(layer_bytes, dtype=torch.uint8) for name in names}
+    arrived: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            with b.client() as cb:
+                for group in cb.get_stream(request_id, timeout=30, out=out):
+                    now = time.perf_counter()
+                    for name in group:
+                        arrived[name] = now
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    written: list[float] = []
+    with a.client() as ca:
+        with ca.put_stream(request_id, dict(zip(names, data)), dest="B") as stream:
+            due = time.perf_counter()
+            for name, tensor in zip(names, data):
+                due += pace
+                time.sleep(max(0.0, due - time.perf_counter()))  # "computing" this layer
+                stream.write({name: tensor})
+                written.append(time.perf_counter())
+    consumer.join(60)
+    if errors:
+        raise errors[0]
+    assert all(torch.equal(out[n], t) for n, t in zip(names, data)), "a streamed layer differs"
+    return StreamRun(written, [arrived[n] for n in names])
 
 
 def daemon_rss(*daemons: DaemonProc) -> int:
