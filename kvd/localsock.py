@@ -88,6 +88,9 @@ class LocalServer:
     def connections(self) -> int:
         return len(self._connections)
 
+    def is_connected(self, conn_id: bytes) -> bool:
+        return conn_id in self._connections
+
     def send_now(self, frames: list) -> None:
         """Send frames[1:] to connection frames[0]; dropped if that client is gone."""
         conn = self._connections.get(frames[0])

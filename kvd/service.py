@@ -144,10 +144,26 @@ class ClientService:
         if reply is not None:
             self._reply(rid, reply)
 
-    def _reply(self, rid: bytes, msg: p.Message) -> None:
+    def _reply(self, rid: bytes, msg: p.Message) -> bool:
+        """Send msg to a client; False if that client has gone (a read lease meant for it goes back)."""
+        if not self.daemon.local.is_connected(rid):
+            if isinstance(msg, p.GetSlots):  # a get that waited for its entry outlived its caller
+                self._return_lease(msg.token)
+            return False
         if isinstance(msg, p.GetSlots):
             self._hold(rid, msg.token, None)
         self.daemon.local.send_now([rid, *p.encode(msg)])
+        return True
+
+    def _return_lease(self, token: int) -> None:
+        """Give a client's read lease back now: the entry is readable again, waiters are woken."""
+        lease = self.store.lease_of(token)
+        if lease is None:
+            return
+        self._stream_leases.discard(token)
+        self._drop_reader(token)
+        self.store.release(token, success=False)
+        self._wake(lease.request_id)
 
     def on_client_gone(self, rid: bytes) -> None:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
@@ -160,11 +176,7 @@ class ClientService:
             if not self._is_live(token, request_id):
                 continue
             if request_id is None:
-                lease = self.store.lease_of(token)
-                self._stream_leases.discard(token)
-                self._drop_reader(token)
-                self.store.release(token, success=False)
-                self._wake(lease.request_id)  # a get waiting for the entry may take it now
+                self._return_lease(token)
                 reads += 1
             else:
                 entry = self.store.entries[request_id]
@@ -217,7 +229,8 @@ class ClientService:
                 reply = await coro
             except Exception as exc:
                 reply = self._error(msg, exc)
-            self._reply(rid, reply)
+            if reply is not None:
+                self._reply(rid, reply)
 
         self.daemon.spawn(run(), f"{msg.TYPE}-{getattr(msg, 'request_id', '')}")
 
@@ -367,7 +380,7 @@ class ClientService:
             self._producers.pop(entry.token, None)
         return p.Ok(req=msg.req)
 
-    async def _get_stream(self, rid: bytes, msg: p.GetStream) -> p.Message:
+    async def _get_stream(self, rid: bytes, msg: p.GetStream) -> p.Message | None:
         """Lease an entry that may still be arriving; TensorsReady messages follow the slots."""
         if not 0 <= msg.timeout <= MAX_WAIT:
             raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
@@ -390,7 +403,8 @@ class ClientService:
         reader = StreamReader(rid, msg.req, entry, lease.token)
         slots = p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
                            segments=entry.segments(self.config.block_size), meta=entry.meta)
-        self._reply(rid, slots)
+        if not self._reply(rid, slots):
+            return None  # the reader has gone; its lease went back
         ready = reader.news(entry.complete_tensors())
         if not complete:
             self._readers.setdefault(entry.request_id, []).append(reader)

@@ -420,3 +420,22 @@ def test_stream_writer_that_disconnects_ends_its_push_and_its_readers_at_once(da
     with a.client() as ca, b.client() as cb:
         wait_until(lambda: ca.stats()["pool"]["used_bytes"] == 0 and cb.stats()["pool"]["used_bytes"] == 0, 5)
         assert ca.stats()["entries"] == 0 and cb.stats()["entries"] == 0
+
+
+def test_a_get_that_outlives_its_caller_does_not_hide_the_entry(daemons):
+    """A client waits in get for an entry, then goes away; when the entry arrives it must stay
+    readable by others (before, the dead caller's lease hid it until the lease timeout)."""
+    d = daemons.start("A")  # the default 30 s lease
+    for stream in (False, True):
+        rid = f"late-{stream}"
+        conn = raw_connection(d.socket)
+        request = p.GetStream if stream else p.Get
+        conn.send(p.encode(request(req=1, request_id=rid, timeout=20.0)))
+        time.sleep(0.2)  # the daemon is waiting for rid on that connection's behalf
+        conn.close()
+        time.sleep(0.2)
+        with d.client() as c:
+            c.put(rid, {"x": torch.arange(50)})
+            assert torch.equal(c.get(rid, timeout=2)["x"], torch.arange(50))
+            assert c.stats()["pool"]["used_bytes"] == 0
+    assert_still_serving(d)
