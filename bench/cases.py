@@ -118,10 +118,6 @@ class StreamRun:
         """How long after the producer's last write the consumer had the last layer."""
         return max(self.arrived) - max(self.written)
 
-    @property
-    def lags(self) -> list[float]:
-        return [got - wrote for wrote, got in zip(self.written, self.arrived)]
-
 
 def layer_streaming(a: DaemonProc, b: DaemonProc, layers: int, layer_bytes: int, pace: float,
                     request_id: str = "stream-bench") -> StreamRun:

@@ -2,8 +2,9 @@
 
 One asyncio loop (uvloop). Local clients talk to a unix socket at `--socket`
 (`kvd.localsock`), served by `kvd.service`; peers talk ZeroMQ to `kvd.exchange`. This
-module starts them in order, keeps house (expiry, deadlines, heartbeats, watchdog), reloads what can change on SIGHUP, and
-on SIGTERM drains in-flight work before it releases the pool and exits.
+module starts them in order, keeps house (expiry, deadlines, heartbeats, watchdog), reloads
+what can change on SIGHUP, and on SIGTERM drains in-flight work before it releases the pool
+and exits.
 """
 from __future__ import annotations
 

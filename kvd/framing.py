@@ -7,9 +7,9 @@ which costs 2-3x the latency of a small round trip), so each message — the sam
 
     u32 frame count, then for each frame: u32 length and the frame's bytes   (little-endian)
 
-At most MAX_FRAMES frames and MAX_MESSAGE_BYTES of them in all. Limits are checked as each length is read, so a bad or hostile stream is refused before
-anything is buffered for it; after a framing error the stream cannot be resynchronized and
-the connection must be closed.
+At most MAX_FRAMES frames and MAX_MESSAGE_BYTES of them in all. Limits are checked as each
+length is read, so a bad or hostile stream is refused before anything is buffered for it;
+after a framing error the stream cannot be resynchronized and the connection must be closed.
 """
 from __future__ import annotations
 

@@ -160,10 +160,9 @@ class ClientService:
         lease = self.store.lease_of(token)
         if lease is None:
             return
-        self._stream_leases.discard(token)
         self._drop_reader(token)
         self.store.release(token, success=False)
-        self._wake(lease.request_id)
+        self.lease_expired(lease)
 
     def on_client_gone(self, rid: bytes) -> None:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
