@@ -46,6 +46,9 @@ def _serve_parser(sub) -> None:
         help="a peer silent this long is lost and its transfers fail (default: 5s)")
     add("--drain-timeout", metavar="DURATION",
         help="on SIGTERM, in-flight transfers get this long to finish (default: 10s)")
+    add("--scratch-max", metavar="SIZE",
+        help="puts up to this size take one round trip: blocks are lent to each client ahead of "
+             "its next put (0 = off; default: 4MiB)")
     add("--chunk-size", metavar="SIZE", help="network chunk size (default: 4MiB)")
     add("--window", type=int, help="chunks in flight per transfer (default: 8)")
     add("--io-threads", type=int, help="ZeroMQ I/O threads; raise on many cores and fast NICs (default: 1)")
@@ -145,7 +148,8 @@ def client_command(args: argparse.Namespace) -> int:
                 pool = stats["pool"]
                 print(f"node       {stats['node_id']}  (device {stats['device']}, up {stats['uptime_s']:.0f}s)")
                 print(f"pool       {format_size(pool['used_bytes'])} used of {format_size(pool['capacity_bytes'])}"
-                      f" ({100 * pool['used_bytes'] / max(1, pool['capacity_bytes']):.1f}%)")
+                      f" ({100 * pool['used_bytes'] / max(1, pool['capacity_bytes']):.1f}%),"
+                      f" {format_size(pool['scratch_bytes'])} lent to clients for their next put")
                 print(f"entries    {stats['entries']}  {stats['entries_by_state']}")
                 print(f"transfers  {stats['transfers_in_flight']} in flight")
                 print(f"clients    {stats['local_clients']} connected (this one included)")

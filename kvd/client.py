@@ -22,7 +22,7 @@ from . import protocol as p
 from .config import default_socket
 from .device import map_pool
 from .errors import BadRequest, KvdError, ProtocolError, Timeout, error_from_code
-from .layout import TensorSpec
+from .layout import Extent, TensorSpec, blocks_needed, physical_segments, tensor_offsets
 from .localsock import BlockingConnection, unix_path
 from .paged import get_blocks, put_blocks
 from .streaming import (
@@ -60,6 +60,8 @@ class _ClientCore:
         self.info: p.HelloOk | None = None
         self._sock = None  # the connection (kvd.localsock)
         self._ipc_close = None  # closes a CUDA IPC mapping
+        # blocks the daemon lent this connection for the next small put: (token, extents, blocks)
+        self._scratch: tuple[int, list[Extent], int] | None = None
         self.transfer_wait = STREAM_SILENCE
 
     @property
@@ -113,18 +115,51 @@ class _ClientCore:
             raise BadRequest("kv must be a non-empty mapping of name -> tensor")
         tensors = {name: as_tensor(name, value) for name, value in kv.items()}
         specs = [spec_of(name, t) for name, t in tensors.items()]
-        slots = yield p.PutAlloc(req=next(self._reqs), request_id=request_id,
-                                 tensors=[s.to_wire() for s in specs], ttl=ttl, meta=meta), 0.0
+        wire_specs = [s.to_wire() for s in specs]
+        wait = 3600.0 if dest else 0.0
+        offsets, total = tensor_offsets(specs)
+        scratch, self._scratch = self._scratch, None  # taken: no other operation writes into it now
+        give_back = None
+        if scratch is not None and blocks_needed(total, self.info.block_size) <= scratch[2]:
+            # one round trip: write into the blocks lent after the last put, then say what they hold
+            token, extents, _ = scratch
+            try:
+                for tensor, spec, offset in zip(tensors.values(), specs, offsets):
+                    copy_in(self._pool, tensor, physical_segments(extents, self.info.block_size, offset, spec.nbytes))
+                self._sync_device()
+            except BaseException:
+                self._scratch = scratch  # still ours, unused
+                raise
+            reply = yield p.Put(req=next(self._reqs), request_id=request_id, tensors=wire_specs, scratch=token,
+                                ttl=ttl, meta=meta, dest=dest), wait
+        else:
+            if scratch is not None:
+                give_back = scratch[0]  # too small for this put: return it, a bigger one may be lent
+            slots = yield p.PutAlloc(req=next(self._reqs), request_id=request_id, tensors=wire_specs, ttl=ttl,
+                                     meta=meta, give_back=give_back), 0.0
+            try:
+                for tensor, segments in zip(tensors.values(), slots.segments):
+                    copy_in(self._pool, tensor, segments)
+                self._sync_device()
+            except BaseException:
+                # free the reservation now rather than at lease expiry
+                yield p.Delete(req=next(self._reqs), request_id=request_id), NO_REPLY
+                raise
+            reply = yield p.PutCommit(req=next(self._reqs), request_id=request_id, token=slots.token, dest=dest,
+                                      lend=True), wait
+        self._keep_scratch(reply)
+
+    def _keep_scratch(self, reply: p.Message) -> None:
+        """Remember blocks the daemon lent for the next put (checked: they must lie in the pool)."""
+        if not isinstance(reply, p.PutOk) or reply.scratch is None:
+            return  # (the daemon lends one loan per connection: a new one means any old one was used)
         try:
-            for tensor, segments in zip(tensors.values(), slots.segments):
-                copy_in(self._pool, tensor, segments)
-            self._sync_device()
-        except BaseException:
-            # free the reservation now rather than at lease expiry
-            yield p.Delete(req=next(self._reqs), request_id=request_id), NO_REPLY
-            raise
-        yield p.PutCommit(req=next(self._reqs), request_id=request_id, token=slots.token, dest=dest), \
-            (3600.0 if dest else 0.0)
+            extents = [(int(first), int(count)) for first, count in reply.extents]
+        except (TypeError, ValueError):
+            return
+        pool_blocks = self.info.pool_size // self.info.block_size
+        if all(0 <= first and 0 < count and first + count <= pool_blocks for first, count in extents):
+            self._scratch = (reply.scratch, extents, sum(count for _, count in extents))
 
     def _get(self, request_id: str, source: str | None, timeout: float, out: Mapping[str, torch.Tensor] | None,
              keep: bool, with_meta: bool = False) -> Operation:
@@ -181,6 +216,7 @@ class _ClientCore:
 
     def _close_transport(self) -> None:
         """Close the connection and the pool mapping."""
+        self._scratch = None  # lent to that connection; the daemon takes it back
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -283,6 +319,7 @@ class Client(_ClientCore):
     def _reset_socket(self) -> None:
         """A fresh connection (after a timeout, late replies would otherwise still arrive); the
         daemon gives back what the old one held."""
+        self._scratch = None
         if self._sock is not None:
             self._sock.close()
         self._sock = BlockingConnection(self.endpoint, self.connect_timeout)

@@ -42,6 +42,7 @@ class Config:
     block_size: int = 64 << 10
     pool_path: str = ""  # empty: memfd (see kvd.device)
     pool_prefault: bool = True
+    scratch_max: int = 4 << 20  # puts up to this size take one round trip (blocks lent ahead); 0 = off
     device: str = "cpu"
     peers: Mapping[str, str] = field(default_factory=dict)  # name -> tcp:// endpoint
     default_ttl: float = 600.0  # seconds an unread entry is kept; 0 = forever
@@ -76,6 +77,8 @@ class Config:
             problems.append(f"pool_size {self.pool_size} is smaller than one block")
         if self.chunk_size < self.block_size or self.chunk_size % self.block_size:
             problems.append("chunk_size must be a multiple of block_size")
+        if self.scratch_max < 0:
+            problems.append("scratch_max must not be negative")
         if self.window < 1:
             problems.append("window must be at least 1")
         if not 1 <= self.io_threads <= 64:
@@ -110,7 +113,7 @@ class Config:
         return values
 
 
-_SIZES = {"pool_size", "block_size", "chunk_size"}
+_SIZES = {"pool_size", "block_size", "chunk_size", "scratch_max"}
 _DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "heartbeat_interval",
               "heartbeat_timeout", "drain_timeout"}
 _INTS = {"window", "metrics_port", "io_threads"}

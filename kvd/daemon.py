@@ -243,6 +243,7 @@ class Daemon:
             "pool": {
                 "capacity_bytes": store.allocator.num_blocks * cfg.block_size,
                 "used_bytes": store.used_bytes,
+                "scratch_bytes": store.scratch_bytes,  # lent to connected clients for their next put
                 "block_size": cfg.block_size,
                 "free_blocks": store.allocator.free_blocks,
                 "largest_free_extent_blocks": store.allocator.largest_free_extent(),

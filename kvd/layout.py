@@ -78,6 +78,20 @@ def blocks_needed(total_bytes: int, block_size: int) -> int:
     return -(-total_bytes // block_size)
 
 
+def split_extents(extents: list[Extent], blocks: int) -> tuple[list[Extent], list[Extent]]:
+    """The first `blocks` blocks of extents (in order), and the rest."""
+    head: list[Extent] = []
+    tail: list[Extent] = []
+    for first, count in extents:
+        take = max(0, min(count, blocks))
+        if take:
+            head.append((first, take))
+        if count > take:
+            tail.append((first + take, count - take))
+        blocks -= take
+    return head, tail
+
+
 def physical_segments(extents: list[Extent], block_size: int, offset: int, length: int) -> list[Segment]:
     """Map logical [offset, offset+length) onto pool byte ranges, merging adjacent pieces."""
     segments: list[Segment] = []

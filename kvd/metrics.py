@@ -76,7 +76,9 @@ class StateCollector(Collector):
         store = d.store
         yield GaugeMetricFamily("kvd_pool_capacity_bytes", "Staging pool size",
                                 value=store.allocator.num_blocks * cfg.block_size)
-        yield GaugeMetricFamily("kvd_pool_used_bytes", "Staging pool bytes in use", value=store.used_bytes)
+        yield GaugeMetricFamily("kvd_pool_used_bytes", "Staging pool bytes held by entries", value=store.used_bytes)
+        yield GaugeMetricFamily("kvd_pool_scratch_bytes", "Staging pool bytes lent to clients for their next put",
+                                value=store.scratch_bytes)
         yield GaugeMetricFamily("kvd_pool_largest_free_bytes", "Largest contiguous free run (fragmentation)",
                                 value=store.allocator.largest_free_extent() * cfg.block_size)
         entries = GaugeMetricFamily("kvd_pool_entries", "Entries held, by state", labels=["state"])

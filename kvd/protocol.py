@@ -31,6 +31,9 @@ UNPACK_LIMITS = dict(
 )
 
 Frame = typing.Union[bytes, bytearray, memoryview]
+# a field added to a v1 message after v1 was fixed: sent only when it differs from its default,
+# so v1 bytes stay as they were and a v1 peer (which ignores unknown keys) never sees it unset
+EXTENSION = {"extension": True}
 
 
 @dataclass(slots=True)
@@ -77,6 +80,7 @@ class PutAlloc(Message):
     meta: dict | None = None  # opaque to the transport (KV layout lives here)
     stream: bool = False  # tensors will be announced with put_part as they are written
     dest: str | None = None  # streaming push: start sending to this peer right away
+    give_back: int | None = field(default=None, metadata=EXTENSION)  # a scratch token returned unused
 
 
 @dataclass(slots=True)
@@ -98,6 +102,32 @@ class PutCommit(Message):
     request_id: str
     token: int
     dest: str | None = None  # peer name or tcp:// endpoint
+    lend: bool = field(default=False, metadata=EXTENSION)  # put_ok may lend blocks for the next put
+
+
+@dataclass(slots=True)
+class Put(Message):
+    """Client -> daemon: the tensors are already written into the scratch blocks this
+    connection was lent (`put_ok`); make them an entry and publish (or push to dest)."""
+
+    TYPE: ClassVar[str] = "put"
+    req: int
+    request_id: str
+    tensors: list
+    scratch: int  # token of the lent blocks; used up by this request, whatever the outcome
+    ttl: float | None = None
+    meta: dict | None = None
+    dest: str | None = None
+
+
+@dataclass(slots=True)
+class PutOk(Message):
+    """Daemon -> client: the put is done; maybe new scratch blocks for the next one."""
+
+    TYPE: ClassVar[str] = "put_ok"
+    req: int
+    scratch: int | None = None  # token of blocks lent to this connection, or none lent
+    extents: list = field(default_factory=list)  # [[first_block, count], ...] in the order used
 
 
 @dataclass(slots=True)
@@ -325,7 +355,7 @@ class Pong(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloOk, PutAlloc, PutSlots, PutPart, PutCommit, Get, GetStream, TensorsReady, GetSlots, GetDone, Delete, Stats,
+        Hello, HelloOk, PutAlloc, PutSlots, Put, PutOk, PutPart, PutCommit, Get, GetStream, TensorsReady, GetSlots, GetDone, Delete, Stats,
         ListEntries, Ok, Error, PeerHello, PeerHelloOk, Offer, Seal, Accept, Chunk, ChunkAck, Done,
         Abort, Pull, Ping, Pong,
     )
@@ -348,7 +378,7 @@ _CHECKERS: dict[str, typing.Callable[[Any], bool]] = {
 
 def _field_table(cls: type[Message]) -> list[tuple[str, str, bool, bool]]:
     """(name, type name, optional, required) for each header field of a message class."""
-    table = []
+    table: list[tuple[str, str, bool, bool]] = []
     for f in dataclasses.fields(cls):
         if f.name == "payload":
             continue
@@ -361,6 +391,11 @@ def _field_table(cls: type[Message]) -> list[tuple[str, str, bool, bool]]:
 
 
 _FIELDS = {name: _field_table(cls) for name, cls in MESSAGE_TYPES.items()}
+# extension fields and their defaults, per message type (see EXTENSION)
+_EXTENSIONS = {
+    name: {f.name: f.default for f in dataclasses.fields(cls) if f.metadata.get("extension")}
+    for name, cls in MESSAGE_TYPES.items()
+}
 
 
 # ---- encode / decode ----------------------------------------------------------------------
@@ -371,8 +406,12 @@ _packer_options = dict(use_bin_type=True)
 def encode(msg: Message) -> list[Frame]:
     """Message -> frames. Payload frames (CHUNK only) are passed through untouched."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
+    extensions = _EXTENSIONS[msg.TYPE]
     for name, _base, _optional, _required in _FIELDS[msg.TYPE]:
-        header[name] = getattr(msg, name)
+        value = getattr(msg, name)
+        if name in extensions and value == extensions[name]:
+            continue
+        header[name] = value
     payload = msg.payload if isinstance(msg, Chunk) else ()
     if payload:
         header["n"] = len(payload)

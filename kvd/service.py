@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from . import protocol as p
 from .errors import BadRequest, KvdError, NotFound, ShuttingDown, Timeout
-from .layout import TensorSpec
+from .layout import TensorSpec, blocks_needed
 from .store import Entry, Lease, State
 from .streams import Producer, StreamReader
 
@@ -43,6 +43,7 @@ class ClientService:
         self._pulls: dict[tuple[str, str], asyncio.Future] = {}  # (source, request id) -> pull in flight
         # connection -> what it holds: token -> request id (a put being written) or None (a read lease)
         self._held: dict[bytes, dict[int, str | None]] = {}
+        self._scratch: dict[bytes, int] = {}  # connection -> token of the blocks lent to it (one at most)
         self.counters = {"puts": 0, "gets": 0, "errors": 0}
         self.recent_errors: collections.deque = collections.deque(maxlen=RECENT_ERRORS)
 
@@ -167,6 +168,9 @@ class ClientService:
     def on_client_gone(self, rid: bytes) -> None:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
         they would be at lease expiry."""
+        scratch = self._scratch.pop(rid, None)
+        if scratch is not None:
+            self.store.return_scratch(scratch)
         held = self._held.pop(rid, None)
         if not held:
             return
@@ -242,6 +246,9 @@ class ClientService:
                                  block_size=cfg.block_size, device=cfg.device,
                                  pool_handle=self.daemon.memory.ipc_handle)
             case p.PutAlloc():
+                if msg.give_back is not None and self._scratch.get(rid) == msg.give_back:
+                    del self._scratch[rid]
+                    self.store.return_scratch(msg.give_back)
                 specs = [TensorSpec.from_wire(t) for t in msg.tensors]
                 entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.WRITING,
                                            time.monotonic() + cfg.lease_timeout)
@@ -260,7 +267,7 @@ class ClientService:
                 producer = self._producers.get(msg.token)
                 if producer is not None and producer.entry.request_id == msg.request_id and producer.entry.removed:
                     # every tensor was written and the peer already has them all: just report
-                    self._later(rid, msg, self._finish_push(producer, msg))
+                    self._later(rid, msg, self._finish_push(rid, producer, msg))
                     return None
                 entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
                 rest = [i for i, left in enumerate(entry.remaining) if left]
@@ -271,15 +278,21 @@ class ClientService:
                     producer.committed = True
                     if producer.outbound is not None:
                         self.exchange.seal(producer.outbound)
-                self.store.publish(entry)
-                self.counters["puts"] += 1
-                self.metrics.local_bytes.labels("in").inc(entry.total_bytes)
-                if producer is None:
-                    self.metrics.duration.labels("local_put").observe(time.time() - entry.created)
-                    self.on_published(entry)
-                    return p.Ok(req=msg.req)
-                self._later(rid, msg, self._finish_push(producer, msg))
-                return None
+                return self._publish_put(rid, msg, entry, producer)
+            case p.Put():
+                if self._scratch.get(rid) != msg.scratch:
+                    raise NotFound(f"scratch blocks {msg.scratch} are not lent to this connection")
+                del self._scratch[rid]  # used up, whatever happens next
+                try:
+                    specs = [TensorSpec.from_wire(t) for t in msg.tensors]
+                except BaseException:
+                    self.store.return_scratch(msg.scratch)
+                    raise
+                entry = self.store.reserve_in_scratch(msg.scratch, msg.request_id, specs, msg.ttl, msg.meta,
+                                                      State.WRITING, time.monotonic() + cfg.lease_timeout)
+                producer = self._start_producer(entry, msg.dest, stream=False) if self._is_remote(msg.dest) else None
+                self._written(entry, entry.mark_tensors(list(range(len(specs)))), list(range(len(specs))))
+                return self._publish_put(rid, msg, entry, producer)
             case p.GetStream():
                 self._later(rid, msg, self._get_stream(rid, msg))
                 return None
@@ -319,6 +332,46 @@ class ClientService:
                 return p.Ok(req=msg.req, value=[e.describe() for e in self.store.entries.values()])
             case _:
                 raise BadRequest(f"{msg.TYPE} is not a client request")
+
+    def _publish_put(self, rid: bytes, msg: p.PutCommit | p.Put, entry: Entry,
+                     producer: Producer | None) -> p.PutOk | None:
+        """Every byte of a local put is written: publish it, or answer once the push is over."""
+        self.store.publish(entry)
+        self.counters["puts"] += 1
+        self.metrics.local_bytes.labels("in").inc(entry.total_bytes)
+        if producer is None:
+            self.metrics.duration.labels("local_put").observe(time.time() - entry.created)
+            self.on_published(entry)
+            return self._put_ok(rid, msg, entry.total_bytes)
+        self._later(rid, msg, self._finish_push(rid, producer, msg))
+        return None
+
+    def _put_ok(self, rid: bytes, msg: p.PutCommit | p.Put, total_bytes: int) -> p.PutOk:
+        """The reply to a finished put; lends the connection blocks for its next put when it
+        was small, so that one takes a single round trip (the client fills them, then asks).
+
+        Lent blocks are taken back only when the connection ends or the client uses or returns
+        them (never from under a client that may be writing into them), so lending is bounded
+        instead: one loan per connection, sized to this put rounded up to a power of two
+        blocks, only while the pool is less than half full, at most 1/16 of it in all."""
+        reply = p.PutOk(req=msg.req)
+        if isinstance(msg, p.PutCommit) and not msg.lend:
+            return reply
+        if rid in self._scratch or not 0 < total_bytes <= self.config.scratch_max:
+            return reply
+        if not self.daemon.local.is_connected(rid):
+            return reply
+        block_size = self.config.block_size
+        blocks = min(1 << (blocks_needed(total_bytes, block_size) - 1).bit_length(),
+                     max(1, self.config.scratch_max // block_size))
+        pool = self.store.allocator
+        if (self.store.scratch_blocks + blocks > pool.num_blocks // 16
+                or pool.free_blocks - blocks < pool.num_blocks // 2):
+            return reply
+        reply.scratch, extents = self.store.lend_scratch(blocks)
+        reply.extents = [list(extent) for extent in extents]
+        self._scratch[rid] = reply.scratch
+        return reply
 
     def _lease_for_client(self, msg: p.Get, entry: Entry) -> p.GetSlots:
         lease = self.store.lease(entry, consume=not msg.keep, deadline=time.monotonic() + self.config.lease_timeout)
@@ -362,7 +415,7 @@ class ClientService:
         else:
             self.exchange.queue(producer.outbound, ranges)
 
-    async def _finish_push(self, producer: Producer, msg: p.PutCommit) -> p.Message:
+    async def _finish_push(self, rid: bytes, producer: Producer, msg: p.PutCommit | p.Put) -> p.Message:
         entry = producer.entry
         try:
             await asyncio.wait([producer.task])
@@ -377,7 +430,7 @@ class ClientService:
             raise
         finally:
             self._producers.pop(entry.token, None)
-        return p.Ok(req=msg.req)
+        return self._put_ok(rid, msg, entry.total_bytes)
 
     async def _get_stream(self, rid: bytes, msg: p.GetStream) -> p.Message | None:
         """Lease an entry that may still be arriving; TensorsReady messages follow the slots."""

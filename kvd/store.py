@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import AlreadyExists, BadRequest, NotFound
-from .layout import Extent, TensorSpec, blocks_needed, physical_segments, tensor_offsets, validate_specs
+from .layout import (
+    Extent, TensorSpec, blocks_needed, physical_segments, split_extents, tensor_offsets, validate_specs,
+)
 from .pool import BlockAllocator
 
 MAX_REQUEST_ID_LEN = 256
@@ -135,6 +137,8 @@ class Store:
         self._leases: dict[int, tuple[Entry, Lease]] = {}
         self._tokens = itertools.count(1)
         self._zombies: set[Entry] = set()  # removed, but leases still hold their blocks
+        self._scratch: dict[int, list[Extent]] = {}  # token -> blocks lent to a client (see lend_scratch)
+        self.scratch_blocks = 0
         self.expired_total = 0
 
     # --- reservation and publication ---------------------------------------------------
@@ -143,20 +147,71 @@ class Store:
         self, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict | None,
         state: State, write_deadline: float | None,
     ) -> Entry:
+        offsets, total = self._check_new(request_id, specs, ttl)
+        extents = self.allocator.allocate(blocks_needed(total, self.block_size))
+        return self._add(request_id, specs, offsets, total, extents, ttl, meta, state, write_deadline)
+
+    def _check_new(self, request_id: str, specs: list[TensorSpec], ttl: float | None) -> tuple[list[int], int]:
+        """Validate a new entry; returns its tensor offsets and total size."""
         validate_request_id(request_id)
         validate_specs(specs)
         if request_id in self.entries:
             raise AlreadyExists(f"request {request_id!r} is already held by this daemon")
         if ttl is not None and (not math.isfinite(ttl) or ttl < 0):
             raise BadRequest(f"ttl must be a non-negative number of seconds, got {ttl!r}")
-        offsets, total = tensor_offsets(specs)
-        extents = self.allocator.allocate(blocks_needed(total, self.block_size))
+        return tensor_offsets(specs)
+
+    def _add(self, request_id: str, specs: list[TensorSpec], offsets: list[int], total: int,
+             extents: list[Extent], ttl: float | None, meta: dict | None, state: State,
+             write_deadline: float | None) -> Entry:
         ttl = self.default_ttl if ttl is None else ttl
         expires = time.monotonic() + ttl if ttl else None
         entry = Entry(request_id, next(self._tokens), specs, offsets, total, extents, meta, state,
                       expires, write_deadline)
         self.entries[request_id] = entry
         return entry
+
+    # --- scratch: blocks lent to a client for its next put ----------------------------------
+
+    def lend_scratch(self, blocks: int) -> tuple[int, list[Extent]]:
+        """Reserve blocks a client may write its next put into before it asks (one round trip
+        instead of two); PoolFull if they are not free. They belong to no entry until
+        `reserve_in_scratch` claims them, and return with `return_scratch`."""
+        extents = self.allocator.allocate(blocks)
+        token = next(self._tokens)
+        self._scratch[token] = extents
+        self.scratch_blocks += blocks
+        return token, extents
+
+    def return_scratch(self, token: int) -> None:
+        extents = self._scratch.pop(token, None)
+        if extents is not None:
+            self.scratch_blocks -= sum(count for _, count in extents)
+            self.allocator.free(extents)
+
+    def reserve_in_scratch(
+        self, token: int, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict | None,
+        state: State, write_deadline: float | None,
+    ) -> Entry:
+        """Turn lent scratch blocks, already written, into an entry; blocks it does not need go
+        back to the pool. The scratch is used up either way (on error its blocks are freed)."""
+        extents = self._scratch.get(token)
+        if extents is None:
+            raise NotFound(f"no scratch blocks {token} lent to this connection")
+        try:
+            offsets, total = self._check_new(request_id, specs, ttl)
+            needed = blocks_needed(total, self.block_size)
+            have = sum(count for _, count in extents)
+            if needed > have:
+                raise BadRequest(f"{request_id!r} needs {needed} blocks, the scratch lent has {have}")
+        except BaseException:
+            self.return_scratch(token)
+            raise
+        del self._scratch[token]
+        self.scratch_blocks -= have
+        used, spare = split_extents(extents, needed)
+        self.allocator.free(spare)
+        return self._add(request_id, specs, offsets, total, used, ttl, meta, state, write_deadline)
 
     def writing_entry(self, request_id: str, token: int, state: State) -> Entry:
         entry = self.entries.get(request_id)
@@ -255,7 +310,12 @@ class Store:
 
     @property
     def used_bytes(self) -> int:
-        return self.allocator.used_blocks * self.block_size
+        """Bytes held by entries (scratch lent to clients is counted apart)."""
+        return (self.allocator.used_blocks - self.scratch_blocks) * self.block_size
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self.scratch_blocks * self.block_size
 
     def counts(self) -> dict[str, int]:
         counts = {state.value: 0 for state in State}

@@ -126,6 +126,15 @@ def wait_ready(daemon: DaemonProc, timeout: float = 20.0) -> None:
     raise AssertionError(f"daemon {daemon.node_id} not ready after {timeout}s:\n{daemon.log()}")
 
 
+def eventually(condition, timeout: float = 5.0) -> None:
+    """Wait until condition() holds, for what a daemon finishes just after a call returns (a
+    pulled entry's holder dropping its copy, a departed client's blocks coming back)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
 def raw_connection(endpoint: str, timeout: float = 5.0):
     """A bare connection to a daemon's client socket, for sending hand-made messages:
     `.send(frames)`, `.receive(timeout)` -> frames or None, `.close()`."""

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from kvd.errors import BadRequest
 from kvd.layout import (
     ALIGNMENT, MAX_DIMS, MAX_NAME_LEN, MAX_TENSORS, TensorSpec, blocks_needed, chunk_ranges,
-    physical_segments, tensor_offsets, validate_specs,
+    physical_segments, split_extents, tensor_offsets, validate_specs,
 )
 
 # ---- TensorSpec --------------------------------------------------------------------------
@@ -239,3 +239,14 @@ def test_chunk_ranges_cover_total_exactly(total, chunk):
     assert len(ranges) == -(-total // chunk)
     # only the last chunk may be short
     assert all(length == chunk for _, length in ranges[:-1])
+
+
+@pytest.mark.parametrize("blocks, head, tail", [
+    (0, [], [(3, 2), (10, 3)]),
+    (1, [(3, 1)], [(4, 1), (10, 3)]),
+    (2, [(3, 2)], [(10, 3)]),
+    (4, [(3, 2), (10, 2)], [(12, 1)]),
+    (5, [(3, 2), (10, 3)], []),
+])
+def test_split_extents_keeps_the_order_blocks_are_used_in(blocks, head, tail):
+    assert split_extents([(3, 2), (10, 3)], blocks) == (head, tail)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvd
-from kvd.testing import free_port
+from kvd.testing import eventually, free_port
 
 
 def test_push_then_get_on_the_receiver(daemons):
@@ -39,15 +39,6 @@ def test_get_waits_until_a_push_has_fully_arrived(daemons):
         ca.put("late", {"x": big}, dest="B")
     thread.join(30)
     assert torch.equal(result["kv"]["x"], big)
-
-
-def eventually(condition, timeout: float = 5.0) -> None:
-    """The holder of a pulled entry drops it when the puller's `done` reaches it, which can be
-    just after the puller's get has returned: wait for that, briefly."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def test_pull_from_the_holder(daemons):

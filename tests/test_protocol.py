@@ -18,9 +18,12 @@ EXAMPLES: dict[str, p.Message] = {
                           pool_size=1 << 30, block_size=65536, device="cpu"),
     "put_alloc": p.PutAlloc(req=2, request_id="req-1",
                             tensors=[["layer.0.k", "bfloat16", [8, 16, 64]], ["layer.0.v", "bfloat16", [8, 16, 64]]],
-                            ttl=30.5, meta={"model": "llama", "layers": 2}, stream=True, dest="B"),
+                            ttl=30.5, meta={"model": "llama", "layers": 2}, stream=True, dest="B", give_back=4),
     "put_slots": p.PutSlots(req=2, token=5, segments=[[[0, 16384]], [[16384, 8192], [65536, 8192]]]),
-    "put_commit": p.PutCommit(req=3, request_id="req-1", token=5, dest="B"),
+    "put_commit": p.PutCommit(req=3, request_id="req-1", token=5, dest="B", lend=True),
+    "put": p.Put(req=3, request_id="req-2", tensors=[["k", "float8_e4m3fn", [2, 8]]], scratch=6, ttl=1.5,
+                 meta={"m": 1}, dest="B"),
+    "put_ok": p.PutOk(req=3, scratch=7, extents=[[0, 2], [9, 1]]),
     "put_part": p.PutPart(req=3, request_id="req-1", token=5, tensors=[0, 1]),
     "get_stream": p.GetStream(req=4, request_id="req-1", timeout=0.75),
     "tensors_ready": p.TensorsReady(req=4, tensors=[1], complete=True),
@@ -93,6 +96,16 @@ def test_defaults_round_trip(name):
         required["lengths"] = []  # no payload frames by default, so no lengths either
     msg = cls(**required)
     assert p.decode(p.encode(msg)) == msg
+
+
+def test_extension_fields_are_sent_only_when_set():
+    # fields added to a v1 message later leave its v1 bytes unchanged while unset
+    plain = header_of(p.encode(p.PutCommit(req=3, request_id="r", token=5)))
+    assert "lend" not in plain and plain["token"] == 5
+    assert header_of(p.encode(p.PutCommit(req=3, request_id="r", token=5, lend=True)))["lend"] is True
+    assert "give_back" not in header_of(p.encode(p.PutAlloc(req=1, request_id="r", tensors=[])))
+    # and a v1 peer's message, without them, decodes to the defaults
+    assert p.decode([pack(plain)]) == p.PutCommit(req=3, request_id="r", token=5, lend=False)
 
 
 def test_chunk_with_two_payload_frames():

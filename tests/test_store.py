@@ -6,7 +6,7 @@ import time
 import pytest
 
 from kvd.errors import AlreadyExists, BadRequest, NotFound, PoolFull
-from kvd.layout import TensorSpec, physical_segments
+from kvd.layout import TensorSpec, physical_segments, split_extents
 from kvd.pool import BlockAllocator
 from kvd.store import MAX_REQUEST_ID_LEN, State, Store
 
@@ -427,3 +427,46 @@ def test_set_lease_deadline_makes_a_lease_sweepable():
     store.set_lease_deadline(lease.token, now + 1)
     assert store.sweep(now + 100)[2] == [lease]
     store.set_lease_deadline(lease.token, now)  # unknown token now: ignored
+
+
+# --- scratch: blocks lent to a client ahead of its next put -------------------------------------
+
+
+def test_lent_scratch_is_counted_apart_and_comes_back():
+    store = make_store(num_blocks=8)
+    token, extents = store.lend_scratch(3)
+    assert sum(n for _, n in extents) == 3
+    assert store.scratch_bytes == 3 * BLOCK and store.used_bytes == 0
+    assert store.allocator.free_blocks == 5
+    store.return_scratch(token)
+    store.return_scratch(token)  # twice is harmless
+    assert store.scratch_bytes == 0 and store.allocator.free_blocks == 8
+
+
+def test_an_entry_made_in_scratch_takes_its_first_blocks_in_order_and_frees_the_rest():
+    store = make_store(num_blocks=8)
+    store.reserve("gap", [TensorSpec("x", "uint8", (BLOCK,))], None, None, State.WRITING, None)
+    token, extents = store.lend_scratch(4)
+    specs = [TensorSpec("k", "uint8", (BLOCK + 10,)), TensorSpec("v", "int8", (5,))]
+    entry = store.reserve_in_scratch(token, "e", specs, None, None, State.WRITING, None)
+    assert entry.extents == split_extents(extents, 2)[0]
+    # the client computed the same segments from the extents it was lent
+    assert entry.segments(BLOCK) == [
+        physical_segments(extents, BLOCK, offset, spec.nbytes) for spec, offset in zip(specs, entry.offsets)
+    ]
+    assert store.scratch_bytes == 0 and store.allocator.free_blocks == 8 - 1 - 2
+    with pytest.raises(NotFound):
+        store.reserve_in_scratch(token, "again", specs, None, None, State.WRITING, None)
+
+
+@pytest.mark.parametrize("problem", ["duplicate", "too_big", "bad_ttl"])
+def test_a_refused_entry_in_scratch_frees_the_scratch(problem):
+    store = make_store(num_blocks=8)
+    store.reserve("dup", [TensorSpec("x", "uint8", (1,))], None, None, State.WRITING, None)
+    token, _ = store.lend_scratch(2)
+    request_id, size, ttl = {"duplicate": ("dup", 1, None), "too_big": ("e", 2 * BLOCK + 1, None),
+                             "bad_ttl": ("e", 1, -1.0)}[problem]
+    with pytest.raises((AlreadyExists, BadRequest)):
+        store.reserve_in_scratch(token, request_id, [TensorSpec("x", "uint8", (size,))], ttl, None,
+                                 State.WRITING, None)
+    assert store.scratch_bytes == 0 and store.allocator.free_blocks == 7 and list(store.entries) == ["dup"]
