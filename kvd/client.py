@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any, Generator, Mapping
+from typing import Any, Callable, Generator, Mapping
 
 import torch
 
@@ -22,7 +22,7 @@ from . import protocol as p
 from .config import default_socket
 from .device import map_pool
 from .errors import BadRequest, KvdError, ProtocolError, Timeout, error_from_code
-from .layout import Extent, TensorSpec, blocks_needed, physical_segments, tensor_offsets
+from .layout import Extent, Segment, TensorSpec, blocks_needed, physical_segments, tensor_offsets
 from .localsock import BlockingConnection, unix_path
 from .paged import get_blocks, put_blocks
 from .streaming import (
@@ -114,32 +114,39 @@ class _ClientCore:
         if not isinstance(kv, Mapping) or not kv:
             raise BadRequest("kv must be a non-empty mapping of name -> tensor")
         tensors = {name: as_tensor(name, value) for name, value in kv.items()}
-        specs = [spec_of(name, t) for name, t in tensors.items()]
+
+        def write(segments: list[list[Segment]]) -> None:
+            for tensor, tensor_segments in zip(tensors.values(), segments):
+                copy_in(self._pool, tensor, tensor_segments)
+
+        yield from self._put_with(request_id, [spec_of(name, t) for name, t in tensors.items()], write,
+                                  dest, ttl, meta)
+
+    def _put_with(self, request_id: str, specs: list[TensorSpec], write: Callable[[list[list[Segment]]], None],
+                  dest: str | None, ttl: float | None, meta: dict | None) -> Operation:
+        """A put whose bytes `write(segments of each tensor)` copies into the pool: into the
+        blocks lent after the last put when it fits (one round trip), else reserve, write, commit."""
         wire_specs = [s.to_wire() for s in specs]
         wait = 3600.0 if dest else 0.0
         offsets, total = tensor_offsets(specs)
         scratch, self._scratch = self._scratch, None  # taken: no other operation writes into it now
-        give_back = None
         if scratch is not None and blocks_needed(total, self.info.block_size) <= scratch[2]:
-            # one round trip: write into the blocks lent after the last put, then say what they hold
             token, extents, _ = scratch
             try:
-                for tensor, spec, offset in zip(tensors.values(), specs, offsets):
-                    copy_in(self._pool, tensor, physical_segments(extents, self.info.block_size, offset, spec.nbytes))
+                write([physical_segments(extents, self.info.block_size, offset, spec.nbytes)
+                       for spec, offset in zip(specs, offsets)])
                 self._sync_device()
             except BaseException:
-                self._scratch = scratch  # still ours, unused
+                self._scratch = scratch  # still ours, and nobody else's bytes are in it
                 raise
             reply = yield p.Put(req=next(self._reqs), request_id=request_id, tensors=wire_specs, scratch=token,
                                 ttl=ttl, meta=meta, dest=dest), wait
         else:
-            if scratch is not None:
-                give_back = scratch[0]  # too small for this put: return it, a bigger one may be lent
+            # a loan too small for this put goes back: the reply may lend a bigger one
             slots = yield p.PutAlloc(req=next(self._reqs), request_id=request_id, tensors=wire_specs, ttl=ttl,
-                                     meta=meta, give_back=give_back), 0.0
+                                     meta=meta, give_back=scratch[0] if scratch else None), 0.0
             try:
-                for tensor, segments in zip(tensors.values(), slots.segments):
-                    copy_in(self._pool, tensor, segments)
+                write(slots.segments)
                 self._sync_device()
             except BaseException:
                 # free the reservation now rather than at lease expiry

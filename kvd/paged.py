@@ -93,17 +93,12 @@ def put_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_
             raise BadRequest(f"{name!r}: expected a torch tensor of a supported dtype")
         ids = gathers[name] = block_index(name, block_ids, cache)
         specs.append(TensorSpec(name, DTYPE_NAMES[cache.dtype], (len(ids), *cache.shape[1:])))
-    slots = yield p.PutAlloc(req=next(core._reqs), request_id=request_id, tensors=[s.to_wire() for s in specs],
-                             ttl=ttl, meta=meta), 0.0
-    try:
-        for spec, segments, (name, cache) in zip(specs, slots.segments, caches.items()):
-            gather_rows(core._pool, segments, spec, cache, gathers[name])
-        core._sync_device()
-    except BaseException:
-        yield p.Delete(req=next(core._reqs), request_id=request_id), NO_REPLY
-        raise
-    yield p.PutCommit(req=next(core._reqs), request_id=request_id, token=slots.token, dest=dest), \
-        (3600.0 if dest else 0.0)
+
+    def write(segments: list) -> None:
+        for spec, tensor_segments, (name, cache) in zip(specs, segments, caches.items()):
+            gather_rows(core._pool, tensor_segments, spec, cache, gathers[name])
+
+    yield from core._put_with(request_id, specs, write, dest, ttl, meta)
 
 
 def get_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, source: str | None,

@@ -180,3 +180,17 @@ def test_a_push_through_lent_blocks(daemons):
         assert torch.equal(cb.get("p1")["x"], data)
         assert cb.get("p0")["x"].equal(torch.zeros(100))
         assert pool(ca)["used_bytes"] == 0 and pool(cb)["used_bytes"] == 0
+
+
+def test_paged_put_blocks_go_through_lent_blocks_too(client):
+    cache = torch.randn(16, 4, 8, dtype=torch.float16)  # 16 pages of 4 x 8
+    client.put_blocks("p0", {"k": cache}, [1, 2])
+    sent = []
+    send = client._sock.send
+    client._sock.send = lambda frames: (sent.append(p.decode(frames).TYPE), send(frames))[1]
+    client.put_blocks("p1", {"k": cache}, [5, 3, 9])
+    client._sock.send = send
+    assert sent == ["put"]
+    out = torch.zeros_like(cache)
+    client.get_blocks("p1", {"k": out}, [0, 1, 2])
+    assert torch.equal(out[:3], cache[[5, 3, 9]]) and not out[3:].any()
