@@ -393,7 +393,8 @@ def _field_table(cls: type[Message]) -> list[tuple[str, str, bool, bool]]:
 _FIELDS = {name: _field_table(cls) for name, cls in MESSAGE_TYPES.items()}
 # extension fields and their defaults, per message type (see EXTENSION)
 _EXTENSIONS = {
-    name: {f.name: f.default for f in dataclasses.fields(cls) if f.metadata.get("extension")}
+    name: {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+           for f in dataclasses.fields(cls) if f.metadata.get("extension")}
     for name, cls in MESSAGE_TYPES.items()
 }
 

@@ -270,10 +270,9 @@ class ClientService:
                     self._later(rid, msg, self._finish_push(rid, producer, msg))
                     return None
                 entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
-                rest = [i for i, left in enumerate(entry.remaining) if left]
                 if producer is None and self._is_remote(msg.dest):
                     producer = self._start_producer(entry, msg.dest, stream=False)
-                self._written(entry, entry.mark_tensors(rest), rest)
+                self._written(entry, *entry.mark_rest())
                 if producer is not None and producer.stream:
                     producer.committed = True
                     if producer.outbound is not None:
@@ -291,7 +290,7 @@ class ClientService:
                 entry = self.store.reserve_in_scratch(msg.scratch, msg.request_id, specs, msg.ttl, msg.meta,
                                                       State.WRITING, time.monotonic() + cfg.lease_timeout)
                 producer = self._start_producer(entry, msg.dest, stream=False) if self._is_remote(msg.dest) else None
-                self._written(entry, entry.mark_tensors(list(range(len(specs)))), list(range(len(specs))))
+                self._written(entry, *entry.mark_rest())
                 return self._publish_put(rid, msg, entry, producer)
             case p.GetStream():
                 self._later(rid, msg, self._get_stream(rid, msg))

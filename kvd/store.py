@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import AlreadyExists, BadRequest, NotFound
+from .intervals import Intervals
 from .layout import (
     Extent, TensorSpec, blocks_needed, physical_segments, split_extents, tensor_offsets, validate_specs,
 )
@@ -57,6 +58,7 @@ class Entry:
     removed: bool = False
     created: float = field(default_factory=time.time)
     remaining: list[int] = field(default_factory=list)  # per tensor: bytes (of its range) still missing
+    written: Intervals = field(default_factory=Intervals)  # bytes a local producer announced as written
 
     def __post_init__(self) -> None:
         if not self.remaining:
@@ -95,15 +97,26 @@ class Entry:
             raise BadRequest(f"tensor indices for {self.request_id!r} must be ints in 0..{len(ranges) - 1} (no tensor with that number)")
         picked = []
         for index in sorted(set(indices)):
-            if self.remaining[index] == 0 and ranges[index][1] > ranges[index][0]:
-                raise BadRequest(f"tensor {self.specs[index].name!r} of {self.request_id!r} was already written")
-            self.remaining[index] = 0
             lo, hi = ranges[index]
+            if hi > lo and self.written.overlaps(lo, hi):
+                raise BadRequest(f"tensor {self.specs[index].name!r} of {self.request_id!r} was already written")
+            self.written.add(lo, hi)
+            self.remaining[index] = 0
             if picked and picked[-1][1] == lo:
                 picked[-1] = (picked[-1][0], hi)
             elif hi > lo:
                 picked.append((lo, hi))
         return [(lo, hi - lo) for lo, hi in picked]
+
+    def mark_rest(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """The producer is done: every byte not yet announced is written; returns those ranges
+        and the tensors they completed."""
+        rest = self.written.gaps(0, self.total_bytes)
+        done = []
+        for lo, hi in rest:
+            self.written.add(lo, hi)
+            done += self.mark_range(lo, hi - lo)
+        return [(lo, hi - lo) for lo, hi in rest], done
 
     def segments(self, block_size: int) -> list[list[tuple[int, int]]]:
         return [

@@ -7,10 +7,10 @@ entry, never overlapping another. The daemon drives them with messages and does 
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 from .errors import ProtocolError
+from .intervals import Intervals
 
 
 @dataclass
@@ -70,10 +70,8 @@ class SendWindow:
 class ReceiveLedger:
     total_bytes: int
     max_chunk: int
-    _starts: list[int] = field(default_factory=list)  # disjoint received intervals, sorted
-    _ends: list[int] = field(default_factory=list)
+    _received: Intervals = field(default_factory=Intervals)
     _seqs: set[int] = field(default_factory=set)
-    received_bytes: int = 0
 
     def check(self, seq: int, offset: int, length: int) -> None:
         """Raise ProtocolError unless chunk seq is new, inside the entry, and overlaps nothing received."""
@@ -83,26 +81,16 @@ class ReceiveLedger:
             raise ProtocolError(f"chunk {seq} has {length} bytes; allowed 1..{self.max_chunk}")
         if offset < 0 or offset + length > self.total_bytes:
             raise ProtocolError(f"chunk {seq} covers [{offset}, +{length}), outside the {self.total_bytes}-byte entry")
-        index = bisect.bisect_right(self._starts, offset)
-        if index > 0 and self._ends[index - 1] > offset:
-            raise ProtocolError(f"chunk {seq} overlaps bytes already received")
-        if index < len(self._starts) and self._starts[index] < offset + length:
+        if self._received.overlaps(offset, offset + length):
             raise ProtocolError(f"chunk {seq} overlaps bytes already received")
 
     def mark(self, seq: int, offset: int, length: int) -> None:
         self._seqs.add(seq)
-        self.received_bytes += length
-        start, end = offset, offset + length
-        index = bisect.bisect_right(self._starts, start)
-        if index > 0 and self._ends[index - 1] == start:  # merge with the interval before
-            index -= 1
-            start = self._starts[index]
-            del self._starts[index], self._ends[index]
-        if index < len(self._starts) and self._starts[index] == end:  # and the one after
-            end = self._ends[index]
-            del self._starts[index], self._ends[index]
-        self._starts.insert(index, start)
-        self._ends.insert(index, end)
+        self._received.add(offset, offset + length)
+
+    @property
+    def received_bytes(self) -> int:
+        return self._received.covered
 
     @property
     def complete(self) -> bool:

@@ -470,3 +470,17 @@ def test_a_refused_entry_in_scratch_frees_the_scratch(problem):
         store.reserve_in_scratch(token, request_id, [TensorSpec("x", "uint8", (size,))], ttl, None,
                                  State.WRITING, None)
     assert store.scratch_bytes == 0 and store.allocator.free_blocks == 7 and list(store.entries) == ["dup"]
+
+
+# --- what a local producer announced as written ---------------------------------------------------
+
+
+def test_the_rest_of_a_streamed_put_is_what_was_not_announced():
+    store = make_store()
+    entry = reserve(store, sizes=(1000, 100, 300))  # tensors at 0, 1024, 1280; total 1580
+    assert entry.mark_tensors([1]) == [(1024, 256)]  # a tensor owns its padding
+    rest, done = entry.mark_rest()
+    assert rest == [(0, 1024), (1280, 300)] and sorted(done) == [0, 2]
+    assert entry.mark_rest() == ([], [])
+    with pytest.raises(BadRequest, match="already written"):
+        entry.mark_tensors([0])

@@ -167,7 +167,7 @@ def test_ledger_accepts_each_chunk_once_in_any_order():
         ledger.mark(seq, offset, length)
     assert ledger.complete
     assert ledger.received_bytes == 25
-    assert (ledger._starts, ledger._ends) == ([0], [25])  # merged into one interval
+    assert ledger._received.gaps(0, 25) == []
 
 
 def test_ledger_rejects_duplicate_seq():
@@ -243,7 +243,7 @@ def test_ledger_matches_a_byte_map(total, max_chunk, attempts):
             have[i] = True
         assert ledger.received_bytes == sum(have)
         # the interval list is sorted, disjoint, non-touching and matches the byte map
-        intervals = list(zip(ledger._starts, ledger._ends))
+        intervals = list(zip(ledger._received._starts, ledger._received._ends))
         for (a, b), (c, _) in zip(intervals, intervals[1:]):
             assert a < b < c
         assert sum(b - a for a, b in intervals) == sum(have)
