@@ -80,6 +80,7 @@ def test_metrics_move_by_the_right_amounts(daemons):
     assert metric(after_b, "kvd_operation_duration_seconds_count", operation="local_get") == 1
     assert metric(after_a, "kvd_errors_total", code="not_found") == 1
     assert metric(held_a, "kvd_pool_used_bytes") == 3 << 20
+    assert metric(held_a, "kvd_pool_scratch_bytes") == 4 << 20  # lent after a 3 MiB put: 64 blocks
     assert metric(held_a, "kvd_pool_entries", state="ready") == 1
     assert metric(held_a, "kvd_local_clients") == 1 and metric(held_b, "kvd_local_clients") == 1
     assert metric(held_b, "kvd_pool_used_bytes") == 2 * (3 << 20)
@@ -91,6 +92,7 @@ def test_metrics_move_by_the_right_amounts(daemons):
     while metric(scrape(port_a)[1], "kvd_local_clients") != 0:  # the clients closed their connections
         assert time.monotonic() < deadline, "the closed client connection is still counted"
         time.sleep(0.05)
+    assert metric(scrape(port_a)[1], "kvd_pool_scratch_bytes") == 0  # came back with the connection
     assert 'node_id="A"' in after_a and "kvd_event_loop_lag_seconds" in after_a
 
 
