@@ -64,8 +64,8 @@ def main() -> int:
     for n in SIZES:
         row("memcpy (numpy, 1 thread)", n, memcpy[n], None, "", None)
         # CPU of both ends: what moving the bytes costs without kvd, beside kvd's own CPU-s/GB
-        row("raw TCP loopback", n, tcp[n], tcp_samples[n].cpu_median, "", None)
-        row("raw pyzmq tcp (4MiB frames)", n, zmq_samples[n].median, zmq_samples[n].cpu_median, "", None)
+        row("raw TCP loopback", n, tcp[n], tcp_samples[n].cpu_per_run, "", None)
+        row("raw pyzmq tcp (4MiB frames)", n, zmq_samples[n].median, zmq_samples[n].cpu_per_run, "", None)
 
     with tempfile.TemporaryDirectory() as workdir:
         factory = DaemonFactory(Path(workdir), log_level="warning")
@@ -74,23 +74,23 @@ def main() -> int:
             print("measuring kvd ...", flush=True)
             for n in SIZES:
                 put, get = cases.local_put_get(a, n, repeats_for(n, args.quick))
-                row("kvd local put", n, put.median, put.cpu_median, "memcpy", memcpy[n] / put.median)
-                row("kvd local get(out=)", n, get.median, get.cpu_median, "memcpy", memcpy[n] / get.median)
+                row("kvd local put", n, put.median, put.cpu_per_run, "memcpy", memcpy[n] / put.median)
+                row("kvd local get(out=)", n, get.median, get.cpu_per_run, "memcpy", memcpy[n] / get.median)
                 if n == 256 << 20:
                     target("local put 256MiB vs memcpy", memcpy[n] / put.median, ">=", 0.7)
                     target("local get(out) 256MiB vs memcpy", memcpy[n] / get.median, ">=", 0.7)
             for n in SIZES:
                 pushed = cases.push(a, b, n, repeats_for(n, args.quick))
                 pulled = cases.pull(a, b, n, repeats_for(n, args.quick))
-                row("kvd push put(dest=B)", n, pushed.median, pushed.cpu_median, "raw TCP", tcp[n] / pushed.median)
-                row("kvd pull get(source=A)", n, pulled.median, pulled.cpu_median, "raw TCP", tcp[n] / pulled.median)
+                row("kvd push put(dest=B)", n, pushed.median, pushed.cpu_per_run, "raw TCP", tcp[n] / pushed.median)
+                row("kvd pull get(source=A)", n, pulled.median, pulled.cpu_per_run, "raw TCP", tcp[n] / pulled.median)
                 if n == 256 << 20:
                     target("push 256MiB vs raw TCP", tcp[n] / pushed.median, ">=", 0.8)
                     target("pull 256MiB vs raw TCP", tcp[n] / pulled.median, ">=", 0.8)
                     gigabytes = n / 1e9
                     target(f"CPU-s per GB, 256MiB push (both daemons + client; raw TCP "
-                           f"{tcp_samples[n].cpu_median / gigabytes:.2f}, raw pyzmq "
-                           f"{zmq_samples[n].cpu_median / gigabytes:.2f})", pushed.cpu_median / gigabytes, "<=", 0.6)
+                           f"{tcp_samples[n].cpu_per_run / gigabytes:.2f}, raw pyzmq "
+                           f"{zmq_samples[n].cpu_per_run / gigabytes:.2f})", pushed.cpu_per_run / gigabytes, "<=", 0.6)
             # small messages: the ping-pong baselines swing 2-3x with the VM's state, so they are
             # measured interleaved with kvd's small cases, in rounds, and the medians compared
             rounds: dict[str, list[float]] = {"zmq": [], "tcp": [], "unix": [], "rt": [], "push": []}

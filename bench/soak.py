@@ -330,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                 used = {}
                 for name, d in daemons.items():
                     with kvd.Client(d.socket) as c:
-                        used[name] = (c.stats()["pool"]["used_bytes"], c.list())
+                        pool = c.stats()["pool"]
+                        # entries' blocks and blocks lent to clients (those must be back too)
+                        used[name] = (pool["used_bytes"] + pool["scratch_bytes"], c.list())
                 if all(u == (0, []) for u in used.values()) or time.time() > idle_start + DRAIN_LIMIT:
                     break
                 time.sleep(0.2)
