@@ -109,6 +109,8 @@ class AsyncClient(_ClientCore):
             fut.set_result(msg)
         elif req in self._streams:
             self._streams[req].put_nowait(msg)
+        elif isinstance(msg, p.PutOk):
+            self._keep_scratch(msg)  # its put was cancelled, but the blocks were lent all the same
         elif isinstance(msg, p.Error):
             log.warning("daemon reported: %s", msg.message)
 

@@ -194,3 +194,24 @@ def test_paged_put_blocks_go_through_lent_blocks_too(client):
     out = torch.zeros_like(cache)
     client.get_blocks("p1", {"k": out}, [0, 1, 2])
     assert torch.equal(out[:3], cache[[5, 3, 9]]) and not out[3:].any()
+
+
+def test_an_async_put_cancelled_while_waiting_still_picks_up_its_loan(daemon):
+    async def main():
+        async with kvd.AsyncClient(daemon.socket) as c:
+            await c.put("warm-up", {"x": torch.zeros(10)})
+            waiting = asyncio.ensure_future(c.put("cancelled", {"x": torch.ones(10)}))
+            await asyncio.sleep(0)  # sent; its reply (with a new loan) arrives after the cancel
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await c.stats()  # a round trip: the put's late reply has been read by now
+            assert c._scratch is not None
+            await c.put("next", {"x": torch.full((10,), 2.0)})  # through that loan
+            assert torch.equal((await c.get("cancelled"))["x"], torch.ones(10))
+            assert torch.equal((await c.get("next"))["x"], torch.full((10,), 2.0))
+            await c.delete("warm-up")
+            return await c.stats()
+
+    stats = asyncio.run(main())
+    assert stats["pool"]["used_bytes"] == 0 and stats["pool"]["scratch_bytes"] == 65536
