@@ -355,9 +355,9 @@ class Pong(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloOk, PutAlloc, PutSlots, Put, PutOk, PutPart, PutCommit, Get, GetStream, TensorsReady, GetSlots, GetDone, Delete, Stats,
-        ListEntries, Ok, Error, PeerHello, PeerHelloOk, Offer, Seal, Accept, Chunk, ChunkAck, Done,
-        Abort, Pull, Ping, Pong,
+        Hello, HelloOk, PutAlloc, PutSlots, Put, PutOk, PutPart, PutCommit, Get, GetStream, TensorsReady,
+        GetSlots, GetDone, Delete, Stats, ListEntries, Ok, Error,
+        PeerHello, PeerHelloOk, Offer, Seal, Accept, Chunk, ChunkAck, Done, Abort, Pull, Ping, Pong,
     )
 }
 
