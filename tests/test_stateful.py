@@ -265,12 +265,16 @@ class KvdMachine(RuleBasedStateMachine):
             deadline = time.monotonic() + SETTLE
             while True:
                 listed = {e["request_id"]: (e["bytes"], e["state"]) for e in c.list()}
-                used = c.stats()["pool"]["used_bytes"]
+                pool = c.stats()["pool"]
+                used = pool["used_bytes"]
                 if (listed == want and used == want_used) or time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
             assert listed == want, f"{node} lists {listed}, the model says {want}"
             assert used == want_used, f"{node} uses {used} pool bytes, the model's entries need {want_used}"
+            # blocks lent for one-round-trip puts stay within their bound (PROTOCOL.md §2.1)
+            assert pool["scratch_bytes"] <= pool["capacity_bytes"] // 16
+            assert pool["free_blocks"] * BLOCK == pool["capacity_bytes"] - used - pool["scratch_bytes"]
 
     def teardown(self):
         for node in NODES:
