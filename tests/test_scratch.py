@@ -3,6 +3,7 @@ against real daemons."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -12,12 +13,23 @@ from kvd import protocol as p
 from kvd.errors import AlreadyExists, NotFound
 from kvd.testing import eventually, raw_connection
 
-
 BLOCK = 64 << 10
 
 
 def pool(client: kvd.Client) -> dict:
     return client.stats()["pool"]
+
+
+@contextlib.contextmanager
+def sent_types(client: kvd.Client):
+    """The types of the messages the client sends inside the block."""
+    sent: list[str] = []
+    send = client._sock.send
+    client._sock.send = lambda frames: (sent.append(p.decode(frames).TYPE), send(frames))[1]
+    try:
+        yield sent
+    finally:
+        client._sock.send = send
 
 
 def test_a_small_put_lends_blocks_and_the_next_put_uses_them(client):
@@ -28,11 +40,8 @@ def test_a_small_put_lends_blocks_and_the_next_put_uses_them(client):
     assert pool(client)["used_bytes"] == BLOCK  # the entry; the loan is counted apart
 
     second = torch.randn(4000, dtype=torch.float32)
-    sent = []
-    send = client._sock.send
-    client._sock.send = lambda frames: (sent.append(p.decode(frames).TYPE), send(frames))[1]
-    client.put("b", {"x": second, "y": torch.arange(7, dtype=torch.int8)})
-    client._sock.send = send
+    with sent_types(client) as sent:
+        client.put("b", {"x": second, "y": torch.arange(7, dtype=torch.int8)})
     assert sent == ["put"]  # one request, one reply
     assert client._scratch[0] != token  # used up, and a new loan came with the reply
     stats = pool(client)
@@ -185,11 +194,8 @@ def test_a_push_through_lent_blocks(daemons):
 def test_paged_put_blocks_go_through_lent_blocks_too(client):
     cache = torch.randn(16, 4, 8, dtype=torch.float16)  # 16 pages of 4 x 8
     client.put_blocks("p0", {"k": cache}, [1, 2])
-    sent = []
-    send = client._sock.send
-    client._sock.send = lambda frames: (sent.append(p.decode(frames).TYPE), send(frames))[1]
-    client.put_blocks("p1", {"k": cache}, [5, 3, 9])
-    client._sock.send = send
+    with sent_types(client) as sent:
+        client.put_blocks("p1", {"k": cache}, [5, 3, 9])
     assert sent == ["put"]
     out = torch.zeros_like(cache)
     client.get_blocks("p1", {"k": out}, [0, 1, 2])
