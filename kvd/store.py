@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .errors import AlreadyExists, BadRequest, NotFound
+from .errors import AlreadyExists, BadRequest, NotFound, PoolFull
 from .intervals import Intervals
 from .layout import (
     Extent, TensorSpec, blocks_needed, physical_segments, split_extents, tensor_offsets, validate_specs,
@@ -161,7 +161,13 @@ class Store:
         state: State, write_deadline: float | None,
     ) -> Entry:
         offsets, total = self._check_new(request_id, specs, ttl)
-        extents = self.allocator.allocate(blocks_needed(total, self.block_size))
+        try:
+            extents = self.allocator.allocate(blocks_needed(total, self.block_size))
+        except PoolFull as exc:
+            if self.scratch_blocks:  # say where the blocks are that no entry holds
+                raise PoolFull(f"{exc.message}; {self.scratch_blocks} blocks are lent to connected clients "
+                               "for their next put") from None
+            raise
         return self._add(request_id, specs, offsets, total, extents, ttl, meta, state, write_deadline)
 
     def _check_new(self, request_id: str, specs: list[TensorSpec], ttl: float | None) -> tuple[list[int], int]:

@@ -484,3 +484,11 @@ def test_the_rest_of_a_streamed_put_is_what_was_not_announced():
     assert entry.mark_rest() == ([], [])
     with pytest.raises(BadRequest, match="already written"):
         entry.mark_tensors([0])
+
+
+def test_pool_full_says_how_many_blocks_are_lent():
+    store = make_store(num_blocks=8)
+    store.lend_scratch(3)
+    with pytest.raises(PoolFull, match="need 6 blocks, 5 of 8 free; 3 blocks are lent to connected clients"):
+        reserve(store, sizes=(6 * BLOCK,))
+    assert store.entries == {} and store.scratch_blocks == 3
