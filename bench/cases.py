@@ -69,7 +69,7 @@ def pull(a: DaemonProc, b: DaemonProc, nbytes: int, repeats: int) -> Sample:
     return sample
 
 
-def _concurrent_pusher(socket: str, worker: int, count: int, nbytes: int, ready, start, results) -> None:
+def _concurrent_pusher(socket: str, worker: int, count: int, nbytes: int, ready, start, results, finish) -> None:
     import kvd
 
     async def main() -> tuple[float, float]:
@@ -82,13 +82,17 @@ def _concurrent_pusher(socket: str, worker: int, count: int, nbytes: int, ready,
             return t0, time.time()
 
     results.put(asyncio.run(main()))
+    # stay alive until every worker is done: a finished worker's interpreter teardown (torch's
+    # included) would otherwise take CPU from the transfers still being measured
+    finish.wait(300)
 
 
 def concurrent_pushes(a: DaemonProc, b: DaemonProc, processes: int, per_process: int, nbytes: int) -> float:
     """Aggregate bytes/second of processes x per_process concurrent pushes of nbytes."""
     ctx = mp.get_context("spawn")
-    ready, start, results = ctx.Queue(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_concurrent_pusher, args=(a.socket, w, per_process, nbytes, ready, start, results))
+    ready, start, results, finish = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_concurrent_pusher,
+                         args=(a.socket, w, per_process, nbytes, ready, start, results, finish))
              for w in range(processes)]
     for proc in procs:
         proc.start()
@@ -96,6 +100,7 @@ def concurrent_pushes(a: DaemonProc, b: DaemonProc, processes: int, per_process:
         ready.get(timeout=120)
     start.set()
     spans = [results.get(timeout=300) for _ in procs]
+    finish.set()
     for proc in procs:
         proc.join(30)
     with b.client() as cb:
