@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import tempfile
@@ -57,6 +58,7 @@ def main() -> int:
 
     print("measuring baselines ...", flush=True)
     memcpy = {n: baselines.memcpy(n, repeats_for(n, args.quick)).median for n in SIZES}
+    hashing = baselines.checksum(256 << 20, repeats_for(256 << 20, args.quick)).median
     tcp_samples = {n: baselines.tcp_throughput(n, repeats_for(n, args.quick)) for n in SIZES}
     zmq_samples = {n: baselines.zmq_throughput(n, repeats_for(n, args.quick), chunk=min(n, baselines.CHUNK))
                    for n in SIZES}
@@ -66,6 +68,9 @@ def main() -> int:
         # CPU of both ends: what moving the bytes costs without kvd, beside kvd's own CPU-s/GB
         row("raw TCP loopback", n, tcp[n], tcp_samples[n].cpu_per_run, "", None)
         row("raw pyzmq tcp (4MiB frames)", n, zmq_samples[n].median, zmq_samples[n].cpu_per_run, "", None)
+    row("xxh3_64 checksum (1 thread)", 256 << 20, hashing, None, "", None)
+    # what this machine allows, from the same run's baselines: (what, kvd's value, the floor)
+    floors: list[tuple[str, float, float]] = []
 
     with tempfile.TemporaryDirectory() as workdir:
         factory = DaemonFactory(Path(workdir), log_level="warning")
@@ -91,17 +96,26 @@ def main() -> int:
                     target(f"CPU-s per GB, 256MiB push (both daemons + client; raw TCP "
                            f"{tcp_samples[n].cpu_per_run / gigabytes:.2f}, raw pyzmq "
                            f"{zmq_samples[n].cpu_per_run / gigabytes:.2f})", pushed.cpu_per_run / gigabytes, "<=", 0.6)
+                    # the least a push can cost here: ZeroMQ moving the bytes, the client's copy
+                    # into the pool, the receiver's copy from ZeroMQ's frame into its pool, and
+                    # the checksum computed by the sender and checked by the receiver
+                    transport = zmq_samples[n].cpu_per_run / gigabytes
+                    copy, check = memcpy[n] / gigabytes, hashing / gigabytes
+                    floors.append((f"CPU-s/GB of a push: raw pyzmq {transport:.2f} + 2 memcpy {2 * copy:.2f} "
+                                   f"+ 2 xxh3 {2 * check:.2f}", pushed.cpu_per_run / gigabytes,
+                                   transport + 2 * copy + 2 * check))
             # small messages: the ping-pong baselines swing 2-3x with the VM's state, so they are
             # measured interleaved with kvd's small cases, in rounds, and the medians compared
-            rounds: dict[str, list[float]] = {"zmq": [], "tcp": [], "unix": [], "rt": [], "push": []}
+            rounds: dict[str, list[float]] = {"zmq": [], "zmq_tcp": [], "tcp": [], "unix": [], "rt": [], "push": []}
             for _ in range(1 if args.quick else SMALL_ROUNDS):
-                rounds["zmq"].append(baselines.zmq_ipc_pingpong(64 << 10, 200))
+                rounds["zmq"].append(baselines.zmq_pingpong(64 << 10, 200, "ipc"))
+                rounds["zmq_tcp"].append(baselines.zmq_pingpong(64 << 10, 200, "tcp"))
                 rounds["tcp"].append(baselines.tcp_pingpong(64 << 10, 200))
                 rounds["unix"].append(baselines.unix_pingpong(256, 200))  # a control message's size
                 rounds["rt"].append(cases.local_round_trip(a, 64 << 10, 200))
                 rounds["push"].append(cases.push(a, b, 64 << 10, 200).median)
-            zmq_pp, tcp_pp, unix_pp, small_rt, small_push = (
-                statistics.median(rounds[k]) for k in ("zmq", "tcp", "unix", "rt", "push"))
+            zmq_pp, zmq_tcp_pp, tcp_pp, unix_pp, small_rt, small_push = (
+                statistics.median(rounds[k]) for k in ("zmq", "zmq_tcp", "tcp", "unix", "rt", "push"))
             rows.append(("kvd 64KiB local put+get", "64KiB", "", f"{small_rt * 1e3:.3f}", "",
                          f"{small_rt / zmq_pp:.2f}x zmq ipc ping-pong ({zmq_pp * 1e6:.0f}us), "
                          f"{small_rt / unix_pp:.1f}x unix ping-pong ({unix_pp * 1e6:.0f}us)"))
@@ -109,6 +123,9 @@ def main() -> int:
                          f"{small_push / tcp_pp:.2f}x TCP ping-pong ({tcp_pp * 1e6:.0f}us)"))
             target("64KiB local put+get / zmq ipc ping-pong", small_rt / zmq_pp, "<=", 2.0)
             target("64KiB push / TCP ping-pong", small_push / tcp_pp, "<=", 3.0)
+            # a push is a request to the local daemon and a ZeroMQ exchange between the daemons
+            floors.append((f"64KiB push, ms: unix ping-pong {unix_pp * 1e3:.3f} + zmq tcp ping-pong "
+                           f"{zmq_tcp_pp * 1e3:.3f}", small_push * 1e3, (unix_pp + zmq_tcp_pp) * 1e3))
             for layer_bytes, pace in STREAM_CASES:
                 one_layer = cases.push(a, b, layer_bytes, 10 if args.quick else 20).median
                 whole = cases.push(a, b, STREAM_LAYERS * layer_bytes, 3 if args.quick else 5).median
@@ -122,10 +139,13 @@ def main() -> int:
                              f"last write; overlap {1 - tail / whole:.0%} of the whole push ({whole * 1e3:.1f} ms)"))
                 target(f"layer streaming {case}: tail / one-layer push", tail / one_layer, "<=", 1.5)
             # one run is ~0.2 s of a noisy machine: the median of several
-            aggregate = statistics.median(cases.concurrent_pushes(a, b, processes=4, per_process=16, nbytes=4 << 20)
-                                          for _ in range(1 if args.quick else 3))
+            runs = [cases.concurrent_pushes(a, b, processes=4, per_process=16, nbytes=4 << 20)
+                    for _ in range(1 if args.quick else 3)]
+            aggregate = statistics.median(rate for rate, _ in runs)
+            busy = statistics.median(busy for _, busy in runs)
             rows.append(("kvd 64 x 4MiB pushes, 4 procs", "256MiB", f"{aggregate / 1e9:.2f}", "", "",
-                         f"{aggregate / (256 << 20) * tcp[256 << 20]:.2f}x raw TCP"))
+                         f"{aggregate / (256 << 20) * tcp[256 << 20]:.2f}x raw TCP; machine {busy:.0%} busy "
+                         f"({os.cpu_count()} cores)"))
             target("64 concurrent 4MiB pushes vs raw TCP", aggregate / (256 << 20) * tcp[256 << 20], ">=", 0.7)
             rss = cases.daemon_rss(a, b)
             target("daemon RSS beyond the pool (MB)", rss / 1e6, "<=", 150)
@@ -135,7 +155,7 @@ def main() -> int:
                 print("\n".join(failures))
 
     lines = [
-        f"machine: {platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}, "
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, run took {time.time() - started:.0f}s",
         "",
         "| case | size | GB/s | median ms | CPU-s/GB | vs baseline |",
@@ -145,6 +165,12 @@ def main() -> int:
         "| target | measured | goal | result |",
         "|---|---|---|---|",
         *[f"| {name} | {value:.2f} | {op} {limit} | {'PASS' if ok else 'FAIL'} |" for name, value, op, limit, ok in checks],
+        "",
+        "What this machine allows, from this run's baselines (the least kvd's design can cost here):",
+        "",
+        "| floor | kvd | floor | kvd / floor |",
+        "|---|---|---|---|",
+        *[f"| {name} | {value:.2f} | {floor:.2f} | {value / floor:.2f} |" for name, value, floor in floors],
     ]
     report = "\n".join(lines)
     print(report)

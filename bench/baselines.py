@@ -14,6 +14,14 @@ from .measure import Sample, repeat
 CHUNK = 4 << 20
 
 
+def checksum(nbytes: int, repeats: int) -> Sample:
+    """kvd's chunk checksum (xxh3_64, one thread) over nbytes, 4 MiB at a time as chunks are."""
+    from kvd.checksum import digest
+
+    data = memoryview(np.random.default_rng(3).integers(0, 256, nbytes, dtype=np.uint8))
+    return repeat(lambda: [digest("xxh3_64", [data[off:off + CHUNK]]) for off in range(0, nbytes, CHUNK)], repeats)
+
+
 def memcpy(nbytes: int, repeats: int) -> Sample:
     """Single-thread memcpy (numpy.copyto) between two touched buffers."""
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
@@ -171,25 +179,29 @@ def zmq_throughput(nbytes: int, repeats: int, chunk: int = CHUNK) -> Sample:
     return sample
 
 
-def _zmq_echo(endpoint_queue, rounds: int) -> None:
+def _zmq_echo(endpoint_queue, transport: str, rounds: int) -> None:
     import tempfile
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
-    path = os.path.join(tempfile.mkdtemp(), "e.sock")
-    router.bind(f"ipc://{path}")
-    endpoint_queue.put(f"ipc://{path}")
+    if transport == "tcp":
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        endpoint_queue.put(f"tcp://127.0.0.1:{port}")
+    else:
+        path = os.path.join(tempfile.mkdtemp(), "e.sock")
+        router.bind(f"ipc://{path}")
+        endpoint_queue.put(f"ipc://{path}")
     for _ in range(rounds):
         router.send_multipart(router.recv_multipart(copy=False), copy=False)
     router.close(linger=5000)  # linger 0 could drop the last reply, and the client would wait forever
     ctx.term()
 
 
-def zmq_ipc_pingpong(size: int, rounds: int) -> float:
-    """Median seconds for a header + size-byte payload there and back over pyzmq ipc."""
+def zmq_pingpong(size: int, rounds: int, transport: str = "ipc") -> float:
+    """Median seconds for a header + size-byte payload there and back over pyzmq (ipc or tcp)."""
     mpctx = mp.get_context("spawn")
     endpoints = mpctx.Queue()
-    echo = mpctx.Process(target=_zmq_echo, args=(endpoints, rounds + 20))
+    echo = mpctx.Process(target=_zmq_echo, args=(endpoints, transport, rounds + 20))
     echo.start()
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)

@@ -11,7 +11,7 @@ import torch
 
 from kvd.testing import DaemonProc
 
-from .measure import Sample, repeat, rss_beyond_shared
+from .measure import Sample, busy_between, repeat, rss_beyond_shared, system_cpu
 
 
 def _tensor(nbytes: int, seed: int = 0) -> torch.Tensor:
@@ -87,8 +87,10 @@ def _concurrent_pusher(socket: str, worker: int, count: int, nbytes: int, ready,
     finish.wait(300)
 
 
-def concurrent_pushes(a: DaemonProc, b: DaemonProc, processes: int, per_process: int, nbytes: int) -> float:
-    """Aggregate bytes/second of processes x per_process concurrent pushes of nbytes."""
+def concurrent_pushes(a: DaemonProc, b: DaemonProc, processes: int, per_process: int,
+                      nbytes: int) -> tuple[float, float]:
+    """Aggregate bytes/second of processes x per_process concurrent pushes of nbytes, and the
+    fraction of the machine's CPU that was busy meanwhile (1.0: every core, all the time)."""
     ctx = mp.get_context("spawn")
     ready, start, results, finish = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_concurrent_pusher,
@@ -98,8 +100,10 @@ def concurrent_pushes(a: DaemonProc, b: DaemonProc, processes: int, per_process:
         proc.start()
     for _ in procs:  # every worker has imported torch and connected
         ready.get(timeout=120)
+    before = system_cpu()
     start.set()
     spans = [results.get(timeout=300) for _ in procs]
+    busy = busy_between(before, system_cpu())
     finish.set()
     for proc in procs:
         proc.join(30)
@@ -108,7 +112,7 @@ def concurrent_pushes(a: DaemonProc, b: DaemonProc, processes: int, per_process:
             for i in range(per_process):
                 cb.delete(f"c{w}-{i}")
     elapsed = max(end for _, end in spans) - min(begin for begin, _ in spans)
-    return processes * per_process * nbytes / elapsed
+    return processes * per_process * nbytes / elapsed, busy
 
 
 @dataclass

@@ -36,6 +36,19 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return totals
 
 
+def system_cpu() -> tuple[int, int]:
+    """(all, idle) clock ticks of the whole machine so far, from /proc/stat."""
+    with open("/proc/stat") as handle:
+        ticks = [int(x) for x in handle.readline().split()[1:]]
+    return sum(ticks), ticks[3] + ticks[4]  # idle + iowait
+
+
+def busy_between(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Fraction of all cores' time that was busy between two system_cpu() readings."""
+    total, idle = after[0] - before[0], after[1] - before[1]
+    return 1 - idle / total if total else float("nan")
+
+
 def rss_beyond_shared(pid: int) -> int:
     """Resident bytes that are not shared memory (so the mapped pool is not counted)."""
     values = {}

@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             cases.concurrent_pushes(a, b, processes=4, per_process=16, nbytes=4 << 20)  # warm
             for _ in range(args.rounds):
                 ta, tb = thread_cpu(a.pid), thread_cpu(b.pid)
-                aggregate = cases.concurrent_pushes(a, b, processes=4, per_process=16, nbytes=4 << 20)
-                print(f"64 x 4MiB pushes, 4 processes: {aggregate / 1e9:.2f} GB/s "
+                aggregate, busy = cases.concurrent_pushes(a, b, processes=4, per_process=16, nbytes=4 << 20)
+                print(f"64 x 4MiB pushes, 4 processes: {aggregate / 1e9:.2f} GB/s, machine {busy:.0%} busy "
                       f"({aggregate / SIZE * tcp:.2f}x raw TCP); CPU-s/GB A {per_gb(ta, thread_cpu(a.pid), SIZE)} "
                       f"B {per_gb(tb, thread_cpu(b.pid), SIZE)}")
         finally:
