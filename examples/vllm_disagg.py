@@ -75,8 +75,11 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
                             eos_token="w2").save_pretrained(path)
 
 
-def engine_main(conn, model: str, kv_transfer_config: dict[str, Any], dtype: str, tp: int = 1) -> None:
+def engine_main(conn, model: str, kv_transfer_config: dict[str, Any], dtype: str, tp: int = 1,
+                rpc_dir: str = "") -> None:
     """One vLLM engine in its own process, answering generate requests from the proxy."""
+    if rpc_dir:  # vLLM's internal ipc sockets, which it leaves behind: in our workdir, not all over /tmp
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", rpc_dir)
     if tp > 1:  # the CPU backend binds each TP worker's threads to cores; on one NUMA node, say which
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(tp)))
     from vllm import LLM, SamplingParams
@@ -110,14 +113,15 @@ def engine_main(conn, model: str, kv_transfer_config: dict[str, Any], dtype: str
 class Engine:
     """The proxy's handle on an engine process."""
 
-    def __init__(self, name: str, model: str, kvd_socket: str, dtype: str, tp: int = 1) -> None:
+    def __init__(self, name: str, model: str, kvd_socket: str, dtype: str, tp: int = 1, rpc_dir: str = "") -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
         config = {"kv_connector": "KVDConnector", "kv_connector_module_path": "kvd.integrations.vllm",
                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                   "kv_connector_extra_config": {"kvd_socket": kvd_socket, "kvd_load_timeout": LOAD_TIMEOUT}}
-        self.proc = ctx.Process(target=engine_main, args=(child, model, config, dtype, tp), name=f"engine-{name}")
+        self.proc = ctx.Process(target=engine_main, args=(child, model, config, dtype, tp, rpc_dir),
+                                name=f"engine-{name}")
         self.proc.start()
 
     def wait_ready(self) -> None:
@@ -175,8 +179,10 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
     engines: list[Engine] = []
     try:
         daemon_p, daemon_d = daemons.pair(pool_size="256MiB")
-        prefill = Engine("prefill", model, daemon_p.socket, dtype, tp)
-        decode = Engine("decode", model, daemon_d.socket, dtype, tp)
+        rpc_dir = workdir / "rpc"
+        rpc_dir.mkdir(exist_ok=True)
+        prefill = Engine("prefill", model, daemon_p.socket, dtype, tp, str(rpc_dir))
+        decode = Engine("decode", model, daemon_d.socket, dtype, tp, str(rpc_dir))
         engines = [prefill, decode]
         started = time.monotonic()
         prefill.wait_ready()
