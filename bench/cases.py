@@ -72,19 +72,20 @@ def pull(a: DaemonProc, b: DaemonProc, nbytes: int, repeats: int) -> Sample:
 def _concurrent_pusher(socket: str, worker: int, count: int, nbytes: int, ready, start, results, finish) -> None:
     import kvd
 
-    async def main() -> tuple[float, float]:
+    async def main() -> None:
         data = torch.full((nbytes,), worker, dtype=torch.uint8)
         async with kvd.AsyncClient(socket) as c:
             ready.put(worker)
             start.wait()
             t0 = time.time()
             await asyncio.gather(*(c.put(f"c{worker}-{i}", {"x": data}, dest="B") for i in range(count)))
-            return t0, time.time()
+            results.put((t0, time.time()))
+            # stay connected and alive until every worker is done: closing unmaps the pool (tens
+            # of ms of kernel time for a 1 GiB mapping) and the interpreter's teardown (torch's
+            # included) is CPU too, taken from the transfers of the workers still being timed
+            finish.wait(300)
 
-    results.put(asyncio.run(main()))
-    # stay alive until every worker is done: a finished worker's interpreter teardown (torch's
-    # included) would otherwise take CPU from the transfers still being measured
-    finish.wait(300)
+    asyncio.run(main())
 
 
 def concurrent_pushes(a: DaemonProc, b: DaemonProc, processes: int, per_process: int,
