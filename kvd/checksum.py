@@ -13,18 +13,39 @@ Buffer = typing.Union[bytes, bytearray, memoryview]
 ALGORITHMS = ("xxh3_64", "crc32", "none")
 
 
+class _Crc32:
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, piece: Buffer) -> None:
+        self._value = zlib.crc32(piece, self._value)
+
+    def intdigest(self) -> int:
+        return self._value
+
+
+class _NoChecksum:
+    def update(self, piece: Buffer) -> None:
+        pass
+
+    def intdigest(self) -> int:
+        return 0
+
+
+def hasher(algorithm: str):
+    """A running checksum: `update(piece)` for each piece in order, then `intdigest()`."""
+    if algorithm == "xxh3_64":
+        return xxhash.xxh3_64()
+    if algorithm == "crc32":
+        return _Crc32()
+    if algorithm == "none":
+        return _NoChecksum()
+    raise BadRequest(f"unknown checksum algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+
+
 def digest(algorithm: str, pieces: typing.Iterable[Buffer]) -> int:
     """Checksum of the concatenation of pieces, without concatenating them."""
-    if algorithm == "xxh3_64":
-        hasher = xxhash.xxh3_64()
-        for piece in pieces:
-            hasher.update(piece)
-        return hasher.intdigest()
-    if algorithm == "crc32":
-        value = 0
-        for piece in pieces:
-            value = zlib.crc32(piece, value)
-        return value
-    if algorithm == "none":
-        return 0
-    raise BadRequest(f"unknown checksum algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    running = hasher(algorithm)
+    for piece in pieces:
+        running.update(piece)
+    return running.intdigest()

@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from .checksum import digest
 from .errors import BadRequest
 from .poolio import Segments
 
@@ -116,7 +117,8 @@ class CudaPoolIO:
     def sent(self, hold: object, tracker_future) -> None:
         self.busy[hold] = tracker_future
 
-    def inbound(self, segments: Segments, frames: list) -> None:
+    def inbound(self, segments: Segments, frames: list, checksum: str) -> int:
+        received = digest(checksum, frames)
         staged = self.inbound_slot
         pos = 0
         for frame in frames:
@@ -129,6 +131,7 @@ class CudaPoolIO:
                 self.pool[off:off + n].copy_(staged[pos:pos + n], non_blocking=True)
                 pos += n
         self.stream.synchronize()  # the chunk is acknowledged only once it is in GPU memory
+        return received
 
 
 def _released(future) -> bool:

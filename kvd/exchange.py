@@ -339,9 +339,11 @@ class Exchange:
             raise ProtocolError("chunk before offer")
         length = sum(msg.lengths)
         ledger.check(msg.seq, msg.offset, length)
-        if digest(inbound.checksum, msg.payload) != msg.digest:
+        # stored first, checked after: these bytes are nobody's yet (each byte arrives once, and
+        # none of them is marked as arrived until the check passes; a failure drops the entry)
+        segments = physical_segments(entry.extents, self.store.block_size, msg.offset, length)
+        if self.io.inbound(segments, msg.payload, inbound.checksum) != msg.digest:
             raise ChecksumMismatch(f"chunk {msg.seq} of {entry.request_id!r} failed its {inbound.checksum} check")
-        self.io.inbound(physical_segments(entry.extents, self.store.block_size, msg.offset, length), msg.payload)
         ledger.mark(msg.seq, msg.offset, length)
         self.counters["received_bytes"] += length
         self.metrics.bytes.labels(inbound.channel.peer_name, "received").inc(length)
