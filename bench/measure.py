@@ -76,6 +76,11 @@ class Sample:
         return statistics.fmean(self.cpu) if self.cpu else float("nan")
 
 
+def pooled(samples: list[Sample]) -> Sample:
+    """One sample of every run of several (rounds of the same case, interleaved with others)."""
+    return Sample([t for s in samples for t in s.seconds], [c for s in samples for c in s.cpu])
+
+
 def repeat(fn: Callable[[], None], repeats: int, warmup: int = 1, pids: tuple[int, ...] = (),
            setup: Callable[[], None] | None = None) -> Sample:
     """Median-able timings of fn; CPU is this process plus `pids`, per run."""
