@@ -150,10 +150,10 @@ def main() -> int:
                              f"last write; overlap {1 - tail / whole:.0%} of the whole push ({whole * 1e3:.1f} ms)"))
                 target(f"layer streaming {case}: tail / one-layer push", tail / one_layer, "<=", 1.5)
             # one run is ~0.2 s of a noisy machine: the median of several
-            runs = [cases.concurrent_pushes(a, b, processes=4, per_process=16, nbytes=4 << 20)
-                    for _ in range(1 if args.quick else 3)]
-            aggregate = statistics.median(rate for rate, _ in runs)
-            busy = statistics.median(busy for _, busy in runs)
+            concurrent = [cases.concurrent_pushes(a, b, processes=4, per_process=16, nbytes=4 << 20)
+                          for _ in range(1 if args.quick else 3)]
+            aggregate = statistics.median(rate for rate, _ in concurrent)
+            busy = statistics.median(share for _, share in concurrent)
             rows.append(("kvd 64 x 4MiB pushes, 4 procs", "256MiB", f"{aggregate / 1e9:.2f}", "", "",
                          f"{aggregate / BIG * tcp[BIG]:.2f}x raw TCP; machine {busy:.0%} busy "
                          f"({os.cpu_count()} cores)"))
