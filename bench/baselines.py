@@ -130,19 +130,22 @@ def _stream_pingpong(unix: bool, size: int, rounds: int) -> float:
 
 # --- raw pyzmq -----------------------------------------------------------------------------------
 
+def _bind(sock: zmq.Socket, transport: str) -> str:
+    """Bind to a fresh loopback port or ipc path; returns the endpoint to connect to."""
+    if transport == "tcp":
+        return f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    import tempfile
+
+    endpoint = f"ipc://{os.path.join(tempfile.mkdtemp(), 'z.sock')}"
+    sock.bind(endpoint)
+    return endpoint
+
+
 def _zmq_sink(endpoint_queue, transport: str, nbytes: int, runs: int) -> None:
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.RCVHWM, 0)
-    if transport == "tcp":
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        endpoint_queue.put(f"tcp://127.0.0.1:{port}")
-    else:
-        import tempfile
-
-        path = os.path.join(tempfile.mkdtemp(), "z.sock")
-        router.bind(f"ipc://{path}")
-        endpoint_queue.put(f"ipc://{path}")
+    endpoint_queue.put(_bind(router, transport))
     for _ in range(runs):
         got = 0
         while got < nbytes:
@@ -180,17 +183,9 @@ def zmq_throughput(nbytes: int, repeats: int, chunk: int = CHUNK) -> Sample:
 
 
 def _zmq_echo(endpoint_queue, transport: str, rounds: int) -> None:
-    import tempfile
-
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
-    if transport == "tcp":
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        endpoint_queue.put(f"tcp://127.0.0.1:{port}")
-    else:
-        path = os.path.join(tempfile.mkdtemp(), "e.sock")
-        router.bind(f"ipc://{path}")
-        endpoint_queue.put(f"ipc://{path}")
+    endpoint_queue.put(_bind(router, transport))
     for _ in range(rounds):
         router.send_multipart(router.recv_multipart(copy=False), copy=False)
     router.close(linger=5000)  # linger 0 could drop the last reply, and the client would wait forever
