@@ -86,11 +86,11 @@ class Daemon:
         self.service = ClientService(self)
         self.exchange.events = self.service  # arrivals wake waiters and stream readers
         await self.exchange.start()
-        self.local = LocalServer(self.service.on_local_message, self.service.on_client_gone)
-        await self.local.start(cfg.socket)
-        if cfg.metrics_port:
+        if cfg.metrics_port:  # before the client socket: once a client is answered, /healthz answers too
             self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: self.ready)
             await self.http.start()
+        self.local = LocalServer(self.service.on_local_message, self.service.on_client_gone)
+        await self.local.start(cfg.socket)
         self.spawn(self._housekeeping(), "housekeeping")
         self.ready = True
         self.notifier.notify(f"READY=1\nSTATUS=serving {cfg.socket}, peers on {self.exchange.bound_endpoint}")
