@@ -21,9 +21,6 @@ import zmq
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 256  # messages handled per wake-up before yielding to other work
-# ... or this many payload bytes: handling a big chunk (a copy and a checksum, ~1 ms per 4 MiB
-# here) must not keep local clients waiting for a whole window of them
-MAX_BATCH_BYTES = 1 << 20
 
 
 class LoopSocket:
@@ -45,8 +42,8 @@ class LoopSocket:
         if self._closed:
             return
         self._flush_pending()
-        handled = handled_bytes = 0
-        while handled < MAX_BATCH and handled_bytes < MAX_BATCH_BYTES:
+        handled = 0
+        while handled < MAX_BATCH:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=self._copy)
             except zmq.Again:
@@ -57,7 +54,6 @@ class LoopSocket:
                 log.warning("receive failed: %s", exc)
                 return
             handled += 1
-            handled_bytes += sum(len(frame) for frame in frames)
             try:
                 self._on_message(frames)
             except Exception:
