@@ -151,7 +151,6 @@ class Store:
         self._tokens = itertools.count(1)
         self._zombies: set[Entry] = set()  # removed, but leases still hold their blocks
         self._scratch: dict[int, list[Extent]] = {}  # token -> blocks lent to a client (see lend_scratch)
-        self.scratch_blocks = 0
         self.expired_total = 0
 
     # --- reservation and publication ---------------------------------------------------
@@ -199,13 +198,11 @@ class Store:
         extents = self.allocator.allocate(blocks)
         token = next(self._tokens)
         self._scratch[token] = extents
-        self.scratch_blocks += blocks
         return token, extents
 
     def return_scratch(self, token: int) -> None:
         extents = self._scratch.pop(token, None)
         if extents is not None:
-            self.scratch_blocks -= sum(count for _, count in extents)
             self.allocator.free(extents)
 
     def reserve_in_scratch(
@@ -227,7 +224,6 @@ class Store:
             self.return_scratch(token)
             raise
         del self._scratch[token]
-        self.scratch_blocks -= have
         used, spare = split_extents(extents, needed)
         self.allocator.free(spare)
         return self._add(request_id, specs, offsets, total, used, ttl, meta, state, write_deadline)
@@ -331,6 +327,11 @@ class Store:
     def used_bytes(self) -> int:
         """Bytes held by entries (scratch lent to clients is counted apart)."""
         return (self.allocator.used_blocks - self.scratch_blocks) * self.block_size
+
+    @property
+    def scratch_blocks(self) -> int:
+        """Blocks lent to clients (one loan per connection at most, so this sum stays short)."""
+        return sum(count for extents in self._scratch.values() for _, count in extents)
 
     @property
     def scratch_bytes(self) -> int:
