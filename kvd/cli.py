@@ -1,4 +1,4 @@
-"""The `kvd` command: serve, status, ls, rm."""
+"""The `kvd` command: serve, status, ls, rm, keygen."""
 from __future__ import annotations
 
 import argparse
