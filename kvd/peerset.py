@@ -47,11 +47,12 @@ class PeerSet:
 
     def _new_link(self, name: str, endpoint: str) -> PeerLink:
         return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation, self._on_message,
-                        self.curve, self._on_restart)
+                        self.curve, self._on_link_lost)
 
-    def _on_restart(self, link: PeerLink) -> None:
-        """A peer came back with a new incarnation: whatever we had in flight with it is gone."""
-        self._on_lost(link.channel.key, f"peer {link.name} restarted")
+    def _on_link_lost(self, link: PeerLink, reason: str) -> None:
+        """The connection to a peer closed, or the peer came back with a new incarnation:
+        whatever we had in flight with it is gone."""
+        self._on_lost(link.channel.key, reason)
 
     def link_for(self, dest: str) -> PeerLink:
         """A peer name from the config, or a tcp:// endpoint (linked on first use)."""

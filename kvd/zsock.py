@@ -21,6 +21,9 @@ import zmq
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 256  # messages handled per wake-up before yielding to other work
+# a send ZeroMQ cannot take yet (no connected peer) is retried, backing off: the descriptor
+# fires when a connection comes up anyway, and an unreachable peer must not cost a busy loop
+RETRY_FIRST, RETRY_MAX = 0.001, 0.05  # seconds
 
 
 class LoopSocket:
@@ -32,6 +35,7 @@ class LoopSocket:
         self._pending: collections.deque = collections.deque()  # (frames, copy, track, future)
         self._check_scheduled = False
         self._retry_scheduled = False
+        self._retry_delay = RETRY_FIRST
         self._closed = False
         self._loop.add_reader(sock.FD, self._on_fd)
         self._schedule_check()
@@ -104,11 +108,13 @@ class LoopSocket:
             self._pending.appendleft((frames, copy, track, future))
             if not self._retry_scheduled:
                 self._retry_scheduled = True
-                self._loop.call_later(0.001, self._retry)
+                self._loop.call_later(self._retry_delay, self._retry)
+                self._retry_delay = min(2 * self._retry_delay, RETRY_MAX)
             return False
         except zmq.ZMQError as exc:
             future.set_exception(exc)
             return True
+        self._retry_delay = RETRY_FIRST
         future.set_result(result)
         return True
 

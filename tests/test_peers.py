@@ -112,6 +112,38 @@ def test_unknown_peer_and_unreachable_peer(daemons):
         assert ca.get("still-works")["x"].item() == 1
 
 
+def test_an_unreachable_peer_costs_no_busy_loop(daemons):
+    # the heartbeat's hello to a peer that is down waits in the socket's send queue; it used to
+    # be retried every millisecond (10 % of a core for as long as the peer stayed down)
+    from bench.measure import cpu_seconds
+
+    a = daemons.start("A", peers={"B": f"tcp://127.0.0.1:{free_port()}"},
+                      extra=["--heartbeat-interval", "0.2s"])
+    time.sleep(1.0)  # the first hellos are queued and their retries have backed off
+    before = cpu_seconds(a.pid)
+    time.sleep(3.0)
+    assert cpu_seconds(a.pid) - before < 0.09, "an idle daemon with a peer down used > 3 % of a core"
+    with a.client() as ca:
+        ca.put("still-serving", {"x": torch.ones(1)})
+        assert ca.get("still-serving")["x"].item() == 1
+
+
+def test_a_peer_restarted_on_the_same_address_takes_the_next_push(daemons):
+    # A sees the TCP connection close and says hello again before its next message; it used to
+    # go on sending into the new B's connection as if B knew it, until the heartbeat timeout
+    a, b = daemons.pair()
+    kv = {"x": torch.arange(16)}
+    with a.client() as ca:
+        ca.put("before", kv, dest="B")
+        assert b.stop() == 0
+        b = daemons.start("B", port=int(b.listen.rsplit(":", 1)[1]), peers={"A": a.listen})
+        started = time.monotonic()
+        ca.put("after", kv, dest="B")  # the first try (the heartbeat timeout is 5 s)
+        assert time.monotonic() - started < 3
+    with b.client() as cb:
+        assert torch.equal(cb.get("after")["x"], kv["x"])
+
+
 def test_remote_pool_full_reaches_the_client_as_pool_full(daemons):
     port_a, port_b = free_port(), free_port()
     a = daemons.start("A", port=port_a, pool_size="64MiB", peers={"B": f"tcp://127.0.0.1:{port_b}"})
