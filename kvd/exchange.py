@@ -167,7 +167,7 @@ class Exchange:
 
     def heartbeat(self, now: float) -> None:
         """Ping every linked peer; a peer silent past heartbeat_timeout is lost and its transfers fail."""
-        self.peers.heartbeat(now)
+        self.peers.heartbeat(now, {transfer.channel.key for transfer in self.transfers.values()})
 
     # --- push and pull, as the daemon's client handlers call them ------------------------------
 

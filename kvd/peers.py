@@ -93,6 +93,7 @@ class PeerLink:
         self._hello: asyncio.Future | None = None
         self.connected = False
         self.last_seen = 0.0  # monotonic time of the last message from this peer
+        self.last_used = time.monotonic()  # when a transfer last asked for this link
 
     def ping(self, now: float) -> None:
         """Heartbeat: a Ping when connected, a fresh hello otherwise (reconnects in the background)."""

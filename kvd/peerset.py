@@ -22,6 +22,11 @@ from .peers import PeerLink
 
 log = logging.getLogger(__name__)
 
+# a link to a tcp:// endpoint that is not a configured peer (e.g. a decode pod's address from a
+# request) is closed after this long unused: addresses come and go, and each link is three file
+# descriptors and a reconnect attempt every 0.5 s for as long as it exists
+ADHOC_IDLE = 60.0  # seconds
+
 
 class PeerSet:
     def __init__(self, config: Config, ctx: zmq.Context, incarnation: int,
@@ -57,10 +62,10 @@ class PeerSet:
     def link_for(self, dest: str) -> PeerLink:
         """A peer name from the config, or a tcp:// endpoint (linked on first use)."""
         link = self.links.get(dest)
-        if link is not None:
-            return link
-        if dest.startswith("tcp://"):
+        if link is None and dest.startswith("tcp://"):
             self.links[dest] = link = self._new_link(dest, dest)
+        if link is not None:
+            link.last_used = time.monotonic()
             return link
         known = ", ".join(sorted(n for n in self.links if not n.startswith("tcp://"))) or "none"
         raise PeerUnavailable(f"unknown peer {dest!r} (configured peers: {known}; or give a tcp:// endpoint)")
@@ -110,9 +115,15 @@ class PeerSet:
 
     # --- liveness -----------------------------------------------------------------------------
 
-    def heartbeat(self, now: float) -> None:
-        """Ping every linked peer; a peer silent past heartbeat_timeout is lost."""
+    def heartbeat(self, now: float, busy: set[tuple]) -> None:
+        """Ping every linked peer; a peer silent past heartbeat_timeout is lost. Ad-hoc links
+        unused for ADHOC_IDLE with no transfer on them (`busy`: channel keys in use) are closed."""
         cfg = self.config
+        idle = max(ADHOC_IDLE, 2 * cfg.connect_timeout)  # never under a transfer still waiting for its hello
+        for name in [n for n, link in self.links.items() if n.startswith("tcp://")
+                     and now - link.last_used > idle and link.channel.key not in busy]:
+            self.links.pop(name).close()
+            log.info("closed the idle link to %s", name)
         if now - self._last_ping >= cfg.heartbeat_interval:
             self._last_ping = now
             for link in self.links.values():

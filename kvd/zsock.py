@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 256  # messages handled per wake-up before yielding to other work
 # a send ZeroMQ cannot take yet (no connected peer) is retried, backing off: the descriptor
 # fires when a connection comes up anyway, and an unreachable peer must not cost a busy loop
-RETRY_FIRST, RETRY_MAX = 0.001, 0.05  # seconds
+RETRY_FIRST, RETRY_MAX = 0.001, 0.5  # seconds
 
 
 class LoopSocket:
