@@ -118,16 +118,14 @@ class PeerLink:
         sent = self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
         try:
             await asyncio.wait_for(asyncio.shield(hello), timeout)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, KvdError) as exc:
             if not sent.done():
                 sent.cancel()  # never delivered: do not let it go out later
-            if self.refusal is not None:
+            if isinstance(exc, KvdError):  # the peer refused the handshake
+                raise
+            if self.refusal is not None:  # the reason ZeroMQ saw, if any, says more than "no answer"
                 raise type(self.refusal)(self.refusal.message) from None
             raise PeerUnavailable(f"peer {self.name} ({self.endpoint}) did not answer within {timeout:g}s") from None
-        except KvdError:
-            if not sent.done():
-                sent.cancel()
-            raise
 
     def _on_socket_event(self, frames: list) -> None:
         event = parse_monitor_message(frames)
@@ -144,19 +142,21 @@ class PeerLink:
         if not self.connected:
             return
         log.warning("peer %s: connection closed; reconnecting", self.name)
-        self.connected = False
+        self.mark_lost()
         if self._on_lost is not None:
             self._on_lost(self, f"connection to peer {self.name} closed")
 
     def _on_handshake_failure(self, event: dict) -> None:
-        """ZeroMQ's handshake with the peer failed: fail a waiting handshake at once, with the
-        reason, rather than at the connect timeout."""
+        """ZeroMQ's handshake with the peer failed. Refused by the peer (ZAP said no, or the
+        mechanisms differ): fail a waiting handshake at once, with the reason, rather than at the
+        connect timeout. Cut off without detail (a connection error, which ZeroMQ retries by
+        itself: it may pass): keep the reason for the timeout's message."""
         refusal = handshake_refusal(self.name, self.endpoint, event["event"], event["value"], self._curve)
         if self.refusal is None or self.refusal.message != refusal.message:
             log.warning("%s", refusal.message)
         self.refusal = refusal
         self._given_up = event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        if self._hello is not None and not self._hello.done():
+        if self._given_up and self._hello is not None and not self._hello.done():
             self._hello.set_exception(type(refusal)(refusal.message))
             self._hello.exception()  # retrieved: whoever still waits on it raises it all the same
 
