@@ -299,7 +299,7 @@ class Client(_ClientCore):
             except StopIteration as stop:
                 return stop.value
 
-    def _receive(self, req: int, wait: float) -> p.Message:
+    def _receive(self, req: int, wait: float, awaited: str = "a stream") -> p.Message:
         while True:
             frames = self._sock.receive(wait + self.reply_timeout)
             if frames is None:
@@ -307,7 +307,7 @@ class Client(_ClientCore):
                     self._reset_socket()
                 except KvdError:
                     self._close_transport()  # the daemon is gone: the next call reconnects
-                raise Timeout(f"daemon at {self.endpoint} went silent during a stream")
+                raise Timeout(f"daemon at {self.endpoint} went silent while we waited for {awaited}")
             try:
                 reply = p.decode(frames)
             except KvdError as exc:
@@ -318,10 +318,8 @@ class Client(_ClientCore):
 
     def _call(self, msg: p.Message, wait: float) -> p.Message:
         self._sock.send(p.encode(msg))
-        try:
-            return self._receive(msg.req, wait)  # skips stale replies to abandoned requests
-        except Timeout:
-            raise Timeout(f"daemon at {self.endpoint} did not answer {msg.TYPE} in time") from None
+        # skips stale replies to abandoned requests; a Timeout the daemon reports passes unchanged
+        return self._receive(msg.req, wait, f"its answer to {msg.TYPE}")
 
     def _reset_socket(self) -> None:
         """A fresh connection (after a timeout, late replies would otherwise still arrive); the

@@ -133,12 +133,12 @@ class Daemon:
         if self.draining:
             return
         self.draining = True
+        self.ready = False  # /readyz fails from the start of the drain: send no new work here
         self.notifier.notify("STOPPING=1")
         log.info("kvd %s shutting down (draining up to %gs)", self.config.node_id, self.config.drain_timeout)
         deadline = time.monotonic() + self.config.drain_timeout
-        while self.exchange is not None and self.exchange.busy() and time.monotonic() < deadline:
+        while self._in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self.ready = False
         if self.exchange is not None:
             await self.exchange.close()  # aborts what is left, telling peers
             for _ in range(3):  # let the requests waiting on those transfers send their errors
@@ -164,6 +164,11 @@ class Daemon:
         if self.memory is not None:
             self.memory.close()
         log.info("kvd %s stopped", self.config.node_id)
+
+    def _in_flight(self) -> bool:
+        """Transfers are running, or a push is still connecting to its peer (what the drain waits for)."""
+        return (self.exchange is not None and self.exchange.busy()) or (
+            self.service is not None and self.service.pushing())
 
     def spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)

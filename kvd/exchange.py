@@ -113,6 +113,8 @@ class Exchange:
         self.events: EntryEvents | None = None
         self.peers = PeerSet(config, ctx, incarnation, self._on_link_message, self._fail_channel)
         self.transfers: dict[int, Outbound | Inbound] = {}
+        # pulls we serve that still wait for their entry: xfer -> (channel key, the waiting task)
+        self._serving: dict[int, tuple[tuple, asyncio.Task]] = {}
         self._deferred: list[Outbound] = []  # finished sends whose frames ZeroMQ may still hold
         self._tasks: set[asyncio.Task] = set()
         self.counters = {"sent_bytes": 0, "received_bytes": 0, "pushes": 0, "pulls": 0, "failures": 0}
@@ -217,7 +219,14 @@ class Exchange:
         self.transfers[xfer] = Inbound(xfer, link.channel, request_id, done,
                                        deadline=now + timeout + self.config.transfer_timeout)
         self._send(link.channel, p.Pull(xfer=xfer, request_id=request_id, timeout=timeout, keep=keep))
-        entry = await done
+        try:
+            entry = await done
+        except asyncio.CancelledError:  # nobody waits for it any more: the holder keeps its copy
+            inbound = self.transfers.get(xfer)
+            if inbound is not None:
+                self._fail(inbound, NotFound(f"no reader on {self.config.node_id} waits for {request_id!r} "
+                                             "any more"), notify=True)
+            raise
         self.counters["pulls"] += 1
         return entry
 
@@ -371,6 +380,13 @@ class Exchange:
 
     # --- serving a pull -------------------------------------------------------------------------
 
+    def _stop_serving(self, xfer: int, channel: Channel) -> None:
+        """The puller gave up while we still wait for the entry: stop waiting, lease nothing."""
+        key, task = self._serving[xfer]
+        if key == channel.key:  # only the connection that asked can call it off
+            del self._serving[xfer]
+            task.cancel()
+
     async def _serve_pull(self, channel: Channel, msg: p.Pull) -> None:
         try:
             entry = await self.events.wait_ready(msg.request_id, time.monotonic() + min(msg.timeout, 3600.0))
@@ -398,11 +414,15 @@ class Exchange:
                 case p.Offer():
                     self._on_offer(channel, msg)
                 case p.Pull():
-                    self._spawn(self._serve_pull(channel, msg), f"pull-{msg.xfer:x}")
+                    task = self._spawn(self._serve_pull(channel, msg), f"pull-{msg.xfer:x}")
+                    self._serving[msg.xfer] = (channel.key, task)
+                    task.add_done_callback(lambda _, xfer=msg.xfer: self._serving.pop(xfer, None))
                 case p.Ping():
                     self._send(channel, p.Pong(nonce=msg.nonce))
                 case p.Pong():
                     pass
+                case p.Abort() if transfer is None and xfer in self._serving:
+                    self._stop_serving(xfer, channel)
                 case _ if transfer is None:
                     log.debug("%s for unknown transfer %r from %s; dropped", msg.TYPE, xfer, channel.peer_name)
                 case p.Abort():
@@ -461,10 +481,20 @@ class Exchange:
             if transfer.channel.key == key:
                 # notify: a peer that only stalled drops its half of the transfer when it resumes
                 self._fail(transfer, PeerUnavailable(reason), notify=True)
+        for xfer, (channel_key, task) in list(self._serving.items()):
+            if channel_key == key:  # nobody is left to send it to
+                del self._serving[xfer]
+                task.cancel()
 
     def abort(self, transfer: "Outbound | Inbound", error: KvdError) -> None:
         """End a transfer from our side (its entry was dropped); the peer is told."""
         self._fail(transfer, error, notify=True)
+
+    def abort_entry(self, entry: Entry, error: KvdError) -> None:
+        """End every transfer that carries this entry (it was deleted): pushes and pulls it is
+        being sent by, the one it is arriving by; the peers are told."""
+        for transfer in [t for t in self.transfers.values() if t.entry is entry]:
+            self._fail(transfer, error, notify=True)
 
     def check_deadlines(self, now: float) -> None:
         """Called periodically: fail transfers without progress, free what ZeroMQ let go of."""

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_WAIT = 3600.0  # longest get timeout we accept
+FINISHING_WORK = (p.PutPart, p.PutCommit, p.GetDone, p.Delete, p.Stats, p.Hello, p.ListEntries)
 RECENT_ERRORS = 20  # kept for `kvd status`
 HELD_PRUNE_AT = 1024  # per connection: holds tracked before ended ones are pruned
 
@@ -41,11 +42,18 @@ class ClientService:
         self._readers: dict[str, list[StreamReader]] = {}  # request id -> get_stream clients
         self._stream_leases: set[int] = set()
         self._pulls: dict[tuple[str, str], asyncio.Future] = {}  # (source, request id) -> pull in flight
+        # connections whose get waits on that pull: when the last one hangs up, the pull is called
+        # off (the holder keeps its copy, readable by others, instead of it moving here unread)
+        self._pull_readers: dict[tuple[str, str], set[bytes]] = {}
         # connection -> what it holds: token -> request id (a put being written) or None (a read lease)
         self._held: dict[bytes, dict[int, str | None]] = {}
         self._scratch: dict[bytes, int] = {}  # connection -> token of the blocks lent to it (one at most)
         self.counters = {"puts": 0, "gets": 0, "errors": 0}
         self.recent_errors: collections.deque = collections.deque(maxlen=RECENT_ERRORS)
+
+    def pushing(self) -> bool:
+        """Pushes (or streams with a dest) are under way, their transfer open or still opening."""
+        return bool(self._producers)
 
     def _wake(self, request_id: str) -> None:
         for waiter in self._waiters.pop(request_id, []):
@@ -137,7 +145,9 @@ class ClientService:
             self._reply(rid, self._error(p.Message(), exc))
             return
         try:
-            if self.daemon.draining and not isinstance(msg, (p.GetDone, p.Stats, p.Hello)):
+            # draining refuses new work; what finishes or undoes work already started goes on
+            # (a stream's next layers and its commit, a read's release, a delete)
+            if self.daemon.draining and not isinstance(msg, FINISHING_WORK):
                 raise ShuttingDown(f"daemon {self.config.node_id} is shutting down")
             reply = self._handle_now(rid, msg)
         except Exception as exc:
@@ -171,6 +181,8 @@ class ClientService:
         scratch = self._scratch.pop(rid, None)
         if scratch is not None:
             self.store.return_scratch(scratch)
+        for key in [k for k, readers in self._pull_readers.items() if rid in readers]:
+            self._leave_pull(key, rid)
         held = self._held.pop(rid, None)
         if not held:
             return
@@ -301,7 +313,7 @@ class ClientService:
                 entry = self.store.ready(msg.request_id)
                 if entry is not None:
                     return self._lease_for_client(msg, entry)
-                self._later(rid, msg, self._get_later(msg))
+                self._later(rid, msg, self._get_later(rid, msg))
                 return None
             case p.GetDone():
                 self._release_hold(rid, msg.token)
@@ -322,8 +334,10 @@ class ClientService:
                 if entry is None:
                     return p.Ok(req=msg.req, value=False)
                 self.store.remove(entry)
+                deleted = NotFound(f"request {msg.request_id!r} was deleted on {cfg.node_id}")
                 if entry.state in (State.WRITING, State.RECEIVING):
-                    self.on_dropped(entry, NotFound(f"request {msg.request_id!r} was deleted"))
+                    self.on_dropped(entry, deleted)  # stream readers, a push still being written
+                self.exchange.abort_entry(entry, deleted)  # a committed push, a pull served, an arrival
                 return p.Ok(req=msg.req, value=True)
             case p.Stats():
                 return p.Ok(req=msg.req, value=self.daemon.stats())
@@ -440,6 +454,7 @@ class ClientService:
         if self._is_remote(msg.source) and msg.request_id not in self.store.entries:
             pull = self._start_pull(msg.source, msg.request_id, msg.timeout, msg.keep)
             pull.add_done_callback(lambda _: self._wake(msg.request_id))  # a failed pull ends the wait
+            self._pull_readers.setdefault((msg.source, msg.request_id), set()).add(rid)
 
         def find() -> Entry | None:
             if pull is not None and pull.done() and not pull.cancelled() and pull.exception() is not None:
@@ -461,9 +476,25 @@ class ClientService:
             self._readers.setdefault(entry.request_id, []).append(reader)
         return p.TensorsReady(req=msg.req, tensors=ready, complete=complete)
 
-    async def _pull_once(self, msg: p.Get) -> Entry:
+    async def _pull_once(self, rid: bytes, msg: p.Get) -> Entry:
         """Pull request_id from msg.source; concurrent gets of the same id share one pull."""
-        return await asyncio.shield(self._start_pull(msg.source, msg.request_id, msg.timeout, msg.keep))
+        key = (msg.source, msg.request_id)
+        pull = self._start_pull(msg.source, msg.request_id, msg.timeout, msg.keep)
+        self._pull_readers.setdefault(key, set()).add(rid)
+        try:
+            return await asyncio.shield(pull)
+        finally:
+            self._pull_readers.get(key, set()).discard(rid)
+
+    def _leave_pull(self, key: tuple[str, str], rid: bytes) -> None:
+        readers = self._pull_readers.get(key)
+        if readers is None:
+            return
+        readers.discard(rid)
+        pull = self._pulls.get(key)
+        if not readers and pull is not None and not pull.done():
+            log.info("nobody waits for %r from %s any more: pull called off", key[1], key[0])
+            pull.cancel()
 
     def _start_pull(self, source: str, request_id: str, timeout: float, keep: bool) -> asyncio.Future:
         key = (source, request_id)
@@ -473,6 +504,7 @@ class ClientService:
             pull = asyncio.ensure_future(self.exchange.pull(request_id, source, timeout, keep=keep))
             self._pulls[key] = pull
             pull.add_done_callback(lambda _: self._pulls.pop(key, None))
+            pull.add_done_callback(lambda _: self._pull_readers.pop(key, None))
             pull.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen by every waiter
         return pull
 
@@ -484,14 +516,14 @@ class ClientService:
             else:
                 del self._readers[request_id]
 
-    async def _get_later(self, msg: p.Get) -> p.Message:
+    async def _get_later(self, rid: bytes, msg: p.Get) -> p.Message:
         deadline = time.monotonic() + msg.timeout
         if msg.source is not None and msg.source != self.config.node_id:
             entry = self.store.ready(msg.request_id)
             if entry is None and msg.request_id in self.store.entries:
                 entry = await self.wait_ready(msg.request_id, deadline)  # already arriving (pushed)
             elif entry is None:
-                entry = await self._pull_once(msg)
+                entry = await self._pull_once(rid, msg)
             if entry.state is not State.READY:  # taken by another reader in the meantime
                 entry = await self.wait_ready(msg.request_id, deadline)
         else:

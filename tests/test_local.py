@@ -110,9 +110,11 @@ def test_not_found_and_timeout(client):
     with pytest.raises(kvd.NotFound, match="not found"):
         client.get("missing", timeout=0)
     start = time.monotonic()
-    with pytest.raises(kvd.Timeout):
+    with pytest.raises(kvd.Timeout) as timed_out:
         client.get("missing", timeout=0.3)
     assert 0.25 < time.monotonic() - start < 5
+    # the daemon's own error, naming it; not "the daemon did not answer"
+    assert "did not arrive" in str(timed_out.value) and timed_out.value.remote == client.info.node_id
 
 
 def test_get_waits_for_a_later_put(daemon):

@@ -238,3 +238,35 @@ def test_json_log_format(daemons):
     lines = [json.loads(line) for line in d.log().splitlines() if line.strip()]
     assert any("ready" in line["msg"] for line in lines)
     assert all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
+
+
+def test_a_stream_in_flight_at_sigterm_is_finished_and_readyz_fails_meanwhile(daemons):
+    # the drain refuses new work, not the next layers and the commit of a stream already
+    # pushing; and /readyz says "not ready" from the drain's start, not from its end
+    metrics, peer_a, peer_b = free_port(), free_port(), free_port()
+    a = daemons.start("A", port=peer_a, peers={"B": f"tcp://127.0.0.1:{peer_b}"}, wait=False,
+                      extra=["--metrics-port", str(metrics), "--drain-timeout", "20s"])
+    b = daemons.start("B", port=peer_b, peers={"A": f"tcp://127.0.0.1:{peer_a}"})
+    from kvd.testing import wait_ready
+    wait_ready(a)
+    layers = {f"layer.{i}": torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(8)}
+    with a.client() as ca:
+        stream = ca.put_stream("drained-stream", layers, dest="B")
+        stream.write({name: layers[name] for name in list(layers)[:4]})
+        assert scrape(metrics, "/readyz")[0] == 200
+        a.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not ca.stats()["draining"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert scrape(metrics, "/readyz") == (503, "not ready\n")
+        with pytest.raises(kvd.ShuttingDown):
+            ca.put("new-work", {"x": torch.ones(1)})
+        started = time.monotonic()
+        stream.write({name: layers[name] for name in list(layers)[4:]})
+        stream.commit()
+    assert a.proc.wait(20) == 0
+    assert time.monotonic() - started < 10  # over when the stream was, not at the drain timeout
+    with b.client() as cb:
+        got = cb.get("drained-stream")
+    assert all(torch.equal(got[name], layers[name]) for name in layers)

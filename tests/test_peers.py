@@ -278,3 +278,74 @@ def test_malloc_tuning_steps_aside_for_the_operators(monkeypatch):
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
     assert keep_receive_buffers() is False
+
+
+def _push_in_background(client, request_id: str, kv: dict) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def push() -> None:
+        try:
+            client.put(request_id, kv, dest="B")
+            result["ok"] = True
+        except kvd.KvdError as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=push)
+    thread.start()
+    return thread, result
+
+
+def _until_receiving(cb, request_id: str) -> None:
+    eventually(lambda: any(e["request_id"] == request_id and e["state"] == "receiving" for e in cb.list()), 10)
+
+
+@pytest.mark.parametrize("deleted_on", ["sender", "receiver"])
+def test_delete_during_a_push_aborts_it_on_both_daemons(daemons, deleted_on):
+    # README: `delete` of a request being pushed aborts the transfer on both daemons. A
+    # committed push went on (deleted on the sender), or failed with a misleading BadRequest
+    # at its next chunk (deleted on the receiver). The other side is stopped meanwhile, so the
+    # transfer is certainly in the middle.
+    import signal
+
+    a, b = daemons.pair(pool_size="256MiB")
+    big = torch.randint(0, 256, (96 << 20,), dtype=torch.uint8)
+    with a.client() as ca, b.client() as cb:
+        thread, result = _push_in_background(ca, "doomed", {"x": big})
+        _until_receiving(cb, "doomed")
+        other = b if deleted_on == "sender" else a
+        other.kill(signal.SIGSTOP)
+        try:
+            deleter = a.client() if deleted_on == "sender" else b.client()
+            with deleter as c:
+                assert c.delete("doomed") is True
+        finally:
+            other.kill(signal.SIGCONT)
+        thread.join(30)
+        assert isinstance(result.get("error"), kvd.NotFound), result
+        assert f"was deleted on {'A' if deleted_on == 'sender' else 'B'}" in str(result["error"])
+        for c in (ca, cb):
+            eventually(lambda c=c: c.stats()["pool"]["used_bytes"] == 0 and c.stats()["entries"] == 0, 10)
+        ca.put("after", {"x": big[:1024]}, dest="B")  # both still serve
+        assert torch.equal(cb.get("after")["x"], big[:1024])
+
+
+def test_a_waiting_pull_whose_reader_left_is_called_off(daemons):
+    # README: a get still waiting when its client left leases nothing, and the entry stays
+    # readable by others. A pull used to go on without its reader and move the entry here.
+    import subprocess
+    import sys
+
+    a, b = daemons.pair()
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import kvd, sys; kvd.Client(sys.argv[1]).get('later', source='A', timeout=600)"), b.socket])
+    with a.client() as ca, b.client() as cb:
+        eventually(lambda: cb.stats()["transfers_in_flight"] == 1, 20)  # the pull waits on A
+        reader.kill()
+        reader.wait(10)
+        eventually(lambda: cb.stats()["transfers_in_flight"] == 0, 10)
+        kv = {"x": torch.arange(1000)}
+        ca.put("later", kv)
+        time.sleep(0.5)  # time enough for a pull still running to take it
+        assert torch.equal(ca.get("later", keep=True)["x"], kv["x"])  # still A's, readable here
+        assert cb.stats()["entries"] == 0 and cb.stats()["pool"]["used_bytes"] == 0
+        assert torch.equal(cb.get("later", source="A")["x"], kv["x"])  # and a new pull gets it
