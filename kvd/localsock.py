@@ -36,6 +36,9 @@ LOCAL_SCHEMES = ("unix://", "ipc://", "tcp://")
 # replies a client has not read yet; past this it is not reading at all and is cut off
 MAX_UNREAD_REPLIES_BYTES = 64 << 20
 RECEIVE_BYTES = 1 << 16
+# messages of one connection handled per turn of the event loop: one read can hold thousands of
+# pipelined requests, and other clients (and the peers) are served between batches
+BATCH = 64
 
 
 def unix_path(endpoint: str) -> str | None:
@@ -120,6 +123,8 @@ class _ClientConnection(asyncio.Protocol):
         self.conn_id = conn_id
         self.reader = MessageReader()
         self.transport: asyncio.Transport | None = None
+        self._backlog: collections.deque = collections.deque()  # decoded, not yet handled
+        self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -133,10 +138,24 @@ class _ClientConnection(asyncio.Protocol):
             self.send(p.encode(p.error_reply(0, exc, None)))
             self.transport.close()
             return
-        for frames in messages:
-            if self.transport.is_closing():
-                return
-            self.server._on_message([self.conn_id, *frames])
+        self._backlog.extend(messages)
+        self._handle_batch()
+
+    def _handle_batch(self) -> None:
+        for _ in range(BATCH):
+            if not self._backlog or self.transport.is_closing():
+                break
+            self.server._on_message([self.conn_id, *self._backlog.popleft()])
+        if self.transport.is_closing():
+            return
+        if self._backlog:
+            if not self._paused:  # read more once these are handled
+                self._paused = True
+                self.transport.pause_reading()
+            asyncio.get_running_loop().call_soon(self._handle_batch)
+        elif self._paused:
+            self._paused = False
+            self.transport.resume_reading()
 
     def send(self, frames: list) -> None:
         if self.transport.is_closing():

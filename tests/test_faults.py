@@ -102,6 +102,39 @@ def test_broken_framing_is_answered_and_only_that_connection_closed(daemon, stre
     assert_still_serving(daemon)
 
 
+def test_a_client_pipelining_thousands_of_requests_does_not_stall_the_others(daemon):
+    # one read of a connection can hold thousands of requests; they are handled in batches, and
+    # other clients are served between them
+    flood = b"".join(encode_message(p.encode(p.ListEntries(req=i))) for i in range(50000))
+    latencies = []
+    with daemon.client() as bystander:
+        for i in range(100):  # something for each of the flood's requests to list
+            bystander.put(f"listed-{i}", {"x": torch.ones(1)})
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(unix_path(daemon.socket))
+
+        def send_flood() -> None:
+            try:
+                sock.sendall(flood)  # its replies are never read
+            except OSError:
+                pass  # the daemon hung up on a client that does not read (64 MiB unread)
+
+        sender = threading.Thread(target=send_flood)
+        sender.start()
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            bystander.stats()
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.005)
+        sock.close()
+        sender.join(10)
+        for i in range(100):
+            bystander.delete(f"listed-{i}")
+    assert max(latencies) < 0.5, f"a bystander's stats took up to {max(latencies):.2f} s (before: 2.9 s)"
+    assert_still_serving(daemon)
+
+
 def test_a_message_cut_short_by_a_disconnect_is_dropped(daemon):
     whole = encode_message(p.encode(p.PutAlloc(req=1, request_id="cut", tensors=[["x", "uint8", [1 << 20]]])))
     for cut in (1, 4, 8, len(whole) - 1):
