@@ -35,36 +35,46 @@ class AsyncClient(_ClientCore):
 
     async def _steps(self, op: Operation):
         """Run an operation: do its I/O, yield what it emits; the last item is ("result", value)."""
-        reply = None
-        while True:
-            try:
-                step = op.send(reply)
-            except StopIteration as stop:
-                yield "result", stop.value
-                return
+        streams: list[int] = []  # this operation's get_stream requests: their queues go with it
+        try:
             reply = None
-            if isinstance(step, Emit):
+            while True:
                 try:
-                    yield "emit", step.value
-                except GeneratorExit:
-                    self._unwind(op, StreamClosed("iteration stopped early"), reraise=False)
-                    raise
-                continue
-            try:
-                if isinstance(step, Receive):
-                    reply = await self._receive(step.req, step.wait)
-                else:
-                    msg, wait = step
-                    if wait is NO_REPLY:
-                        self._send_nowait(msg)
-                        continue
-                    if isinstance(msg, p.GetStream):
-                        self._streams[msg.req] = asyncio.Queue()
-                    reply = await self._call(msg, wait)
-            except BaseException as exc:
-                self._unwind(op, exc, reraise=True)
+                    step = op.send(reply)
+                except StopIteration as stop:
+                    for req in streams:  # (now: a caller that stops at the result never resumes us)
+                        self._streams.pop(req, None)
+                    yield "result", stop.value
+                    return
+                reply = None
+                if isinstance(step, Emit):
+                    try:
+                        yield "emit", step.value
+                    except GeneratorExit:
+                        self._unwind(op, StreamClosed("iteration stopped early"), reraise=False)
+                        raise
+                    continue
+                try:
+                    if isinstance(step, Receive):
+                        reply = await self._receive(step.req, step.wait)
+                    else:
+                        msg, wait = step
+                        if wait is NO_REPLY:
+                            self._send_nowait(msg)
+                            continue
+                        if isinstance(msg, p.GetStream):
+                            self._streams[msg.req] = asyncio.Queue()
+                            streams.append(msg.req)
+                        reply = await self._call(msg, wait)
+                except BaseException as exc:
+                    self._unwind(op, exc, reraise=True)
+        finally:
+            for req in streams:
+                self._streams.pop(req, None)
 
     def _send_nowait(self, msg: p.Message) -> None:
+        if self._sock is None:
+            return  # reconnecting: the daemon that lost us gives back what we held by itself
         try:
             self._sock.send_now(p.encode(msg))
         except KvdError:
@@ -92,7 +102,11 @@ class AsyncClient(_ClientCore):
             self._sock.send_now(p.encode(msg))
             reply = await asyncio.wait_for(fut, wait + self.reply_timeout)
         except asyncio.TimeoutError:
+            self._abandon(msg)
             raise Timeout(f"daemon at {self.endpoint} did not answer {msg.TYPE} in time") from None
+        except asyncio.CancelledError:  # (asyncio.wait_for around a call, task.cancel())
+            self._abandon(msg)
+            raise
         finally:
             self._pending.pop(msg.req, None)
         return self._raise_if_error(reply)
@@ -109,10 +123,13 @@ class AsyncClient(_ClientCore):
             fut.set_result(msg)
         elif req in self._streams:
             self._streams[req].put_nowait(msg)
-        elif isinstance(msg, p.PutOk):
-            self._keep_scratch(msg)  # its put was cancelled, but the blocks were lent all the same
         elif isinstance(msg, p.Error):
+            self._abandoned.pop(req, None)
             log.warning("daemon reported: %s", msg.message)
+        else:  # the reply to a request given up on: give back what it holds
+            give_back = self._late_reply(msg)
+            if give_back is not None:
+                self._send_nowait(give_back)
 
     def _on_lost(self, error: KvdError) -> None:
         """The daemon closed the connection: every request waiting on it fails now."""
@@ -127,7 +144,7 @@ class AsyncClient(_ClientCore):
 
     async def connect(self) -> None:
         """Connect and map the pool. Every operation calls it; explicit use is optional."""
-        if self._pool is not None and self._lost is None:
+        if not self._forked() and self._pool is not None and self._lost is None:
             return
         if self._connecting is None:
             self._connecting = asyncio.Lock()

@@ -10,6 +10,7 @@ of (get) the daemon's shared pool, mapped once at connect.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 REPLY_GRACE = 30.0
 CONNECT_TIMEOUT = 10.0  # how long the first hello may take (beyond reply_timeout)
 # longest silence inside a stream being read: the daemon reports a stalled peer long before
+MAX_ABANDONED = 1024  # abandoned requests remembered, waiting for their replies
 STREAM_SILENCE = 600.0
 NO_REPLY = None  # yield (msg, NO_REPLY): send and do not wait
 
@@ -45,6 +47,10 @@ class StreamClosed(Exception):
 
 # an operation yields (request, seconds to wait for the reply or NO_REPLY) and gets the reply back
 Operation = Generator[tuple[p.Message, float | None], p.Message | None, Any]
+
+
+class ConnectionLost(KvdError):
+    """The daemon connection an operation started on is gone (a reconnect maps a new pool)."""
 
 
 class _ClientCore:
@@ -63,6 +69,53 @@ class _ClientCore:
         # blocks the daemon lent this connection for the next small put: (token, extents, blocks)
         self._scratch: tuple[int, list[Extent], int] | None = None
         self.transfer_wait = STREAM_SILENCE
+        # which connection (and pool mapping) this is: offsets the daemon gave on one are
+        # meaningless on the next, so every copy checks that it is still the same one
+        self._generation = 0
+        self._pid = os.getpid()  # a client inherited across fork() must not use its parent's connection
+        # requests given up on (cancelled, interrupted) whose reply may still come: what it holds
+        # for us (a read lease, a reservation, lent blocks) is given back when it does
+        self._abandoned: collections.OrderedDict[int, p.Message] = collections.OrderedDict()
+
+    def _abandon(self, msg: p.Message) -> None:
+        self._abandoned[msg.req] = msg
+        if len(self._abandoned) > MAX_ABANDONED:  # replies that never came (the connection ended)
+            self._abandoned.popitem(last=False)
+
+    def _late_reply(self, reply: p.Message) -> p.Message | None:
+        """A reply to an abandoned request: keep what is useful, return the message that gives
+        back what it holds (sent without a reply), if any."""
+        request = self._abandoned.pop(getattr(reply, "req", None), None)
+        if isinstance(reply, p.PutOk):
+            self._keep_scratch(reply)  # its put is over, and the blocks lent with it are ours to use
+        if request is None:
+            return None
+        if isinstance(reply, p.GetSlots):
+            return p.GetDone(req=next(self._reqs), request_id=request.request_id, token=reply.token,
+                             consume=False, reply=False)
+        if isinstance(reply, p.PutSlots):  # a reservation nobody will write
+            return p.Delete(req=next(self._reqs), request_id=request.request_id)
+        return None
+
+    def _pool_of(self, generation: int) -> torch.Tensor:
+        """The mapped pool, if it is still that of the connection an operation started on."""
+        if not self._same_connection(generation):
+            raise ConnectionLost("the connection to the daemon was lost during this operation (did the daemon "
+                                 "restart?): nothing more was copied; start it over")
+        return self._pool
+
+    def _same_connection(self, generation: int) -> bool:
+        return generation == self._generation and self._pool is not None
+
+    def _forked(self) -> bool:
+        """True in a child process that inherited this client: forget the parent's connection
+        (without closing it under the parent), its loan and its mapping; connect anew."""
+        if os.getpid() == self._pid:
+            return False
+        self._pid = os.getpid()
+        self._sock, self._scratch, self._pool, self._mapping, self._ipc_close = None, None, None, None, None
+        self.info = None
+        return True
 
     @property
     def node_id(self) -> str | None:
@@ -75,7 +128,7 @@ class _ClientCore:
 
     def _connected(self) -> bool:
         """Connected to a live daemon; a lost connection is closed here, so the caller reconnects."""
-        if self._pool is None:
+        if self._forked() or self._pool is None:
             return False
         if self._sock is None or not self._sock.alive():
             self._close_transport()  # the daemon went away (restarted?): map its new pool
@@ -98,6 +151,7 @@ class _ClientCore:
 
             self._pool, self._ipc_close = open_ipc_pool(hello.pool_handle, hello.pool_size, hello.device)
             self.info = hello
+            self._generation += 1
             return
         try:
             self._mapping, _ = map_pool(hello.pool_path, hello.pool_size)
@@ -108,16 +162,19 @@ class _ClientCore:
             ) from None
         self._pool = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.info = hello
+        self._generation += 1
 
     def _put(self, request_id: str, kv: Mapping[str, Any], dest: str | None, ttl: float | None,
              meta: dict | None) -> Operation:
         if not isinstance(kv, Mapping) or not kv:
             raise BadRequest("kv must be a non-empty mapping of name -> tensor")
         tensors = {name: as_tensor(name, value) for name, value in kv.items()}
+        generation = self._generation
 
         def write(segments: list[list[Segment]]) -> None:
+            pool = self._pool_of(generation)
             for tensor, tensor_segments in zip(tensors.values(), segments):
-                copy_in(self._pool, tensor, tensor_segments)
+                copy_in(pool, tensor, tensor_segments)
 
         yield from self._put_with(request_id, [spec_of(name, t) for name, t in tensors.items()], write,
                                   dest, ttl, meta)
@@ -170,10 +227,12 @@ class _ClientCore:
 
     def _get(self, request_id: str, source: str | None, timeout: float, out: Mapping[str, torch.Tensor] | None,
              keep: bool, with_meta: bool = False) -> Operation:
+        generation = self._generation
         slots = yield p.Get(req=next(self._reqs), request_id=request_id, timeout=float(timeout),
                             source=source, keep=keep), float(timeout)
         consume = not keep
         try:
+            pool = self._pool_of(generation)
             specs = [TensorSpec.from_wire(t) for t in slots.tensors]
             out = out or {}
             unknown = set(out) - {s.name for s in specs}
@@ -183,7 +242,7 @@ class _ClientCore:
                 if spec.name in out:
                     check_out(spec, out[spec.name])
             result = {
-                spec.name: copy_out(self._pool, spec, segments, out.get(spec.name))
+                spec.name: copy_out(pool, spec, segments, out.get(spec.name))
                 for spec, segments in zip(specs, slots.segments)
             }
             self._sync_device()
@@ -203,11 +262,15 @@ class _ClientCore:
         raise NotImplementedError
 
     def _unwind(self, op: Operation, exc: BaseException, reraise: bool) -> None:
-        """Throw exc into the operation, send the clean-up messages it yields, re-raise."""
+        """Throw exc into the operation, send the clean-up messages it yields, re-raise.
+
+        After ConnectionLost they are not sent: their tokens and request ids were the old
+        daemon's, and on the new one they could name somebody else's."""
         try:
             step = op.throw(exc)
             while not isinstance(step, (Emit, Receive)) and step[1] is NO_REPLY:
-                self._send_nowait(step[0])
+                if not isinstance(exc, ConnectionLost):
+                    self._send_nowait(step[0])
                 step = op.send(None)
         except (StopIteration, StreamClosed):
             pass
@@ -254,34 +317,45 @@ class Client(_ClientCore):
         super().__init__(socket, reply_timeout, connect_timeout)
         self._sock: BlockingConnection | None = None
         self._lock = threading.RLock()
+        self._inbox: dict[int, collections.deque] = {}  # open get_stream req -> its messages read early
 
     def _steps(self, op: Operation):
         """Run an operation: do its I/O, yield what it emits, return its result."""
         reply = None
-        while True:
-            try:
-                step = op.send(reply)
-            except StopIteration as stop:
-                return stop.value
-            reply = None
-            if isinstance(step, Emit):
+        streams: list[int] = []  # this operation's get_stream requests
+        try:
+            while True:
                 try:
-                    yield step.value
-                except GeneratorExit:
-                    self._unwind(op, StreamClosed("iteration stopped early"), reraise=False)
-                    raise
-                continue
-            try:
-                if isinstance(step, Receive):
-                    reply = self._receive(step.req, step.wait)
-                else:
-                    msg, wait = step
-                    if wait is NO_REPLY:
-                        self._send_nowait(msg)
-                        continue
-                    reply = self._call(msg, wait)
-            except BaseException as exc:
-                self._unwind(op, exc, reraise=True)
+                    step = op.send(reply)
+                except StopIteration as stop:
+                    return stop.value
+                reply = None
+                if isinstance(step, Emit):
+                    try:
+                        yield step.value
+                    except GeneratorExit:
+                        self._unwind(op, StreamClosed("iteration stopped early"), reraise=False)
+                        raise
+                    continue
+                try:
+                    if isinstance(step, Receive):
+                        reply = self._receive(step.req, step.wait)
+                    else:
+                        msg, wait = step
+                        if wait is NO_REPLY:
+                            self._send_nowait(msg)
+                            continue
+                        if isinstance(msg, p.GetStream):
+                            # its later messages are kept for it when another call (in the loop
+                            # over the stream, same thread) reads them off the socket first
+                            self._inbox[msg.req] = collections.deque()
+                            streams.append(msg.req)
+                        reply = self._call(msg, wait)
+                except BaseException as exc:
+                    self._unwind(op, exc, reraise=True)
+        finally:
+            for req in streams:
+                self._inbox.pop(req, None)
 
     def _send_nowait(self, msg: p.Message) -> None:
         try:
@@ -300,6 +374,9 @@ class Client(_ClientCore):
                 return stop.value
 
     def _receive(self, req: int, wait: float, awaited: str = "a stream") -> p.Message:
+        kept = self._inbox.get(req)
+        if kept:
+            return self._raise_if_error(kept.popleft())
         while True:
             frames = self._sock.receive(wait + self.reply_timeout)
             if frames is None:
@@ -315,11 +392,21 @@ class Client(_ClientCore):
                 continue
             if getattr(reply, "req", None) == req:
                 return self._raise_if_error(reply)
+            if getattr(reply, "req", None) in self._inbox:  # a stream's, read by a call inside its loop
+                self._inbox[reply.req].append(reply)
+                continue
+            give_back = self._late_reply(reply)  # a stale reply, to a request given up on
+            if give_back is not None:
+                self._send_nowait(give_back)
 
     def _call(self, msg: p.Message, wait: float) -> p.Message:
         self._sock.send(p.encode(msg))
-        # skips stale replies to abandoned requests; a Timeout the daemon reports passes unchanged
-        return self._receive(msg.req, wait, f"its answer to {msg.TYPE}")
+        try:
+            # skips stale replies to abandoned requests; a Timeout the daemon reports passes unchanged
+            return self._receive(msg.req, wait, f"its answer to {msg.TYPE}")
+        except (KeyboardInterrupt, SystemExit):  # interrupted while waiting: the reply comes later
+            self._abandon(msg)
+            raise
 
     def _reset_socket(self) -> None:
         """A fresh connection (after a timeout, late replies would otherwise still arrive); the

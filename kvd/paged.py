@@ -94,15 +94,19 @@ def put_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_
         ids = gathers[name] = block_index(name, block_ids, cache)
         specs.append(TensorSpec(name, DTYPE_NAMES[cache.dtype], (len(ids), *cache.shape[1:])))
 
+    generation = core._generation
+
     def write(segments: list) -> None:
+        pool = core._pool_of(generation)
         for spec, tensor_segments, (name, cache) in zip(specs, segments, caches.items()):
-            gather_rows(core._pool, tensor_segments, spec, cache, gathers[name])
+            gather_rows(pool, tensor_segments, spec, cache, gathers[name])
 
     yield from core._put_with(request_id, specs, write, dest, ttl, meta)
 
 
 def get_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, source: str | None,
                timeout: float, keep: bool):
+    generation = core._generation
     slots = yield p.Get(req=next(core._reqs), request_id=request_id, timeout=float(timeout), source=source,
                         keep=keep), float(timeout)
     consume = not keep
@@ -119,11 +123,12 @@ def get_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_
                     or len(ids) != spec.shape[0]):
                 raise BadRequest(f"{name!r}: cache {cache.dtype} {tuple(cache.shape)} with {len(ids)} block ids "
                                  f"does not fit the entry's {spec.dtype} {spec.shape}")
+        pool = core._pool_of(generation)
         for name, cache in caches.items():
             spec, segments = by_name[name]
-            source_rows = _pool_view(core._pool, segments, spec)
+            source_rows = _pool_view(pool, segments, spec)
             if source_rows is None:
-                source_rows = copy_out(core._pool, spec, segments, None)
+                source_rows = copy_out(pool, spec, segments, None)
             scatter_rows(cache, scatters[name], source_rows)
         core._sync_device()
     except BaseException:

@@ -316,6 +316,10 @@ class ClientService:
                 self._later(rid, msg, self._get_later(rid, msg))
                 return None
             case p.GetDone():
+                if msg.token not in self._held.get(rid, {}):
+                    # a read lease is released only by the connection it was given to (a client
+                    # that reconnected to a restarted daemon must not end another's by number)
+                    raise NotFound(f"read lease {msg.token} is not held by this connection")
                 self._release_hold(rid, msg.token)
                 lease = self.store.lease_of(msg.token)
                 entry = self.store.release(msg.token, success=msg.consume)

@@ -66,9 +66,11 @@ class StreamState:
         self.segments: list = []
         self.written: set[int] = set()
         self.closed = False
+        self.generation = 0  # the client's connection the stream was opened on (its offsets are that pool's)
 
 
 def open_stream(core, state: StreamState, ttl: float | None, meta: dict | None):
+    state.generation = core._generation
     slots = yield p.PutAlloc(req=next(core._reqs), request_id=state.request_id,
                              tensors=[s.to_wire() for s in state.specs], ttl=ttl, meta=meta,
                              stream=True, dest=state.dest), 0.0
@@ -94,10 +96,11 @@ def write_stream(core, state: StreamState, kv: Mapping[str, Any]):
             dtype, shape = tensor.dtype, tuple(tensor.shape)
         if DTYPE_NAMES.get(dtype) != spec.dtype or shape != spec.shape:
             raise BadRequest(f"{name!r} is {dtype} {shape}, the stream declared {spec.dtype} {spec.shape}")
+        pool = core._pool_of(state.generation)  # a restarted daemon's pool has other entries there
         if isinstance(value, Rows):
-            gather_rows(core._pool, state.segments[i], spec, value.cache, ids)
+            gather_rows(pool, state.segments[i], spec, value.cache, ids)
         else:
-            copy_in(core._pool, tensor, state.segments[i])
+            copy_in(pool, tensor, state.segments[i])
         indices.append(i)
     core._sync_device()
     state.written.update(indices)
@@ -109,6 +112,7 @@ def commit_stream(core, state: StreamState):
     if state.closed:
         raise BadRequest("stream already committed or aborted")
     state.closed = True
+    core._pool_of(state.generation)  # opened on a connection that is gone: nothing to commit here
     yield p.PutCommit(req=next(core._reqs), request_id=state.request_id, token=state.token,
                       dest=state.dest), (3600.0 if state.dest else 0.0)
 
@@ -116,13 +120,15 @@ def commit_stream(core, state: StreamState):
 def abort_stream(core, state: StreamState):
     if not state.closed:
         state.closed = True
-        yield p.Delete(req=next(core._reqs), request_id=state.request_id), NO_REPLY
+        if core._same_connection(state.generation):  # (a restarted daemon never had it)
+            yield p.Delete(req=next(core._reqs), request_id=state.request_id), NO_REPLY
 
 
 def read_stream(core, request_id: str, timeout: float, out: Mapping[str, torch.Tensor] | None, keep: bool,
                 source: str | None = None):
     """Yields Emit({name: tensor}) for each group of tensors as it becomes complete."""
     req = next(core._reqs)
+    generation = core._generation
     slots = yield p.GetStream(req=req, request_id=request_id, timeout=float(timeout), source=source,
                               keep=keep), float(timeout)
     specs = [TensorSpec.from_wire(t) for t in slots.tensors]
@@ -134,8 +140,9 @@ def read_stream(core, request_id: str, timeout: float, out: Mapping[str, torch.T
             ready = yield Receive(req, core.transfer_wait)
             done = ready.complete
             if ready.tensors:
+                pool = core._pool_of(generation)
                 group = {
-                    specs[i].name: copy_out(core._pool, specs[i], slots.segments[i], out.get(specs[i].name))
+                    specs[i].name: copy_out(pool, specs[i], slots.segments[i], out.get(specs[i].name))
                     for i in ready.tensors
                 }
                 core._sync_device()

@@ -109,6 +109,8 @@ def copy_out(pool: torch.Tensor, spec: TensorSpec, segments: list, out: torch.Te
 def check_out(spec: TensorSpec, out: Any) -> None:
     if not isinstance(out, torch.Tensor):
         raise BadRequest(f"out[{spec.name!r}] must be a torch.Tensor")
+    if out.device.type == "meta":  # has no memory: the bytes would go nowhere, the entry with them
+        raise BadRequest(f"out[{spec.name!r}] is a meta tensor; give one with memory")
     if DTYPE_NAMES.get(out.dtype) != spec.dtype or tuple(out.shape) != spec.shape:
         raise BadRequest(
             f"out[{spec.name!r}] is {out.dtype} {tuple(out.shape)}, the cache holds {spec.dtype} {spec.shape}"

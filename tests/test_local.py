@@ -307,3 +307,120 @@ def test_local_socket_on_tcp(daemons):
             return await c.get("over-tcp")
 
     assert torch.equal(asyncio.run(main())["x"], torch.arange(100))
+
+
+def test_a_stream_opened_before_a_daemon_restart_never_writes_into_the_new_pool(daemons):
+    # its offsets were the old daemon's: in the new pool they are somebody else's entry
+    d = daemons.start("A")
+    layers = {f"l{i}": torch.full((1 << 20,), -7.0) for i in range(4)}
+    with d.client() as producer, d.client() as other:
+        stream = producer.put_stream("stream", layers)
+        stream.write({"l0": layers["l0"]})
+        d = _restart_in_place(daemons, d)
+        victim = torch.arange(4 << 20, dtype=torch.float32)
+        other.put("victim", {"x": victim})
+        producer.stats()  # any call reconnects the producer's client to the new daemon
+        with pytest.raises(kvd.KvdError, match="connection to the daemon was lost"):
+            stream.write({"l1": layers["l1"]})
+        with pytest.raises(kvd.KvdError, match="connection to the daemon was lost"):
+            stream.commit()
+        stream.abort()  # nothing to abort on the new daemon, and nothing sent there by mistake
+        assert torch.equal(other.get("victim")["x"], victim)
+
+
+def test_an_async_stream_across_a_daemon_restart_fails_without_writing(daemons):
+    import asyncio
+
+    d = daemons.start("A")
+    victim = torch.arange(4 << 20, dtype=torch.float32)
+
+    async def scenario() -> None:
+        nonlocal d
+        async with kvd.AsyncClient(d.socket) as c:
+            stream = await c.put_stream("stream", {f"l{i}": ((1 << 20,), torch.float32) for i in range(4)})
+            await stream.write({"l0": torch.full((1 << 20,), -7.0)})
+            d = _restart_in_place(daemons, d)
+            with d.client() as other:
+                other.put("victim", {"x": victim})
+            await asyncio.sleep(0.2)  # the client sees its connection close
+            await c.stats()  # another task's call reconnects the shared client meanwhile
+            with pytest.raises(kvd.KvdError, match="connection to the daemon was lost"):
+                await stream.write({"l1": torch.full((1 << 20,), -7.0)})
+            await stream.abort()
+
+    asyncio.run(scenario())
+    with d.client() as other:
+        assert torch.equal(other.get("victim")["x"], victim)
+
+
+def test_a_client_inherited_across_fork_connects_anew_in_the_child(daemon):
+    # the parent's connection, its scratch loan and its request numbers stay the parent's
+    import os
+
+    with daemon.client() as c:
+        c.put("warm", {"x": torch.zeros(1024)})  # the reply lends this connection scratch blocks
+        pid = os.fork()
+        if pid == 0:  # the child: uses the inherited client
+            try:
+                c.put("child", {"x": torch.full((1024,), 2.0)})
+                ok = torch.equal(c.get("child")["x"], torch.full((1024,), 2.0))
+                os._exit(0 if ok else 1)
+            except BaseException:
+                os._exit(2)
+        c.put("parent", {"x": torch.ones(1024)})  # into the loan the child must not have used
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert torch.equal(c.get("parent")["x"], torch.ones(1024))
+        c.delete("warm")
+
+
+def test_a_meta_tensor_as_out_is_refused_and_the_entry_kept(client):
+    client.put("kept", {"x": torch.arange(16)})
+    with pytest.raises(kvd.BadRequest, match="meta tensor"):
+        client.get("kept", out={"x": torch.empty(16, dtype=torch.int64, device="meta")})
+    assert torch.equal(client.get("kept")["x"], torch.arange(16))
+
+
+def test_a_cancelled_async_get_gives_back_what_its_late_reply_leased(daemon):
+    # asyncio.wait_for around a get that was still waiting: the daemon answers it later with a
+    # lease; the client gives that lease back at once instead of holding it for the lease timeout
+    import asyncio
+
+    async def scenario() -> float:
+        async with kvd.AsyncClient(daemon.socket) as c:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.get("late", timeout=30), 0.2)
+            await c.put("late", {"x": torch.arange(8)})  # answers the abandoned get: leased to it
+            started = time.monotonic()
+            got = await c.get("late", timeout=20)
+            assert torch.equal(got["x"], torch.arange(8))
+            return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 5  # not the 30 s lease timeout
+
+
+def test_calls_inside_a_get_stream_loop_leave_the_stream_its_messages(daemon):
+    # a stats/put inside `for group in c.get_stream(...)` on the same Client reads the socket;
+    # the stream's messages it meets are kept for the stream (they were dropped: the loop hung)
+    layers = {f"l{i}": torch.full((1024,), float(i)) for i in range(4)}
+    with daemon.client() as producer, kvd.Client(daemon.socket, reply_timeout=2) as c:
+        c.transfer_wait = 3  # an old-style hang shows up as a Timeout in seconds
+        stream = producer.put_stream("layered", layers)
+
+        def produce() -> None:
+            for name, value in layers.items():
+                time.sleep(0.05)
+                stream.write({name: value})
+            stream.commit()
+
+        writer = threading.Thread(target=produce)
+        writer.start()
+        got = {}
+        for group in c.get_stream("layered", timeout=10):
+            got.update(group)
+            c.stats()
+            c.put(f"side-{len(got)}", {"x": torch.ones(4)})
+        writer.join(10)
+        assert set(got) == set(layers) and all(torch.equal(got[n], layers[n]) for n in layers)
+        for key in [e["request_id"] for e in c.list() if e["request_id"].startswith("side-")]:
+            c.delete(key)
