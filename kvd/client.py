@@ -105,7 +105,8 @@ class _ClientCore:
         return self._pool
 
     def _same_connection(self, generation: int) -> bool:
-        return generation == self._generation and self._pool is not None
+        # (in a fork()ed child, whatever the parent opened is the parent's)
+        return generation == self._generation and self._pool is not None and os.getpid() == self._pid
 
     def _forked(self) -> bool:
         """True in a child process that inherited this client: forget the parent's connection
@@ -358,6 +359,8 @@ class Client(_ClientCore):
                 self._inbox.pop(req, None)
 
     def _send_nowait(self, msg: p.Message) -> None:
+        if self._sock is None:
+            return  # no connection (closed, or forked away): the daemon gives back what we held
         try:
             self._sock.send(p.encode(msg))
         except KvdError:

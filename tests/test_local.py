@@ -424,3 +424,26 @@ def test_calls_inside_a_get_stream_loop_leave_the_stream_its_messages(daemon):
         assert set(got) == set(layers) and all(torch.equal(got[n], layers[n]) for n in layers)
         for key in [e["request_id"] for e in c.list() if e["request_id"].startswith("side-")]:
             c.delete(key)
+
+
+def test_a_stream_used_in_a_forked_child_fails_there_and_stays_the_parents(daemon):
+    import os
+
+    layers = {f"l{i}": torch.full((1024,), float(i)) for i in range(2)}
+    with daemon.client() as c:
+        stream = c.put_stream("forked-stream", layers)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                stream.write({"l0": torch.full((1024,), -1.0)})
+                os._exit(1)  # it wrote into the parent's reservation
+            except kvd.KvdError:
+                os._exit(0)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        stream.write(layers)
+        stream.commit()
+        got = c.get("forked-stream")
+        assert all(torch.equal(got[n], layers[n]) for n in layers)
