@@ -419,6 +419,23 @@ def encode(msg: Message) -> list[Frame]:
     return [msgpack.packb(header, **_packer_options), *payload]
 
 
+def request_number(head: Frame) -> int:
+    """Best effort: the `req` of a header that did not decode (a string or the whole header over
+    the limits), so that the error reaches the request that caused it; 0 if it cannot be read.
+
+    Reads only the first keys (an encoder writes v, t, req first), with the same limits."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, **UNPACK_LIMITS)
+        unpacker.feed(head)
+        for _ in range(min(unpacker.read_map_header(), 4)):
+            key, value = unpacker.unpack(), unpacker.unpack()
+            if key == "req":
+                return value if type(value) is int and 0 <= value < 1 << 63 else 0
+    except Exception:  # msgpack raises several unrelated types on bad input
+        pass
+    return 0
+
+
 def decode(frames: typing.Sequence[Frame]) -> Message:
     """Frames -> message, or ProtocolError saying exactly what is wrong. Never trusts sizes."""
     if not frames:

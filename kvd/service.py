@@ -142,7 +142,9 @@ class ClientService:
             msg = p.decode(frames[1:])
         except KvdError as exc:
             log.warning("undecodable client message: %s", exc)
-            self._reply(rid, self._error(p.Message(), exc))
+            reply = self._error(p.Message(), exc)
+            reply.req = p.request_number(frames[1]) if len(frames) > 1 else 0  # to the caller, if it can be told
+            self._reply(rid, reply)
             return
         try:
             # draining refuses new work; what finishes or undoes work already started goes on

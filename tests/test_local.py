@@ -447,3 +447,13 @@ def test_a_stream_used_in_a_forked_child_fails_there_and_stays_the_parents(daemo
         stream.commit()
         got = c.get("forked-stream")
         assert all(torch.equal(got[n], layers[n]) for n in layers)
+
+
+def test_a_request_over_the_header_limits_gets_its_error_at_once(client):
+    # the daemon cannot decode it, but still finds which request it was (not a 30 s silence)
+    started = time.monotonic()
+    with pytest.raises(kvd.ProtocolError, match="max_str_len|exceeds"):
+        client.put("too-long", {"n" * 70000: torch.ones(1)})
+    assert time.monotonic() - started < 5
+    client.put("fine", {"x": torch.ones(1)})
+    assert client.get("fine")["x"].item() == 1

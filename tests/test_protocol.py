@@ -450,3 +450,17 @@ def test_fuzz_structured_headers(name, data):
         for f in dataclasses.fields(cls):
             if f.name in header and f.name != "payload":
                 assert getattr(msg, f.name) == header[f.name]
+
+
+def test_the_request_number_of_a_header_over_the_limits_is_still_found():
+    # so that the daemon's error reaches the request that caused it, not a req 0 nobody waits on
+    too_long = p.encode(p.PutAlloc(req=41, request_id="r", tensors=[["n" * 70000, "uint8", [1]]]))[0]
+    with pytest.raises(ProtocolError):
+        p.decode([too_long])
+    assert p.request_number(too_long) == 41
+    too_big = p.encode(p.Stats(req=7))[0] + b"\xc0" * p.MAX_HEADER_BYTES  # (what follows the map is not read)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        p.decode([too_big])
+    assert p.request_number(too_big) == 7
+    for garbage in (b"", b"\x93\x01\x02\x03", b"\xde\xff\xff", b"\x81\xa3req\xa1x", b"\x81\xa3req\xff"):
+        assert p.request_number(garbage) == 0
