@@ -311,9 +311,14 @@ def test_holder_killed_mid_pull(daemons):
 
     thread = threading.Thread(target=puller)
     thread.start()
-    time.sleep(0.15)
+    with b.client() as watcher:  # kill A once bytes are arriving (a fixed sleep could miss the pull)
+        deadline = time.monotonic() + 10
+        while not any(e["state"] == "receiving" for e in watcher.list()):
+            assert time.monotonic() < deadline and thread.is_alive(), "the pull never started, or ended first"
+            time.sleep(0.002)
     a.kill(signal.SIGKILL)
     thread.join(30)
+    assert not thread.is_alive(), "the get did not return"
     assert errors and isinstance(errors[0], (kvd.PeerUnavailable, kvd.Timeout)), errors
     with b.client() as cb:
         deadline = time.monotonic() + 5
