@@ -458,9 +458,8 @@ class ClientService:
         deadline = time.monotonic() + msg.timeout
         pull = None
         if self._is_remote(msg.source) and msg.request_id not in self.store.entries:
-            pull = self._start_pull(msg.source, msg.request_id, msg.timeout, msg.keep)
+            pull = self._start_pull(rid, msg.source, msg.request_id, msg.timeout, msg.keep)
             pull.add_done_callback(lambda _: self._wake(msg.request_id))  # a failed pull ends the wait
-            self._pull_readers.setdefault((msg.source, msg.request_id), set()).add(rid)
 
         def find() -> Entry | None:
             if pull is not None and pull.done() and not pull.cancelled() and pull.exception() is not None:
@@ -484,13 +483,11 @@ class ClientService:
 
     async def _pull_once(self, rid: bytes, msg: p.Get) -> Entry:
         """Pull request_id from msg.source; concurrent gets of the same id share one pull."""
-        key = (msg.source, msg.request_id)
-        pull = self._start_pull(msg.source, msg.request_id, msg.timeout, msg.keep)
-        self._pull_readers.setdefault(key, set()).add(rid)
+        pull = self._start_pull(rid, msg.source, msg.request_id, msg.timeout, msg.keep)
         try:
             return await asyncio.shield(pull)
         finally:
-            self._pull_readers.get(key, set()).discard(rid)
+            self._pull_readers.get((msg.source, msg.request_id), set()).discard(rid)
 
     def _leave_pull(self, key: tuple[str, str], rid: bytes) -> None:
         readers = self._pull_readers.get(key)
@@ -502,7 +499,8 @@ class ClientService:
             log.info("nobody waits for %r from %s any more: pull called off", key[1], key[0])
             pull.cancel()
 
-    def _start_pull(self, source: str, request_id: str, timeout: float, keep: bool) -> asyncio.Future:
+    def _start_pull(self, rid: bytes, source: str, request_id: str, timeout: float, keep: bool) -> asyncio.Future:
+        """The pull of request_id from source, started or joined by connection rid's reader."""
         key = (source, request_id)
         pull = self._pulls.get(key)
         if pull is None:
@@ -512,6 +510,7 @@ class ClientService:
             pull.add_done_callback(lambda _: self._pulls.pop(key, None))
             pull.add_done_callback(lambda _: self._pull_readers.pop(key, None))
             pull.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen by every waiter
+        self._pull_readers.setdefault(key, set()).add(rid)
         return pull
 
     def _drop_reader(self, lease_token: int) -> None:
