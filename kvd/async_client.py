@@ -72,6 +72,9 @@ class AsyncClient(_ClientCore):
             for req in streams:
                 self._streams.pop(req, None)
 
+    def _read_notices(self) -> None:
+        pass  # _on_reply takes every message in as it arrives
+
     def _send_nowait(self, msg: p.Message) -> None:
         if self._sock is None:
             return  # reconnecting: the daemon that lost us gives back what we held by itself
@@ -123,6 +126,8 @@ class AsyncClient(_ClientCore):
             fut.set_result(msg)
         elif req in self._streams:
             self._streams[req].put_nowait(msg)
+        elif self._stream_notice(msg):
+            pass
         elif isinstance(msg, p.Error):
             self._abandoned.pop(req, None)
             log.warning("daemon reported: %s", msg.message)

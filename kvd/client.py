@@ -76,6 +76,21 @@ class _ClientCore:
         # requests given up on (cancelled, interrupted) whose reply may still come: what it holds
         # for us (a read lease, a reservation, lent blocks) is given back when it does
         self._abandoned: collections.OrderedDict[int, p.Message] = collections.OrderedDict()
+        # open put streams by their put_alloc's req: an error on that req says the daemon ended it
+        self._writes: dict[int, StreamState] = {}
+
+    def _stream_notice(self, msg: p.Message) -> bool:
+        """An error about an open stream (its lease ran out, it was deleted, its push failed):
+        kept for the stream's next write, which raises it. True if msg was one."""
+        state = self._writes.get(getattr(msg, "req", None)) if isinstance(msg, p.Error) else None
+        if state is None:
+            return False
+        state.failed = error_from_code(msg.code, msg.message, remote=msg.origin)
+        return True
+
+    def _read_notices(self) -> None:
+        """Take in what the daemon sent unasked before a stream writes (Client: a non-blocking
+        read; AsyncClient's loop takes messages in as they come)."""
 
     def _abandon(self, msg: p.Message) -> None:
         self._abandoned[msg.req] = msg
@@ -94,7 +109,7 @@ class _ClientCore:
             return p.GetDone(req=next(self._reqs), request_id=request.request_id, token=reply.token,
                              consume=False, reply=False)
         if isinstance(reply, p.PutSlots):  # a reservation nobody will write
-            return p.Delete(req=next(self._reqs), request_id=request.request_id)
+            return p.Delete(req=next(self._reqs), request_id=request.request_id, token=reply.token)
         return None
 
     def _pool_of(self, generation: int) -> torch.Tensor:
@@ -208,7 +223,7 @@ class _ClientCore:
                 self._sync_device()
             except BaseException:
                 # free the reservation now rather than at lease expiry
-                yield p.Delete(req=next(self._reqs), request_id=request_id), NO_REPLY
+                yield p.Delete(req=next(self._reqs), request_id=request_id, token=slots.token), NO_REPLY
                 raise
             reply = yield p.PutCommit(req=next(self._reqs), request_id=request_id, token=slots.token, dest=dest,
                                       lend=True), wait
@@ -288,6 +303,7 @@ class _ClientCore:
     def _close_transport(self) -> None:
         """Close the connection and the pool mapping."""
         self._scratch = None  # lent to that connection; the daemon takes it back
+        self._writes.clear()  # (its streams fail at their next write: another connection's offsets)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -395,12 +411,23 @@ class Client(_ClientCore):
                 continue
             if getattr(reply, "req", None) == req:
                 return self._raise_if_error(reply)
-            if getattr(reply, "req", None) in self._inbox:  # a stream's, read by a call inside its loop
-                self._inbox[reply.req].append(reply)
-                continue
+            self._route(reply)
+
+    def _route(self, reply: p.Message) -> None:
+        """A message that is not the reply awaited now."""
+        if getattr(reply, "req", None) in self._inbox:  # a stream's, read by a call inside its loop
+            self._inbox[reply.req].append(reply)
+        elif not self._stream_notice(reply):
             give_back = self._late_reply(reply)  # a stale reply, to a request given up on
             if give_back is not None:
                 self._send_nowait(give_back)
+
+    def _read_notices(self) -> None:
+        while self._sock is not None and (frames := self._sock.receive(0)) is not None:
+            try:
+                self._route(p.decode(frames))
+            except KvdError as exc:
+                log.warning("undecodable message from the daemon: %s", exc)
 
     def _call(self, msg: p.Message, wait: float) -> p.Message:
         self._sock.send(p.encode(msg))

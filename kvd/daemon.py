@@ -23,7 +23,7 @@ import zmq
 from .auth import load_keys, start_authenticator
 from .config import Config
 from .device import open_staging_memory
-from .errors import BadRequest, Timeout
+from .errors import BadRequest
 from .exchange import Exchange
 from .http import HttpEndpoint
 from .metrics import Metrics, StateCollector
@@ -229,7 +229,7 @@ class Daemon:
         self.metrics.expired.inc(len(expired))
         for entry in abandoned:
             log.warning("dropped %s: its writer did not finish within the lease", entry.request_id)
-            self.service.on_dropped(entry, Timeout(f"the writer of {entry.request_id!r} did not finish in time"))
+            self.service.write_expired(entry)
         self.metrics.abandoned.inc(len(abandoned))
         for lease in stale:
             self.service.lease_expired(lease)
@@ -248,6 +248,8 @@ class Daemon:
             "pool": {
                 "capacity_bytes": store.allocator.num_blocks * cfg.block_size,
                 "used_bytes": store.used_bytes,
+                # of used_bytes: removed entries whose blocks a client or ZeroMQ may still touch
+                "parked_bytes": store.parked_bytes,
                 "scratch_bytes": store.scratch_bytes,  # lent to connected clients for their next put
                 "block_size": cfg.block_size,
                 "free_blocks": store.allocator.free_blocks,

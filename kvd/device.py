@@ -11,9 +11,15 @@ which also avoids Python 3.11's multiprocessing.shared_memory resource tracker, 
 unlinks segments that a client merely attached to. `--pool-path FILE` uses a named file
 instead (for a tmpfs/hugetlbfs mount shared between containers without a shared PID
 namespace); the daemon creates it 0600 and unlinks it on exit.
+
+A page of the pool that is not there kills whoever touches it with SIGBUS, the daemon
+included. So the memfd is sealed at its size (a client, which must open it read-write to put,
+cannot shrink or grow it), and a pool file's space is reserved at start, prefault or not (a
+tmpfs that cannot hold the pool fails the start instead of the first transfer).
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -21,6 +27,7 @@ import typing
 
 from .errors import BadRequest
 from .poolio import HostPoolIO, PoolIO
+from .units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +54,9 @@ class HostMemory:
     def __init__(self, size: int, path: str = "", prefault: bool = True) -> None:
         self.size = size
         self._unlink_path = ""
+        self._fd = -1
         if path:
+            _check_room(path, size)
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
             try:
                 self._fd = os.open(path, flags, 0o600)
@@ -56,16 +65,26 @@ class HostMemory:
             self._unlink_path = path
             self.client_path = os.path.abspath(path)
         else:
-            self._fd = os.memfd_create("kvd-pool", os.MFD_CLOEXEC)
+            self._fd = os.memfd_create("kvd-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             self.client_path = f"/proc/{os.getpid()}/fd/{self._fd}"
         try:
             os.ftruncate(self._fd, size)
-            if prefault:
-                # allocate every page now: fail at start rather than SIGBUS mid-transfer,
-                # and keep first-touch page faults off the copy path
-                os.posix_fallocate(self._fd, 0, size)
+            if prefault or path:
+                # allocate every page now: fail at start rather than SIGBUS mid-transfer, and
+                # keep first-touch page faults off the copy path (a memfd without prefault
+                # takes its pages from memory as it goes: no file system to run out of)
+                try:
+                    os.posix_fallocate(self._fd, 0, size)
+                except OSError as exc:
+                    where = f"the file system of {path}" if path else "this host's shared memory"
+                    raise BadRequest(f"{where} cannot hold the {format_size(size)} pool: {exc.strerror}") from None
+            if not path:  # a client opens the memfd read-write: it must not be able to resize it
+                fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
             self._map = mmap.mmap(self._fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BadRequest:
+            self.close()
+            raise
         except OSError as exc:
             self.close()
             raise BadRequest(f"cannot allocate a {size}-byte host pool: {exc}") from None
@@ -98,6 +117,18 @@ class HostMemory:
             except FileNotFoundError:
                 pass
             self._unlink_path = ""
+
+
+def _check_room(path: str, size: int) -> None:
+    """Refuse a pool file on a file system without room for it (before creating anything)."""
+    try:
+        fs = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError as exc:
+        raise BadRequest(f"cannot use --pool-path {path}: {exc.strerror}") from None
+    free = fs.f_bavail * fs.f_frsize
+    if free < size:
+        raise BadRequest(f"the file system of {path} cannot hold the {format_size(size)} pool "
+                         f"({format_size(free)} free): make the tmpfs bigger or the pool smaller")
 
 
 def open_staging_memory(device: str, size: int, path: str = "", prefault: bool = True) -> StagingMemory:

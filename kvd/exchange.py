@@ -32,6 +32,7 @@ from .poolio import PoolIO
 from .peers import Channel, PeerLink, tune_peer_socket
 from .peerset import PeerSet
 from .store import Entry, State, Store
+from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 from .transfer import ReceiveLedger, SendWindow
 from .zsock import LoopSocket
 
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 # chunks every sender sends right after the offer, before the receiver accepts (wasted if it
 # refuses); a receiver whose whole entry fits in them needs no accept (proto/PROTOCOL.md)
 EAGER_CHUNKS = 2
+MAX_PULL_WAIT = 3600.0  # seconds a holder waits for a pulled entry to appear (a local get's limit too)
+# a finished send whose frames ZeroMQ still holds is checked again after this, doubling up to the
+# housekeeping interval (its pyzmq trackers complete a few microseconds to milliseconds after done)
+DEFERRED_FIRST, DEFERRED_MAX = 0.002, 0.2
 
 
 class EntryEvents(Protocol):
@@ -64,6 +69,7 @@ class Outbound:
     sends: list = field(default_factory=list)  # chunk send futures; each resolves to a MessageTracker
     accepted: bool = False  # the receiver has reserved room: the full window may flow
     started: float = field(default_factory=time.monotonic)
+    cut: bool = False  # its connection was cut to make ZeroMQ let go of its frames
 
     def zmq_released(self) -> bool:
         """True once ZeroMQ holds no reference to any frame of ours (safe to reuse the blocks)."""
@@ -116,6 +122,8 @@ class Exchange:
         # pulls we serve that still wait for their entry: xfer -> (channel key, the waiting task)
         self._serving: dict[int, tuple[tuple, asyncio.Task]] = {}
         self._deferred: list[Outbound] = []  # finished sends whose frames ZeroMQ may still hold
+        self._deferred_check: asyncio.TimerHandle | None = None
+        self._deferred_delay = DEFERRED_FIRST
         self._tasks: set[asyncio.Task] = set()
         self.counters = {"sent_bytes": 0, "received_bytes": 0, "pushes": 0, "pulls": 0, "failures": 0}
         self.router: LoopSocket | None = None
@@ -135,6 +143,8 @@ class Exchange:
         self.peers.start(self.curve)
 
     async def close(self) -> None:
+        if self._deferred_check is not None:
+            self._deferred_check.cancel()
         for transfer in list(self.transfers.values()):
             self._fail(transfer, PeerUnavailable(f"daemon {self.config.node_id} is shutting down"), notify=True)
         await asyncio.sleep(0)  # let the Abort sends start
@@ -187,7 +197,12 @@ class Exchange:
             self.store.release(lease_token, success=False)  # nothing was sent: hand the lease back
             raise
         window = SendWindow(entry.total_bytes, self.config.chunk_size, self.config.window)
-        return self._start_outbound(random.getrandbits(63), entry, lease_token, link.channel, window, sealed)
+        return self._start_outbound(self._new_xfer(), entry, lease_token, link.channel, window, sealed)
+
+    def _new_xfer(self) -> int:
+        while (xfer := random.getrandbits(63)) in self.transfers:
+            pass
+        return xfer
 
     def seal(self, out: Outbound) -> None:
         """The producer committed: the receiver may publish once every byte has arrived."""
@@ -213,7 +228,7 @@ class Exchange:
         """Fetch request_id from source into our pool; returns the published entry."""
         link = self.link_for(source)
         await link.ensure_ready(self.config.connect_timeout)
-        xfer = random.getrandbits(63)
+        xfer = self._new_xfer()
         done = asyncio.get_running_loop().create_future()
         now = time.monotonic()
         self.transfers[xfer] = Inbound(xfer, link.channel, request_id, done,
@@ -233,8 +248,12 @@ class Exchange:
     # --- sending ----------------------------------------------------------------------------
 
     def _start_outbound(self, xfer: int, entry: Entry, lease_token: int, channel: Channel,
-                        window: SendWindow, sealed: bool = True) -> Outbound:
+                        window: SendWindow, sealed: bool = True) -> Outbound | None:
         cfg = self.config
+        if xfer in self.transfers:  # a peer reusing a transfer id it has in flight: never two under one id
+            self.store.release(lease_token, success=False)
+            self._send(channel, p.Abort(xfer=xfer, code=ProtocolError.code, message="transfer id in use"))
+            return None
         out = Outbound(
             xfer, entry, lease_token, channel, window, cfg.checksum,
             asyncio.get_running_loop().create_future(), time.monotonic() + cfg.transfer_timeout,
@@ -273,35 +292,67 @@ class Exchange:
         self.transfers.pop(out.xfer, None)
         self.metrics.transfer_done(out.channel.peer_name, "sent", "ok" if error is None else "failed",
                                    time.monotonic() - out.started)
+        # the claim ends now (a push's entry is gone, a failed pull's holder has it back), but the
+        # blocks stay pinned until ZeroMQ holds none of our frames: a receiver's `done` is its word,
+        # not proof that our frames left, and a failed transfer's frames may still be queued
+        try:
+            self.store.end_claim(out.lease_token, success=error is None)
+        except NotFound:
+            pass
+        self._unpin_when_sent(out)
         if error is None:
-            # the receiver verified every byte, so ZeroMQ has finished reading our frames
-            self.store.release(out.lease_token, success=True)
             if not out.done.done():
                 out.done.set_result(None)
             log.debug("sent %s to %s (%d bytes)", out.entry.request_id, out.channel.peer_name, out.entry.total_bytes)
             return
-        # frames may still sit in ZeroMQ's queue: keep the blocks until its trackers say done, or
-        # for at most transfer_timeout (a peer cut off without a reset can pin them for minutes;
-        # reusing the blocks then is safe: those bytes belong to a transfer the receiver has
-        # dropped, and they would fail their checksum anyway)
-        out.deadline = time.monotonic() + self.config.transfer_timeout
-        self._deferred.append(out)
-        self._release_deferred()
         if not out.done.done():
             out.done.set_exception(error)
             out.done.exception()  # a failed pull-serve has no awaiter; mark the error as seen
 
+    def _unpin_when_sent(self, out: Outbound) -> None:
+        if out.zmq_released():
+            self._unpin(out)
+            return
+        # ZeroMQ still reads from these blocks. A peer that stops reading can keep its frames
+        # queued for ever (a stalled TCP window gives ZeroMQ's heartbeat no chance), so after
+        # transfer_timeout its connection is cut, which makes ZeroMQ drop them; never a timer
+        # that frees blocks it may still send from
+        out.deadline = time.monotonic() + self.config.transfer_timeout
+        self._deferred.append(out)
+        self._schedule_deferred_check()
+
+    def _unpin(self, out: Outbound) -> None:
+        try:
+            self.store.release(out.lease_token, success=False)
+        except NotFound:
+            pass
+
+    def _schedule_deferred_check(self) -> None:
+        if self._deferred_check is None:
+            self._deferred_check = asyncio.get_running_loop().call_later(self._deferred_delay,
+                                                                         self._release_deferred)
+            self._deferred_delay = min(2 * self._deferred_delay, DEFERRED_MAX)
+
     def _release_deferred(self) -> None:
+        self._deferred_check = None
         still = []
+        now = time.monotonic()
         for out in self._deferred:
-            if out.zmq_released() or time.monotonic() >= out.deadline:
-                try:
-                    self.store.release(out.lease_token, success=False)
-                except NotFound:
-                    pass  # the lease already went with its entry
-            else:
-                still.append(out)
+            if out.zmq_released():
+                self._unpin(out)
+                continue
+            still.append(out)
+            if now >= out.deadline and not out.cut:
+                out.cut = True
+                log.warning("peer %s has not taken the last frames of %s %.0fs after its transfer ended: "
+                            "closing its connection so that the blocks can be reused", out.channel.peer_name,
+                            out.entry.request_id, self.config.transfer_timeout)
+                out.channel.cut()
         self._deferred = still
+        if still:
+            self._schedule_deferred_check()
+        else:
+            self._deferred_delay = DEFERRED_FIRST
 
     # --- receiving ----------------------------------------------------------------------------
 
@@ -389,7 +440,7 @@ class Exchange:
 
     async def _serve_pull(self, channel: Channel, msg: p.Pull) -> None:
         try:
-            entry = await self.events.wait_ready(msg.request_id, time.monotonic() + min(msg.timeout, 3600.0))
+            entry = await self.events.wait_ready(msg.request_id, time.monotonic() + msg.timeout)
             lease = self.store.lease(entry, consume=not msg.keep, deadline=None)
         except KvdError as exc:
             self._send(channel, p.Abort(xfer=msg.xfer, code=exc.code, message=exc.message))
@@ -413,6 +464,10 @@ class Exchange:
             match msg:
                 case p.Offer():
                     self._on_offer(channel, msg)
+                case p.Pull() if msg.xfer in self.transfers or msg.xfer in self._serving:
+                    raise ProtocolError("transfer id in use")
+                case p.Pull() if not 0 <= msg.timeout <= MAX_PULL_WAIT:  # (NaN fails this too)
+                    raise BadRequest(f"pull timeout must be between 0 and {MAX_PULL_WAIT:g} seconds")
                 case p.Pull():
                     task = self._spawn(self._serve_pull(channel, msg), f"pull-{msg.xfer:x}")
                     self._serving[msg.xfer] = (channel.key, task)
@@ -453,6 +508,8 @@ class Exchange:
             if transfer is not None:
                 self._fail(transfer, exc, notify=True)
             elif xfer is not None:
+                if xfer in self._serving:
+                    self._stop_serving(xfer, channel)
                 self._send(channel, p.Abort(xfer=xfer, code=exc.code, message=exc.message))
 
     def _fail(self, transfer: Outbound | Inbound, error: KvdError, notify: bool) -> None:
@@ -507,8 +564,6 @@ class Exchange:
                 self._fail(transfer, PeerUnavailable(
                     f"no progress from peer {transfer.channel.peer_name} for {self.config.transfer_timeout:g}s"
                 ), notify=True)
-        if self._deferred:
-            self._release_deferred()
 
     # --- sockets ------------------------------------------------------------------------------------
 
@@ -525,7 +580,7 @@ class Exchange:
     def _router_channel(self, rid: bytes) -> Channel:
         name = self.peers.router_name(rid)
         return Channel(("router", rid), name, lambda frames, track: self.router.send(
-            [rid, *frames], copy=False, track=track))
+            [rid, *frames], copy=False, track=track), lambda: self.peers.cut_router(rid))
 
     def _on_router_frames(self, frames: list) -> None:
         rid = frames[0].bytes
@@ -538,7 +593,17 @@ class Exchange:
             self._send(channel, p.Abort(xfer=0, code=exc.code, message=exc.message))
             return
         if isinstance(msg, p.PeerHello):
-            self.peers.router_hello(rid, msg)
+            conn = TcpConnection.of_fd(frames[1].get(zmq.SRCFD))
+            uid = None if self.curve is not None else foreign_user(conn)
+            if uid is not None:
+                refusal = foreign_user_refusal(uid, "this peer connection (on loopback)")
+                log.warning("refused a peer connection from another user (%s) calling itself %s",
+                            "unknown" if uid < 0 else f"uid {uid}", msg.node_id)
+                self._send(channel, p.Abort(xfer=0, code=refusal.code, message=refusal.message))
+                # (the abort may not leave before the cut: a peer that does not say hello is refused anyway)
+                asyncio.get_running_loop().call_later(0.1, conn.cut)
+                return
+            self.peers.router_hello(rid, msg, conn)
             self._send(self._router_channel(rid),
                        p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation))
             return

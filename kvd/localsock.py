@@ -29,6 +29,7 @@ from typing import Any, Callable
 from . import protocol as p
 from .errors import BadRequest, KvdError, ProtocolError
 from .framing import MessageReader, encode_message
+from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,9 @@ class LocalServer:
 
 
 class _ClientConnection(asyncio.Protocol):
+    """One client; on a tcp:// socket, one from another user on loopback is turned away at once
+    (a unix socket's 0600 mode does that for the default endpoint)."""
+
     def __init__(self, server: LocalServer, conn_id: bytes) -> None:
         self.server = server
         self.conn_id = conn_id
@@ -128,8 +132,20 @@ class _ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family != socket.AF_UNIX:
+            uid = foreign_user(TcpConnection.of_fd(sock.fileno()))
+            if uid is not None:
+                refusal = foreign_user_refusal(uid, "this client connection (on loopback)",
+                                               "run the client as the daemon's user")
+                log.warning("refused a client connection from another user (%s)",
+                            "unknown" if uid < 0 else f"uid {uid}")
+                self.send(p.encode(p.error_reply(0, refusal, None)))
+                self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return
         try:
             messages = self.reader.feed(data)
         except ProtocolError as exc:

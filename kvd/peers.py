@@ -18,6 +18,7 @@ from zmq.utils.monitor import parse_monitor_message
 from . import protocol as p
 from .auth import CurveKeys, make_client
 from .errors import KvdError, PeerUnavailable, Unauthorized
+from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 from .zsock import LoopSocket
 
 log = logging.getLogger(__name__)
@@ -49,14 +50,21 @@ def tune_peer_socket(sock: zmq.Socket) -> None:
 class Channel:
     """Where a transfer's messages go: a ROUTER routing id, or a DEALER link."""
 
-    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], asyncio.Future]) -> None:
+    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], asyncio.Future],
+                 cutter: Callable[[], bool]) -> None:
         self.key = key  # identifies the connection, so a message on another one is refused
         self.peer_name = peer_name
         self._sender = sender
+        self._cutter = cutter
 
     def send(self, msg: p.Message, track: bool = False) -> asyncio.Future:
         """Queue a message; the future resolves (to a MessageTracker if track) once ZeroMQ took it."""
         return self._sender(p.encode(msg), track)
+
+    def cut(self) -> bool:
+        """Cut the TCP connection under this channel: ZeroMQ drops what it still had queued on it
+        (and reconnects, for a link). False if there was no connection to cut."""
+        return self._cutter()
 
 
 class PeerLink:
@@ -89,7 +97,8 @@ class PeerLink:
         sock.connect(endpoint)
         self.socket = LoopSocket(sock, self._on_frames, copy=False)
         self.channel = Channel(("dealer", endpoint), name,
-                               lambda frames, track: self.socket.send(frames, copy=False, track=track))
+                               lambda frames, track: self.socket.send(frames, copy=False, track=track), self.cut)
+        self.connection: TcpConnection | None = None  # the TCP connection the last hello answer came on
         self._hello: asyncio.Future | None = None
         self.connected = False
         self.last_seen = 0.0  # monotonic time of the last message from this peer
@@ -173,6 +182,11 @@ class PeerLink:
     def mark_lost(self) -> None:
         self.connected = False
 
+    def cut(self) -> bool:
+        """Cut our TCP connection to the peer: ZeroMQ drops the frames queued on it (with
+        IMMEDIATE, a DEALER discards its queue with the connection) and dials again."""
+        return self.connection is not None and self.connection.cut()
+
     def _on_frames(self, frames: list) -> None:
         self.last_seen = time.monotonic()
         try:
@@ -181,6 +195,17 @@ class PeerLink:
             log.warning("peer %s sent an undecodable message: %s", self.name, exc)
             return
         if isinstance(msg, p.PeerHelloOk):
+            self.connection = TcpConnection.of_fd(frames[0].get(zmq.SRCFD))
+            uid = None if self._curve else foreign_user(self.connection)
+            if uid is not None:  # another user's process listens there: never send it a cache
+                refusal = foreign_user_refusal(uid, f"the listener of peer {self.name} ({self.endpoint})")
+                log.warning("%s", refusal.message)
+                self.refusal = refusal
+                self.cut()
+                if self._hello is not None and not self._hello.done():
+                    self._hello.set_exception(refusal)
+                    self._hello.exception()
+                return
             restarted = self.remote_incarnation is not None and self.remote_incarnation != msg.incarnation
             self.remote_node_id, self.remote_incarnation = msg.node_id, msg.incarnation
             if not self.connected:
@@ -195,6 +220,14 @@ class PeerLink:
                 self._hello.set_result(None)
             return
         if isinstance(msg, p.Pong):
+            return
+        if isinstance(msg, p.Abort) and msg.xfer == 0 and msg.code == Unauthorized.code:
+            refusal = Unauthorized(f"peer {self.name} ({self.endpoint}) refused this daemon: {msg.message}")
+            log.warning("%s", refusal.message)
+            self.refusal, self.connected = refusal, False
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_exception(refusal)
+                self._hello.exception()
             return
         if isinstance(msg, p.Abort) and msg.xfer == 0 and self.connected:
             # the peer does not know us (it restarted on the same address): introduce ourselves again

@@ -19,6 +19,7 @@ from .auth import CurveKeys
 from .config import Config
 from .errors import PeerUnavailable
 from .peers import PeerLink
+from .tcpconn import TcpConnection
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class PeerSet:
         self.links: dict[str, PeerLink] = {}  # peer name or endpoint -> link
         self._router_peers: dict[bytes, str] = {}  # routing id -> node id, after PeerHello
         self._router_seen: dict[bytes, float] = {}  # routing id -> last message
+        self._router_conns: dict[bytes, TcpConnection] = {}  # routing id -> its TCP connection
         self._last_ping = 0.0
 
     # --- outgoing links ----------------------------------------------------------------------
@@ -107,11 +109,19 @@ class PeerSet:
         if rid in self._router_peers:
             self._router_seen[rid] = time.monotonic()
 
-    def router_hello(self, rid: bytes, msg: p.PeerHello) -> None:
+    def router_hello(self, rid: bytes, msg: p.PeerHello, conn: TcpConnection | None) -> None:
         if self._router_peers.get(rid) != msg.node_id:
             log.info("peer %s (incarnation %x) connected to us", msg.node_id, msg.incarnation)
         self._router_peers[rid] = msg.node_id
         self._router_seen[rid] = time.monotonic()
+        if conn is not None:
+            self._router_conns[rid] = conn
+
+    def cut_router(self, rid: bytes) -> bool:
+        """Cut the TCP connection of a peer connected to our ROUTER (ZeroMQ then drops it and the
+        frames it still had queued for it)."""
+        conn = self._router_conns.get(rid)
+        return conn is not None and conn.cut()
 
     # --- liveness -----------------------------------------------------------------------------
 
@@ -136,6 +146,7 @@ class PeerSet:
         for rid, seen in list(self._router_seen.items()):
             if now - seen > cfg.heartbeat_timeout:
                 del self._router_seen[rid]
+                self._router_conns.pop(rid, None)
                 name = self._router_peers.pop(rid, rid.hex())
                 log.warning("peer %s (connected to us) lost: silent for %.1fs", name, now - seen)
                 self._on_lost(("router", rid), f"peer {name} stopped answering")

@@ -201,9 +201,14 @@ class GetDone(Message):
 
 @dataclass(slots=True)
 class Delete(Message):
+    """Client -> daemon: drop a request's entry; with token, only the writer's own reservation."""
+
     TYPE: ClassVar[str] = "delete"
     req: int
     request_id: str
+    # the put_slots token of a reservation this connection writes: it stops writing (aborts, or
+    # acknowledges that the put ended without it); never touches another entry of that id
+    token: int | None = field(default=None, metadata=EXTENSION)
 
 
 @dataclass(slots=True)

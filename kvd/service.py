@@ -11,10 +11,11 @@ import asyncio
 import collections
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import protocol as p
-from .errors import BadRequest, KvdError, NotFound, ShuttingDown, Timeout
+from .errors import BadRequest, InternalError, KvdError, NotFound, ShuttingDown, Timeout
 from .layout import TensorSpec, blocks_needed
 from .store import Entry, Lease, State
 from .streams import Producer, StreamReader
@@ -28,6 +29,24 @@ MAX_WAIT = 3600.0  # longest get timeout we accept
 FINISHING_WORK = (p.PutPart, p.PutCommit, p.GetDone, p.Delete, p.Stats, p.Hello, p.ListEntries)
 RECENT_ERRORS = 20  # kept for `kvd status`
 HELD_PRUNE_AT = 1024  # per connection: holds tracked before ended ones are pruned
+
+
+@dataclass(eq=False)
+class Hold:
+    """What one client connection holds: a reservation it writes into, or a read lease."""
+
+    token: int
+    request_id: str
+    entry: Entry | None = None  # the reservation (None: a read lease)
+    req: int = 0  # the put_alloc that made a reservation: its writer is told on it if the put ends
+    stream: bool = False
+    # why the reservation ended while its writer was connected (lease ran out, deleted, push
+    # failed): its blocks stay parked until the writer acknowledges (commit, delete) or hangs up
+    ended: KvdError | None = None
+
+    @property
+    def writing(self) -> bool:
+        return self.entry is not None
 
 
 class ClientService:
@@ -45,8 +64,8 @@ class ClientService:
         # connections whose get waits on that pull: when the last one hangs up, the pull is called
         # off (the holder keeps its copy, readable by others, instead of it moving here unread)
         self._pull_readers: dict[tuple[str, str], set[bytes]] = {}
-        # connection -> what it holds: token -> request id (a put being written) or None (a read lease)
-        self._held: dict[bytes, dict[int, str | None]] = {}
+        self._held: dict[bytes, dict[int, Hold]] = {}  # connection -> what it holds, by token
+        self._writers: dict[int, bytes] = {}  # reservation token -> the connection writing it
         self._scratch: dict[bytes, int] = {}  # connection -> token of the blocks lent to it (one at most)
         self.counters = {"puts": 0, "gets": 0, "errors": 0}
         self.recent_errors: collections.deque = collections.deque(maxlen=RECENT_ERRORS)
@@ -164,7 +183,7 @@ class ClientService:
                 self._return_lease(msg.token)
             return False
         if isinstance(msg, p.GetSlots):
-            self._hold(rid, msg.token, None)
+            self._hold(rid, Hold(msg.token, self.store.lease_of(msg.token).request_id))
         self.daemon.local.send_now([rid, *p.encode(msg)])
         return True
 
@@ -179,7 +198,7 @@ class ClientService:
 
     def on_client_gone(self, rid: bytes) -> None:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
-        they would be at lease expiry."""
+        they would be at lease expiry; blocks parked for it are free at last."""
         scratch = self._scratch.pop(rid, None)
         if scratch is not None:
             self.store.return_scratch(scratch)
@@ -189,39 +208,77 @@ class ClientService:
         if not held:
             return
         writes = reads = 0
-        for token, request_id in held.items():
-            if not self._is_live(token, request_id):
+        for hold in held.values():
+            if not self._is_live(hold):
                 continue
-            if request_id is None:
-                self._return_lease(token)
+            if not hold.writing:
+                self._return_lease(hold.token)
                 reads += 1
-            else:
-                entry = self.store.entries[request_id]
-                self.store.remove(entry)
-                self.on_dropped(entry, NotFound(f"the writer of {request_id!r} disconnected before committing"))
+                continue
+            self._writers.pop(hold.token, None)
+            if hold.ended is None and not hold.entry.removed:
+                self.store.remove(hold.entry)
+                self.on_dropped(hold.entry, NotFound(f"the writer of {hold.request_id!r} disconnected before "
+                                                     "committing"))
                 self.metrics.abandoned.inc()
                 writes += 1
+            self.store.release_writer(hold.entry)
         if writes or reads:
             log.warning("a client disconnected with %d unfinished put(s) and %d open read(s); giving them back",
                         writes, reads)
 
-    def _hold(self, rid: bytes, token: int, request_id: str | None) -> None:
+    def _hold(self, rid: bytes, hold: Hold) -> None:
         held = self._held.setdefault(rid, {})
-        held[token] = request_id
+        held[hold.token] = hold
+        if hold.writing:
+            self._writers[hold.token] = rid
         if len(held) > HELD_PRUNE_AT:  # a long-lived client whose holds ended otherwise (expiry, delete)
-            for stale in [t for t, rq in held.items() if not self._is_live(t, rq)]:
+            for stale in [t for t, h in held.items() if not self._is_live(h)]:
                 del held[stale]
 
-    def _is_live(self, token: int, request_id: str | None) -> bool:
-        if request_id is None:
-            return self.store.lease_of(token) is not None
-        entry = self.store.entries.get(request_id)
-        return entry is not None and entry.token == token and entry.state is State.WRITING
+    def _is_live(self, hold: Hold) -> bool:
+        """Still something to give back: a lease not released, a reservation whose blocks its
+        writer may still write into."""
+        if hold.writing:
+            return hold.entry.writer
+        return self.store.lease_of(hold.token) is not None
 
     def _release_hold(self, rid: bytes, token: int) -> None:
         held = self._held.get(rid)
-        if held is not None:
-            held.pop(token, None)
+        if held is not None and held.pop(token, None) is not None:
+            self._writers.pop(token, None)
+
+    def _write_hold(self, rid: bytes, token: int, request_id: str) -> Hold:
+        """The reservation `token` of connection rid (put_part, put_commit name it)."""
+        hold = self._held.get(rid, {}).get(token)
+        if hold is None or not hold.writing or hold.request_id != request_id:
+            raise NotFound(f"the put of {request_id!r} with token {token} is not held by this connection "
+                           "(committed, aborted, or another connection's)")
+        return hold
+
+    def end_write(self, entry: Entry, error: KvdError) -> None:
+        """A reservation was removed while its writer may still be copying into it: park its
+        blocks and tell the writer (on its put_alloc's req), so that its next write fails at
+        once and it lets go of them."""
+        rid = self._writers.pop(entry.token, None)
+        hold = self._held.get(rid, {}).get(entry.token) if rid is not None else None
+        if hold is None or not self.daemon.local.is_connected(rid):
+            self.store.release_writer(entry)  # nobody left who could write
+            return
+        hold.ended = error
+        self._reply(rid, p.error_reply(hold.req, error, self.config.node_id))
+
+    def write_expired(self, entry: Entry) -> None:
+        """A reservation's lease ran out (the sweep removed it)."""
+        hold = self._held.get(self._writers.get(entry.token), {}).get(entry.token)
+        lease = f"{self.config.lease_timeout:g} s"
+        if hold is not None and hold.stream:
+            error = Timeout(f"the stream's lease expired after {lease} without a write (--lease-timeout)")
+        else:
+            error = Timeout(f"the put of {entry.request_id!r} was not committed within {lease} of its reservation "
+                            "(--lease-timeout)")
+        self.end_write(entry, error)
+        self.on_dropped(entry, error)
 
     def _error(self, msg: p.Message, exc: Exception) -> p.Error:
         self.counters["errors"] += 1
@@ -266,18 +323,26 @@ class ClientService:
                 specs = [TensorSpec.from_wire(t) for t in msg.tensors]
                 entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.WRITING,
                                            time.monotonic() + cfg.lease_timeout)
-                self._hold(rid, entry.token, entry.request_id)
+                self._hold(rid, Hold(entry.token, entry.request_id, entry, req=msg.req, stream=msg.stream))
                 if msg.stream:
                     self._wake(entry.request_id)  # get_stream readers may start now
                     if self._is_remote(msg.dest):
                         self._start_producer(entry, msg.dest, stream=True)
                 return p.PutSlots(req=msg.req, token=entry.token, segments=entry.segments(cfg.block_size))
             case p.PutPart():
-                entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
+                hold = self._write_hold(rid, msg.token, msg.request_id)
+                if hold.ended is not None:
+                    return None  # the writer was told why; its next write or commit lets go of the blocks
+                entry = hold.entry
+                entry.write_deadline = time.monotonic() + cfg.lease_timeout  # a stream that writes is alive
                 self._written(entry, entry.mark_tensors(msg.tensors), msg.tensors)
                 return None
             case p.PutCommit():
+                hold = self._write_hold(rid, msg.token, msg.request_id)
                 self._release_hold(rid, msg.token)
+                if hold.ended is not None:  # committed after every copy: the parked blocks can go
+                    self.store.release_writer(hold.entry)
+                    raise hold.ended
                 producer = self._producers.get(msg.token)
                 if producer is not None and producer.entry.request_id == msg.request_id and producer.entry.removed:
                     # every tensor was written and the peer already has them all: just report
@@ -318,14 +383,17 @@ class ClientService:
                 self._later(rid, msg, self._get_later(rid, msg))
                 return None
             case p.GetDone():
-                if msg.token not in self._held.get(rid, {}):
+                hold = self._held.get(rid, {}).get(msg.token)
+                if hold is None or hold.writing:
                     # a read lease is released only by the connection it was given to (a client
                     # that reconnected to a restarted daemon must not end another's by number)
                     raise NotFound(f"read lease {msg.token} is not held by this connection")
                 self._release_hold(rid, msg.token)
                 lease = self.store.lease_of(msg.token)
+                claiming = lease is not None and lease.claiming
+                # (a lease that ran out was given back already: releasing it only unpins its blocks)
                 entry = self.store.release(msg.token, success=msg.consume)
-                if lease is not None and msg.consume:
+                if claiming and msg.consume:
                     self.metrics.duration.labels("local_get").observe(time.monotonic() - lease.started)
                     self.metrics.local_bytes.labels("out").inc(entry.total_bytes)
                 if msg.token in self._stream_leases:
@@ -335,15 +403,21 @@ class ClientService:
                         self.store.remove(entry)
                 self.counters["gets"] += 1
                 return p.Ok(req=msg.req) if msg.reply else None
+            case p.Delete() if msg.token is not None:  # a writer gives up its own reservation
+                hold = self._held.get(rid, {}).get(msg.token)
+                if hold is None or not hold.writing or hold.request_id != msg.request_id:
+                    return p.Ok(req=msg.req, value=False)
+                self._release_hold(rid, msg.token)
+                live = hold.ended is None and not hold.entry.removed
+                if live:
+                    self._delete(hold.entry, NotFound(f"the put of {msg.request_id!r} was aborted by its writer"))
+                self.store.release_writer(hold.entry)
+                return p.Ok(req=msg.req, value=live)
             case p.Delete():
                 entry = self.store.entries.get(msg.request_id)
                 if entry is None:
                     return p.Ok(req=msg.req, value=False)
-                self.store.remove(entry)
-                deleted = NotFound(f"request {msg.request_id!r} was deleted on {cfg.node_id}")
-                if entry.state in (State.WRITING, State.RECEIVING):
-                    self.on_dropped(entry, deleted)  # stream readers, a push still being written
-                self.exchange.abort_entry(entry, deleted)  # a committed push, a pull served, an arrival
+                self._delete(entry, NotFound(f"request {msg.request_id!r} was deleted on {cfg.node_id}"))
                 return p.Ok(req=msg.req, value=True)
             case p.Stats():
                 return p.Ok(req=msg.req, value=self.daemon.stats())
@@ -352,15 +426,25 @@ class ClientService:
             case _:
                 raise BadRequest(f"{msg.TYPE} is not a client request")
 
+    def _delete(self, entry: Entry, error: KvdError) -> None:
+        """Remove an entry in any state, ending whatever is still at work on it."""
+        self.store.remove(entry)
+        if entry.state is State.WRITING:
+            self.end_write(entry, error)  # its writer may still be copying: park the blocks, tell it
+        if entry.state in (State.WRITING, State.RECEIVING):
+            self.on_dropped(entry, error)  # stream readers, a push still being written
+        self.exchange.abort_entry(entry, error)  # a committed push, a pull served, an arrival
+
     def _publish_put(self, rid: bytes, msg: p.PutCommit | p.Put, entry: Entry,
                      producer: Producer | None) -> p.PutOk | None:
         """Every byte of a local put is written: publish it, or answer once the push is over."""
         self.store.publish(entry)
         self.counters["puts"] += 1
         self.metrics.local_bytes.labels("in").inc(entry.total_bytes)
+        # every byte is in: stream readers here finish, even when the push owns the entry from now on
+        self.on_published(entry)
         if producer is None:
             self.metrics.duration.labels("local_put").observe(time.time() - entry.created)
-            self.on_published(entry)
             return self._put_ok(rid, msg, entry.total_bytes)
         self._later(rid, msg, self._finish_push(rid, producer, msg))
         return None
@@ -417,10 +501,17 @@ class ClientService:
                 self.exchange.seal(producer.outbound)
             await producer.outbound.done
 
+        def ended(task: asyncio.Task) -> None:
+            # forget it once it is over, committed or not (an aborted stream never reaches _finish_push)
+            self._producers.pop(entry.token, None)
+            error = None if task.cancelled() else task.exception()  # (seen by _finish_push too)
+            if error is not None and not producer.committed and not entry.removed:
+                # a stream whose push failed before its commit can never be delivered: end it now,
+                # so that its writer's next write fails instead of its commit
+                self._delete(entry, error if isinstance(error, KvdError) else InternalError(str(error)))
+
         producer.task = self.daemon.spawn(run(), f"push-{entry.request_id}")
-        producer.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen by _finish_push
-        # forget it once it is over, committed or not (an aborted stream never reaches _finish_push)
-        producer.task.add_done_callback(lambda _: self._producers.pop(entry.token, None))
+        producer.task.add_done_callback(ended)
         return producer
 
     def _written(self, entry: Entry, ranges: list[tuple[int, int]], indices: list[int]) -> None:

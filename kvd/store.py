@@ -2,9 +2,18 @@
 
 Bookkeeping only; no sockets. The daemon reserves an entry (WRITING for a local put,
 RECEIVING for an inbound transfer), publishes it (READY, visible to get), and removes it.
-Readers and senders hold leases; an entry's blocks return to the allocator only once it
-is removed *and* no lease is left, so a slot is never reused under a reader. Every
-reservation gets a fresh token (a generation number), and every lease names its token,
+
+Who may touch an entry's blocks pins them, and the blocks return to the allocator only once
+the entry is removed *and* nothing pins them, so a block is never handed to another request
+while anyone may still read or write it:
+- the local writer of a WRITING entry, until it commits (`publish`) or says it stopped
+  (`release_writer`): removing the entry before then (its lease ran out, a delete) parks the
+  blocks instead of freeing them;
+- every lease (a reader, a transfer sending the entry). A lease *claims* the entry (a
+  consuming one hides it from others) until its claim ends (`end_claim`: it ran out, or its
+  transfer finished); it keeps pinning the blocks until `release`, when its holder is sure
+  it no longer touches them (the reader said so or hung up, ZeroMQ let go of the frames).
+Every reservation gets a fresh token (a generation number), and every lease names its token,
 so a stale client or transfer can never act on a reused slot.
 """
 from __future__ import annotations
@@ -37,9 +46,12 @@ class State(enum.Enum):
 class Lease:
     token: int
     request_id: str
-    consume: bool  # removing the entry when released successfully
+    consume: bool  # removing the entry when its claim ends successfully
     deadline: float | None  # monotonic; None: the holder (a transfer) manages its own time
     started: float = field(default_factory=time.monotonic)
+    # False once the claim ended (ran out, or the transfer finished): the lease no longer hides
+    # or consumes the entry, but pins its blocks until released
+    claiming: bool = True
 
 
 @dataclass(slots=True, eq=False)
@@ -55,6 +67,7 @@ class Entry:
     expires_at: float | None  # monotonic ttl deadline
     write_deadline: float | None = None  # WRITING/RECEIVING must finish by then
     leases: dict[int, Lease] = field(default_factory=dict)
+    writer: bool = False  # a local client may still be copying into the blocks (WRITING, not committed)
     removed: bool = False
     created: float = field(default_factory=time.time)
     remaining: list[int] = field(default_factory=list)  # per tensor: bytes (of its range) still missing
@@ -149,7 +162,7 @@ class Store:
         self.entries: dict[str, Entry] = {}  # request id -> live entry (any state)
         self._leases: dict[int, tuple[Entry, Lease]] = {}
         self._tokens = itertools.count(1)
-        self._zombies: set[Entry] = set()  # removed, but leases still hold their blocks
+        self._zombies: set[Entry] = set()  # removed, but a lease or their writer still pins their blocks
         self._scratch: dict[int, list[Extent]] = {}  # token -> blocks lent to a client (see lend_scratch)
         self.expired_total = 0
 
@@ -167,7 +180,9 @@ class Store:
                 raise PoolFull(f"{exc.message}; {self.scratch_blocks} blocks are lent to connected clients "
                                "for their next put") from None
             raise
-        return self._add(request_id, specs, offsets, total, extents, ttl, meta, state, write_deadline)
+        entry = self._add(request_id, specs, offsets, total, extents, ttl, meta, state, write_deadline)
+        entry.writer = state is State.WRITING  # the client copies in after this returns
+        return entry
 
     def _check_new(self, request_id: str, specs: list[TensorSpec], ttl: float | None) -> tuple[list[int], int]:
         """Validate a new entry; returns its tensor offsets and total size."""
@@ -235,10 +250,22 @@ class Store:
         return entry
 
     def publish(self, entry: Entry) -> None:
-        """Complete: visible to readers, unless a consuming lease (a streaming push) already owns it."""
-        entry.state = State.CLAIMED if any(l.consume for l in entry.leases.values()) else State.READY
+        """Complete: visible to readers, unless a consuming lease (a streaming push) already owns it.
+        A local writer commits only after its last copy, so its pin ends here."""
+        entry.state = State.CLAIMED if self._consumer_of(entry) else State.READY
         entry.write_deadline = None
+        entry.writer = False
         entry.remaining = [0] * len(entry.remaining)
+
+    def release_writer(self, entry: Entry) -> None:
+        """The local writer will copy nothing more into this entry (it hung up, or acknowledged
+        that its put is over): a removed entry's parked blocks can go."""
+        entry.writer = False
+        self._free_if_unused(entry)
+
+    @staticmethod
+    def _consumer_of(entry: Entry) -> Lease | None:
+        return next((l for l in entry.leases.values() if l.consume and l.claiming), None)
 
     # --- reading and sending ------------------------------------------------------------
 
@@ -259,18 +286,27 @@ class Store:
         self._leases[lease.token] = (entry, lease)
         return lease
 
-    def release(self, token: int, success: bool) -> Entry:
-        """End a lease; a successful consuming lease removes the entry, a failed one gives it back."""
-        found = self._leases.pop(token, None)
+    def end_claim(self, token: int, success: bool) -> Entry:
+        """The lease stops claiming its entry: a successful consuming lease removes it, a failed one
+        gives it back to other readers. Its blocks stay pinned until `release`."""
+        found = self._leases.get(token)
         if found is None:
             raise NotFound(f"no read lease {token} (expired?)")
         entry, lease = found
-        del entry.leases[token]
+        if not lease.claiming:
+            return entry
+        lease.claiming, lease.deadline = False, None
         if lease.consume and not entry.removed:
             if success:
                 self.remove(entry)
-            elif entry.state is State.CLAIMED:
+            elif entry.state is State.CLAIMED and self._consumer_of(entry) is None:
                 entry.state = State.READY
+        return entry
+
+    def release(self, token: int, success: bool) -> Entry:
+        """End a lease: its claim (as in `end_claim`, if still claiming) and its pin."""
+        entry = self.end_claim(token, success)
+        del self._leases[token], entry.leases[token]
         self._free_if_unused(entry)
         return entry
 
@@ -280,7 +316,7 @@ class Store:
 
     def set_lease_deadline(self, token: int, deadline: float | None) -> None:
         found = self._leases.get(token)
-        if found is not None:
+        if found is not None and found[1].claiming:
             found[1].deadline = deadline
 
     # --- removal and expiry -------------------------------------------------------------
@@ -295,13 +331,16 @@ class Store:
         self._free_if_unused(entry)
 
     def _free_if_unused(self, entry: Entry) -> None:
-        if entry.removed and not entry.leases and entry in self._zombies:
+        if entry.removed and not entry.leases and not entry.writer and entry in self._zombies:
             self._zombies.discard(entry)
             self.allocator.free(entry.extents)
             entry.extents = []
 
     def sweep(self, now: float) -> tuple[list[Entry], list[Entry], list[Lease]]:
-        """Expire what ran out of time: (ttl-expired entries, abandoned writes, stale leases)."""
+        """Expire what ran out of time: (ttl-expired entries, abandoned writes, stale leases).
+
+        An abandoned write is removed, its blocks parked until its writer lets go; a stale lease
+        stops claiming its entry, its blocks pinned until its reader releases it."""
         expired = [
             e for e in self.entries.values()
             if e.expires_at is not None and e.expires_at <= now and e.state is State.READY
@@ -313,7 +352,7 @@ class Store:
         ]
         stale = [l for _, l in self._leases.values() if l.deadline is not None and l.deadline <= now]
         for lease in stale:
-            self.release(lease.token, success=False)
+            self.end_claim(lease.token, success=False)
         for entry in expired:
             self.remove(entry)
         for entry in abandoned:
@@ -327,6 +366,11 @@ class Store:
     def used_bytes(self) -> int:
         """Bytes held by entries (scratch lent to clients is counted apart)."""
         return (self.allocator.used_blocks - self.scratch_blocks) * self.block_size
+
+    @property
+    def parked_bytes(self) -> int:
+        """Bytes of removed entries whose blocks someone may still touch (part of used_bytes)."""
+        return sum(count for entry in self._zombies for _, count in entry.extents) * self.block_size
 
     @property
     def scratch_blocks(self) -> int:

@@ -67,19 +67,36 @@ class StreamState:
         self.written: set[int] = set()
         self.closed = False
         self.generation = 0  # the client's connection the stream was opened on (its offsets are that pool's)
+        self.req = 0  # the put_alloc's: the daemon reports on it if the stream ends without its writer
+        self.failed: Exception | None = None  # why the daemon ended it (lease ran out, deleted, push failed)
+
+
+def _give_up(core, state: StreamState):
+    """The daemon ended this stream: stop writing, say so (the daemon keeps its blocks parked until
+    then, as we might still be copying), and raise why."""
+    state.closed = True
+    core._writes.pop(state.req, None)
+    if core._same_connection(state.generation):
+        yield p.Delete(req=next(core._reqs), request_id=state.request_id, token=state.token), NO_REPLY
+    raise state.failed
 
 
 def open_stream(core, state: StreamState, ttl: float | None, meta: dict | None):
     state.generation = core._generation
-    slots = yield p.PutAlloc(req=next(core._reqs), request_id=state.request_id,
+    state.req = next(core._reqs)
+    slots = yield p.PutAlloc(req=state.req, request_id=state.request_id,
                              tensors=[s.to_wire() for s in state.specs], ttl=ttl, meta=meta,
                              stream=True, dest=state.dest), 0.0
     state.token, state.segments = slots.token, slots.segments
+    core._writes[state.req] = state
 
 
 def write_stream(core, state: StreamState, kv: Mapping[str, Any]):
     if state.closed:
         raise BadRequest("stream already committed or aborted")
+    core._read_notices()
+    if state.failed is not None:
+        yield from _give_up(core, state)
     indices = []
     for name, value in kv.items():
         if name not in state.index:
@@ -111,7 +128,11 @@ def write_stream(core, state: StreamState, kv: Mapping[str, Any]):
 def commit_stream(core, state: StreamState):
     if state.closed:
         raise BadRequest("stream already committed or aborted")
+    core._read_notices()
+    if state.failed is not None:
+        yield from _give_up(core, state)
     state.closed = True
+    core._writes.pop(state.req, None)
     core._pool_of(state.generation)  # opened on a connection that is gone: nothing to commit here
     yield p.PutCommit(req=next(core._reqs), request_id=state.request_id, token=state.token,
                       dest=state.dest), (3600.0 if state.dest else 0.0)
@@ -120,8 +141,10 @@ def commit_stream(core, state: StreamState):
 def abort_stream(core, state: StreamState):
     if not state.closed:
         state.closed = True
+        core._writes.pop(state.req, None)
         if core._same_connection(state.generation):  # (a restarted daemon never had it)
-            yield p.Delete(req=next(core._reqs), request_id=state.request_id), NO_REPLY
+            # names the reservation: a newer entry of the same id (ours expired) is not touched
+            yield p.Delete(req=next(core._reqs), request_id=state.request_id, token=state.token), NO_REPLY
 
 
 def read_stream(core, request_id: str, timeout: float, out: Mapping[str, torch.Tensor] | None, keep: bool,

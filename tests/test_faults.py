@@ -235,6 +235,8 @@ def test_client_that_disconnects_mid_put_leaks_nothing(daemons):
 
 
 def test_connected_client_that_never_commits_loses_its_reservation_at_lease_expiry(daemons):
+    """The entry goes at lease expiry; its blocks stay parked while the writer might still copy
+    into them, and come back once its late commit shows it has stopped (see test_integrity.py)."""
     d = daemons.start("A", extra=["--lease-timeout", "1s"])
     conn = raw_connection(d.socket)
     conn.send(p.encode(p.PutAlloc(req=1, request_id="slow", tensors=[["x", "uint8", [4 << 20]]])))
@@ -242,10 +244,16 @@ def test_connected_client_that_never_commits_loses_its_reservation_at_lease_expi
     with d.client() as c:
         assert c.stats()["pool"]["used_bytes"] == 4 << 20
         time.sleep(1.6)
+        with pytest.raises(kvd.NotFound):
+            c.get("slow", timeout=0)
+        assert c.stats()["pool"]["parked_bytes"] == 4 << 20
+        conn.send(p.encode(p.PutCommit(req=2, request_id="slow", token=slots.token)))  # too late
+        replies = {}
+        while 2 not in replies:
+            reply = p.decode(conn.receive(5))
+            replies[reply.req] = reply
+        assert isinstance(replies[2], p.Error) and replies[2].code == kvd.Timeout.code, replies
         assert c.stats()["pool"]["used_bytes"] == 0
-    conn.send(p.encode(p.PutCommit(req=2, request_id="slow", token=slots.token)))  # too late
-    reply = p.decode(conn.receive(5))
-    assert isinstance(reply, p.Error) and reply.code == kvd.NotFound.code, reply
     conn.close()
     assert_still_serving(d)
 

@@ -288,7 +288,11 @@ def test_sweep_removes_abandoned_writes():
     assert set(map(id, abandoned)) == {id(late), id(receiving)}
     assert "late" not in store.entries and "recv" not in store.entries
     assert "ontime" in store.entries and "pub" in store.entries
-    assert store.allocator.free_blocks == 16 - 2 * 2
+    # the received entry's blocks are free; the local write's stay parked until its writer lets go
+    assert store.allocator.free_blocks == 16 - 3 * 2
+    assert store.parked_bytes == 2 * BLOCK
+    store.release_writer(late)
+    assert store.allocator.free_blocks == 16 - 2 * 2 and store.parked_bytes == 0
     assert store.expired_total == 0
 
 
@@ -306,13 +310,56 @@ def test_sweep_gives_stale_leases_back():
     expired, abandoned, stale = store.sweep(now + 10)
     assert {l.token for l in stale} == {lease.token, keep_lease.token}
     assert expired == [] and abandoned == []
-    # the consumed-but-abandoned entry is back, not lost
+    # the consumed-but-abandoned entry is back, not lost; the stale leases no longer claim, but
+    # pin the blocks until their readers release them (they may still be copying out)
     assert entry.state is State.READY and store.ready("r") is entry
-    assert not entry.leases
-    assert set(keep.leases) == {fresh.token, no_deadline.token}
+    assert not lease.claiming and not keep_lease.claiming and fresh.claiming
+    assert set(keep.leases) == {keep_lease.token, fresh.token, no_deadline.token}
+    second = store.lease(entry, consume=True, deadline=None)  # another reader takes it
+    store.release(second.token, success=True)
+    assert entry.removed and store.parked_bytes == 2 * BLOCK  # removed, still pinned by the slow reader
+    assert store.release(lease.token, success=True) is entry  # a late consume of a stale lease: just unpins
+    assert store.parked_bytes == 0
     with pytest.raises(NotFound):
         store.release(lease.token, success=True)
-    assert store.allocator.free_blocks == 12
+    assert store.allocator.free_blocks == 14
+
+
+def test_a_removed_writing_entry_is_parked_until_its_writer_lets_go():
+    store = make_store()
+    entry = reserve(store)
+    assert entry.writer
+    store.remove(entry)  # deleted, or its lease ran out, while the client may still copy in
+    assert store.allocator.free_blocks == 14 and store.parked_bytes == 2 * BLOCK
+    store.release_writer(entry)
+    assert store.allocator.free_blocks == 16 and store.parked_bytes == 0
+    committed = reserve(store, "c")
+    store.publish(committed)  # a commit comes after the last copy: the writer's pin ends
+    assert not committed.writer
+    store.remove(committed)
+    assert store.allocator.free_blocks == 16
+
+
+def test_a_lease_whose_claim_ended_pins_its_blocks_until_released():
+    """A transfer that finished (the receiver said done) no longer claims its entry, which is
+    consumed at once, but ZeroMQ may still send from the blocks: they stay until release."""
+    store = make_store()
+    entry = reserve(store)
+    store.publish(entry)
+    lease = store.lease(entry, consume=True, deadline=None)
+    assert store.end_claim(lease.token, success=True) is entry
+    assert entry.removed and "r" not in store.entries
+    assert store.allocator.free_blocks == 14
+    store.end_claim(lease.token, success=True)  # once only
+    store.release(lease.token, success=False)
+    assert store.allocator.free_blocks == 16
+    failed = reserve(store, "f")
+    store.publish(failed)
+    lease = store.lease(failed, consume=True, deadline=None)
+    store.end_claim(lease.token, success=False)  # a failed pull: the holder has it back at once
+    assert failed.state is State.READY and store.ready("f") is failed
+    store.release(lease.token, success=False)
+    assert store.ready("f") is failed and store.allocator.free_blocks == 14
 
 
 def test_sweep_expiry_of_entry_with_keep_lease_defers_freeing():
