@@ -149,7 +149,8 @@ def client_command(args: argparse.Namespace) -> int:
                 print(f"node       {stats['node_id']}  (device {stats['device']}, up {stats['uptime_s']:.0f}s)")
                 print(f"pool       {format_size(pool['used_bytes'])} used of {format_size(pool['capacity_bytes'])}"
                       f" ({100 * pool['used_bytes'] / max(1, pool['capacity_bytes']):.1f}%),"
-                      f" {format_size(pool['scratch_bytes'])} lent to clients for their next put")
+                      f" {format_size(pool['scratch_bytes'])} lent to clients for their next put,"
+                      f" {format_size(pool['parked_bytes'])} parked (removed; a client or ZeroMQ may still touch it)")
                 print(f"entries    {stats['entries']}  {stats['entries_by_state']}")
                 print(f"transfers  {stats['transfers_in_flight']} in flight")
                 print(f"clients    {stats['local_clients']} connected (this one included)")

@@ -80,6 +80,10 @@ class Daemon:
             curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow))
             self.authenticator = start_authenticator(self.ctx, curve)
         self._claim_socket_path(cfg.socket)  # before anything binds: a second daemon stops here
+        if curve is None and not _is_loopback(cfg.listen):
+            log.warning("peers are not authenticated: %s is reachable beyond this host and CURVE is off, so any "
+                        "host that reaches it can read and consume every entry (set --curve-secret-key, or "
+                        "firewall the port)", cfg.listen)
         self.exchange = Exchange(cfg, self.store, self.memory.io(cfg.chunk_size, cfg.window), self.ctx,
                                  self.incarnation, self.metrics)
         self.exchange.curve = curve
@@ -286,6 +290,19 @@ def keep_receive_buffers() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3  # from malloc.h
     return bool(libc.mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
                 and libc.mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+
+
+def _is_loopback(endpoint: str) -> bool:
+    """tcp://127.0.0.1:7470, tcp://[::1]:7470, tcp://localhost:7470 (a wildcard or a name is not)."""
+    import ipaddress
+
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _socket_in_use(path: str) -> bool:

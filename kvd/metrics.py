@@ -79,6 +79,8 @@ class StateCollector(Collector):
         yield GaugeMetricFamily("kvd_pool_used_bytes", "Staging pool bytes held by entries", value=store.used_bytes)
         yield GaugeMetricFamily("kvd_pool_scratch_bytes", "Staging pool bytes lent to clients for their next put",
                                 value=store.scratch_bytes)
+        yield GaugeMetricFamily("kvd_pool_parked_bytes", "Staging pool bytes of removed entries that a client or "
+                                "ZeroMQ may still touch (part of used bytes)", value=store.parked_bytes)
         yield GaugeMetricFamily("kvd_pool_largest_free_bytes", "Largest contiguous free run (fragmentation)",
                                 value=store.allocator.largest_free_extent() * cfg.block_size)
         entries = GaugeMetricFamily("kvd_pool_entries", "Entries held, by state", labels=["state"])

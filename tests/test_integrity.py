@@ -454,17 +454,18 @@ def _chaos_worker(sockets: dict, seed: int, seconds: float, results) -> None:
     results.put((dict(counts), hangs))
 
 
-def test_concurrent_chaos_on_shared_ids_never_hangs_a_read(daemons):
+@pytest.mark.parametrize("workers, seconds", [(6, 20.0), pytest.param(8, 60.0, marks=pytest.mark.slow)])
+def test_concurrent_chaos_on_shared_ids_never_hangs_a_read(daemons, workers, seconds):
     import multiprocessing as mp
 
     a, b = daemons.pair(pool_size="128MiB", extra=["--transfer-timeout", "3s"])
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_chaos_worker, args=({"A": a.socket, "B": b.socket}, seed, 20.0, results))
-             for seed in range(6)]
+    procs = [ctx.Process(target=_chaos_worker, args=({"A": a.socket, "B": b.socket}, seed, seconds, results))
+             for seed in range(workers)]
     for proc in procs:
         proc.start()
-    reports = [results.get(timeout=120) for _ in procs]
+    reports = [results.get(timeout=seconds + 100) for _ in procs]
     for proc in procs:
         proc.join(30)
     counts = {}
