@@ -16,7 +16,7 @@ CHUNK = 4 << 20
 
 def checksum(nbytes: int, repeats: int) -> Sample:
     """kvd's chunk checksum (xxh3_64, one thread) over nbytes, 4 MiB at a time as chunks are."""
-    from kvd.checksum import digest
+    from kvd.wire.checksum import digest
 
     data = memoryview(np.random.default_rng(3).integers(0, 256, nbytes, dtype=np.uint8))
     return repeat(lambda: [digest("xxh3_64", [data[off:off + CHUNK]]) for off in range(0, nbytes, CHUNK)], repeats)

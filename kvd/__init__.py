@@ -26,11 +26,11 @@ def __getattr__(name: str):
 
         return Client
     if name == "AsyncClient":
-        from .async_client import AsyncClient
+        from .client import AsyncClient
 
         return AsyncClient
     if name == "Rows":
-        from .paged import Rows
+        from .client import Rows
 
         return Rows
     raise AttributeError(f"module 'kvd' has no attribute {name!r}")

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Sequence
 
-from .config import DEFAULT_METRICS_PORT, DEFAULT_PEER_PORT, load_config, parse_peers
+from .daemon.config import DEFAULT_METRICS_PORT, DEFAULT_PEER_PORT, load_config, parse_peers
 
 PRECEDENCE = "Precedence: command-line flags > KVD_* environment variables > --config file > defaults."
 
@@ -103,8 +103,8 @@ def serve(args: argparse.Namespace) -> int:
 
     sys.addaudithook(forbid_unpickling)
 
-    from .daemon import Daemon
-    from .logs import setup_logging
+    from .daemon.daemon import Daemon
+    from .daemon.logs import setup_logging
 
     cli = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     if cli.get("peers"):
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "keygen":
-        from .auth import keygen
+        from .daemon.peer.auth import keygen
 
         public_file, secret_file = keygen(args.dir, args.name)
         print(f"public key: {public_file}\nsecret key: {secret_file} (keep it private)")

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .localsock import unix_path
+from .wire.endpoints import unix_path
 
 
 def free_port() -> int:
@@ -138,13 +138,13 @@ def eventually(condition, timeout: float = 5.0) -> None:
 def raw_connection(endpoint: str, timeout: float = 5.0):
     """A bare connection to a daemon's client socket, for sending hand-made messages:
     `.send(frames)`, `.receive(timeout)` -> frames or None, `.close()`."""
-    from .localsock import BlockingConnection
+    from .client.connection import BlockingConnection
 
     return BlockingConnection(endpoint, timeout)
 
 
 def _answers_hello(endpoint: str) -> bool:
-    from . import protocol as p
+    from .wire import protocol as p
     from .errors import KvdError
 
     try:

@@ -35,8 +35,8 @@ import torch
 
 from ..client import Client, PutStream
 from ..errors import BadRequest, KvdError, LayoutMismatch, PoolFull
-from ..paged import Rows, scatter_rows
-from ..tensors import DTYPE_NAMES
+from ..client.paged import Rows, scatter_rows
+from ..client.tensors import DTYPE_NAMES
 
 log = logging.getLogger("kvd.paged_kv")
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..dtypes import itemsize
+from ..wire.dtypes import itemsize
 from ..errors import BadRequest, LayoutMismatch
 
 if TYPE_CHECKING:
@@ -284,8 +284,6 @@ def assemble(dst: KVLayout, pieces_with_tensors: Iterable[tuple[ShardPiece, Sequ
     """
     import torch
 
-    from ..tensors import DTYPE_NAMES
-
     (l0, l1), (h0, h1) = dst.layer_range(), dst.head_range()
     n_layers, n_heads = l1 - l0, h1 - h0
     if out is not None and len(out) != n_layers:
@@ -297,7 +295,7 @@ def assemble(dst: KVLayout, pieces_with_tensors: Iterable[tuple[ShardPiece, Sequ
         if len(tensors) != piece.num_layers:
             raise BadRequest(f"piece has {piece.num_layers} layers but {len(tensors)} tensors")
         for i, t in enumerate(tensors):
-            if DTYPE_NAMES.get(t.dtype) != dst.dtype:
+            if t.dtype != getattr(torch, dst.dtype):  # (wire dtype names are torch's attribute names)
                 raise BadRequest(f"piece tensor dtype {t.dtype} does not match layout dtype {dst.dtype}")
             if layers is None:
                 shape = list(t.shape)

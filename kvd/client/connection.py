@@ -1,0 +1,143 @@
+"""The client's end of the local socket (worker process): one connection to the daemon.
+
+`BlockingConnection` is the synchronous `Client`'s, a blocking socket in the caller's thread;
+`StreamConnection` is `AsyncClient`'s, an asyncio protocol. Both carry the messages
+`kvd.wire.framing` frames; the daemon's end is `kvd.daemon.local_server`.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import select
+import socket
+from typing import Any, Callable
+
+from kvd.errors import KvdError, ProtocolError
+from kvd.wire.endpoints import tcp_address, unix_path
+from kvd.wire.framing import MessageReader, encode_message
+
+RECEIVE_BYTES = 1 << 16
+
+
+def _connect_socket(endpoint: str, timeout: float) -> socket.socket:
+    path = unix_path(endpoint)
+    if path is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address: Any = path
+    else:
+        address = tcp_address(endpoint)
+        sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(address)
+    except OSError as exc:
+        sock.close()
+        raise KvdError(f"no kvd daemon at {endpoint} ({exc.strerror or exc}); start one with `kvd serve`") from None
+    if path is None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class BlockingConnection:
+    """One connection to the daemon, used from one thread at a time."""
+
+    def __init__(self, endpoint: str, connect_timeout: float) -> None:
+        self.endpoint = endpoint
+        self._sock = _connect_socket(endpoint, connect_timeout)
+        self._sock.settimeout(None)
+        self._reader = MessageReader()
+        self._ready: collections.deque[list[bytes]] = collections.deque()
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
+        self._broken = False
+
+    def alive(self) -> bool:
+        """False once the daemon has closed the connection (checked without blocking)."""
+        if self._broken:
+            return False
+        events = self._poller.poll(0)
+        if not events:
+            return True
+        if events[0][1] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+            return False
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def send(self, frames: list) -> None:
+        try:
+            self._sock.sendall(encode_message(frames))
+        except OSError as exc:
+            raise self._lost(exc) from None
+
+    def receive(self, timeout: float) -> list[bytes] | None:
+        """The next message, or None if none came within timeout seconds."""
+        while not self._ready:
+            if not self._poller.poll(max(0, int(timeout * 1000))):
+                return None
+            try:
+                data = self._sock.recv(RECEIVE_BYTES)
+            except OSError as exc:
+                raise self._lost(exc) from None
+            if not data:
+                raise self._lost(None)
+            self._ready.extend(self._reader.feed(data))
+        return self._ready.popleft()
+
+    def _lost(self, exc: OSError | None) -> KvdError:
+        self._broken = True
+        why = f" ({exc.strerror or exc})" if exc is not None else ""
+        return KvdError(f"the connection to the kvd daemon at {self.endpoint} was lost{why}")
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class StreamConnection(asyncio.Protocol):
+    """The asyncio client's connection: on_message gets each message's frames."""
+
+    def __init__(self, on_message: Callable[[list], None], on_lost: Callable[[KvdError], None]) -> None:
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._reader = MessageReader()
+        self.transport: asyncio.Transport | None = None
+        self.endpoint = ""
+
+    @classmethod
+    async def open(cls, endpoint: str, on_message: Callable[[list], None],
+                   on_lost: Callable[[KvdError], None], timeout: float) -> "StreamConnection":
+        loop = asyncio.get_running_loop()
+        sock = await loop.run_in_executor(None, _connect_socket, endpoint, timeout) \
+            if unix_path(endpoint) is None else _connect_socket(endpoint, timeout)
+        sock.setblocking(False)
+        _, conn = await loop.create_connection(lambda: cls(on_message, on_lost), sock=sock)
+        conn.endpoint = endpoint
+        return conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            messages = self._reader.feed(data)
+        except ProtocolError as exc:
+            self.transport.abort()
+            self._on_lost(KvdError(f"the kvd daemon at {self.endpoint} sent a malformed stream: {exc}"))
+            return
+        for frames in messages:
+            self._on_message(frames)
+
+    def send_now(self, frames: list) -> None:
+        if self.transport.is_closing():
+            raise KvdError(f"the connection to the kvd daemon at {self.endpoint} was lost")
+        self.transport.write(encode_message(frames))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_lost(KvdError(f"the connection to the kvd daemon at {self.endpoint} was lost"))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()

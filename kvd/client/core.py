@@ -1,0 +1,310 @@
+"""What both client faces share (worker process): the operations, request ids, the mapped pool.
+
+Each operation (`_put`, `_get`, ...) is written once, as an I/O-free generator (`ops.py`);
+`Client` (`sync.py`) and `AsyncClient` (`aio.py`) drive it. Only control messages cross the
+socket to the daemon; tensor bytes are copied by this process straight into (put) or out of
+(get) the daemon's shared pool, mapped once at connect. The safety checks live here: an
+operation never copies into a pool mapped after it began (a restarted daemon's), nor into a
+parent's connection after fork(), and late replies to abandoned requests give back what they hold.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+from typing import Any, Callable, Mapping
+
+import torch
+
+from kvd.errors import BadRequest, KvdError, ProtocolError, error_from_code
+from kvd.memory.host import map_pool
+from kvd.wire import protocol as p
+from kvd.wire.endpoints import default_socket, unix_path
+from kvd.wire.layout import Extent, Segment, TensorSpec, blocks_needed, physical_segments, tensor_offsets
+
+from .ops import NO_REPLY, WAIT_FOREVER, Emit, Operation, Receive, StreamClosed
+from .streaming import StreamState
+from .tensors import as_tensor, check_out, copy_in, copy_out, spec_of
+
+log = logging.getLogger(__name__)
+
+# how long past an operation's own timeout we wait for the daemon before calling it dead
+REPLY_GRACE = 30.0
+CONNECT_TIMEOUT = 10.0  # how long the first hello may take (beyond reply_timeout)
+MAX_ABANDONED = 1024  # abandoned requests remembered, waiting for their replies
+# longest silence inside a stream being read: the daemon reports a stalled peer long before
+STREAM_SILENCE = 600.0
+
+
+class ConnectionLost(KvdError):
+    """The daemon connection an operation started on is gone (a reconnect maps a new pool)."""
+
+
+class _ClientCore:
+    """What both faces share: the operations, request ids, and the mapped pool."""
+
+    def __init__(self, socket: str | None, reply_timeout: float, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        self.endpoint = socket or default_socket()
+        self.reply_timeout = reply_timeout
+        self.connect_timeout = connect_timeout
+        self._reqs = itertools.count(1)
+        self._mapping = None
+        self._pool: torch.Tensor | None = None
+        self.info: p.HelloOk | None = None
+        self._sock = None  # the connection (kvd.localsock)
+        self._ipc_close = None  # closes a CUDA IPC mapping
+        # blocks the daemon lent this connection for the next small put: (token, extents, blocks)
+        self._scratch: tuple[int, list[Extent], int] | None = None
+        self.transfer_wait = STREAM_SILENCE
+        # which connection (and pool mapping) this is: offsets the daemon gave on one are
+        # meaningless on the next, so every copy checks that it is still the same one
+        self._generation = 0
+        self._pid = os.getpid()  # a client inherited across fork() must not use its parent's connection
+        # requests given up on (cancelled, interrupted) whose reply may still come: what it holds
+        # for us (a read lease, a reservation, lent blocks) is given back when it does
+        self._abandoned: collections.OrderedDict[int, p.Message] = collections.OrderedDict()
+        # open put streams by their put_alloc's req: an error on that req says the daemon ended it
+        self._writes: dict[int, StreamState] = {}
+
+    def _stream_notice(self, msg: p.Message) -> bool:
+        """An error about an open stream (its lease ran out, it was deleted, its push failed):
+        kept for the stream's next write, which raises it. True if msg was one."""
+        state = self._writes.get(getattr(msg, "req", None)) if isinstance(msg, p.Error) else None
+        if state is None:
+            return False
+        state.failed = error_from_code(msg.code, msg.message, remote=msg.origin)
+        return True
+
+    def _read_notices(self) -> None:
+        """Take in what the daemon sent unasked before a stream writes (Client: a non-blocking
+        read; AsyncClient's loop takes messages in as they come)."""
+
+    def _abandon(self, msg: p.Message) -> None:
+        self._abandoned[msg.req] = msg
+        if len(self._abandoned) > MAX_ABANDONED:  # replies that never came (the connection ended)
+            self._abandoned.popitem(last=False)
+
+    def _late_reply(self, reply: p.Message) -> p.Message | None:
+        """A reply to an abandoned request: keep what is useful, return the message that gives
+        back what it holds (sent without a reply), if any."""
+        request = self._abandoned.pop(getattr(reply, "req", None), None)
+        if isinstance(reply, p.PutOk):
+            self._keep_scratch(reply)  # its put is over, and the blocks lent with it are ours to use
+        if request is None:
+            return None
+        if isinstance(reply, p.GetSlots):
+            return p.GetDone(req=next(self._reqs), request_id=request.request_id, token=reply.token,
+                             consume=False, reply=False)
+        if isinstance(reply, p.PutSlots):  # a reservation nobody will write
+            return p.Delete(req=next(self._reqs), request_id=request.request_id, token=reply.token)
+        return None
+
+    def _pool_of(self, generation: int) -> torch.Tensor:
+        """The mapped pool, if it is still that of the connection an operation started on."""
+        if not self._same_connection(generation):
+            raise ConnectionLost("the connection to the daemon was lost during this operation (did the daemon "
+                                 "restart?): nothing more was copied; start it over")
+        return self._pool
+
+    def _same_connection(self, generation: int) -> bool:
+        # (in a fork()ed child, whatever the parent opened is the parent's)
+        return generation == self._generation and self._pool is not None and os.getpid() == self._pid
+
+    def _forked(self) -> bool:
+        """True in a child process that inherited this client: forget the parent's connection
+        (without closing it under the parent), its loan and its mapping; connect anew."""
+        if os.getpid() == self._pid:
+            return False
+        self._pid = os.getpid()
+        self._sock, self._scratch, self._pool, self._mapping, self._ipc_close = None, None, None, None, None
+        self.info = None
+        return True
+
+    @property
+    def node_id(self) -> str | None:
+        return self.info.node_id if self.info else None
+
+    def _check_endpoint(self) -> None:
+        path = unix_path(self.endpoint)
+        if path is not None and not os.path.exists(path):
+            raise KvdError(f"no kvd daemon at {self.endpoint} (start one with `kvd serve`)")
+
+    def _connected(self) -> bool:
+        """Connected to a live daemon; a lost connection is closed here, so the caller reconnects."""
+        if self._forked() or self._pool is None:
+            return False
+        if self._sock is None or not self._sock.alive():
+            self._close_transport()  # the daemon went away (restarted?): map its new pool
+            return False
+        return True
+
+    def _raise_if_error(self, reply: p.Message) -> p.Message:
+        if isinstance(reply, p.Error):
+            raise error_from_code(reply.code, reply.message, remote=reply.origin)
+        return reply
+
+    # --- operations (no I/O) -------------------------------------------------------------------
+
+    def _hello(self) -> Operation:
+        hello = yield p.Hello(req=next(self._reqs), client=f"pid-{os.getpid()}"), self.connect_timeout
+        if not isinstance(hello, p.HelloOk):
+            raise ProtocolError(f"expected hello_ok, got {hello.TYPE}")
+        if hello.pool_handle is not None:  # a GPU pool: map it by CUDA IPC, copy device to device
+            from kvd.memory.cuda import open_ipc_pool
+
+            self._pool, self._ipc_close = open_ipc_pool(hello.pool_handle, hello.pool_size, hello.device)
+            self.info = hello
+            self._generation += 1
+            return
+        try:
+            self._mapping, _ = map_pool(hello.pool_path, hello.pool_size)
+        except OSError as exc:
+            raise KvdError(
+                f"cannot map the daemon's pool at {hello.pool_path}: {exc} (client and daemon must run "
+                "as the same user, with a shared PID namespace or a shared --pool-path)"
+            ) from None
+        self._pool = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self.info = hello
+        self._generation += 1
+
+    def _put(self, request_id: str, kv: Mapping[str, Any], dest: str | None, ttl: float | None,
+             meta: dict | None) -> Operation:
+        if not isinstance(kv, Mapping) or not kv:
+            raise BadRequest("kv must be a non-empty mapping of name -> tensor")
+        tensors = {name: as_tensor(name, value) for name, value in kv.items()}
+        generation = self._generation
+
+        def write(segments: list[list[Segment]]) -> None:
+            pool = self._pool_of(generation)
+            for tensor, tensor_segments in zip(tensors.values(), segments):
+                copy_in(pool, tensor, tensor_segments)
+
+        yield from self._put_with(request_id, [spec_of(name, t) for name, t in tensors.items()], write,
+                                  dest, ttl, meta)
+
+    def _put_with(self, request_id: str, specs: list[TensorSpec], write: Callable[[list[list[Segment]]], None],
+                  dest: str | None, ttl: float | None, meta: dict | None) -> Operation:
+        """A put whose bytes `write(segments of each tensor)` copies into the pool: into the
+        blocks lent after the last put when it fits (one round trip), else reserve, write, commit."""
+        wire_specs = [s.to_wire() for s in specs]
+        wait = WAIT_FOREVER if dest else 0.0
+        offsets, total = tensor_offsets(specs)
+        scratch, self._scratch = self._scratch, None  # taken: no other operation writes into it now
+        if scratch is not None and blocks_needed(total, self.info.block_size) <= scratch[2]:
+            token, extents, _ = scratch
+            try:
+                write([physical_segments(extents, self.info.block_size, offset, spec.nbytes)
+                       for spec, offset in zip(specs, offsets)])
+                self._sync_device()
+            except BaseException:
+                self._scratch = scratch  # still ours, and nobody else's bytes are in it
+                raise
+            reply = yield p.Put(req=next(self._reqs), request_id=request_id, tensors=wire_specs, scratch=token,
+                                ttl=ttl, meta=meta, dest=dest), wait
+        else:
+            # a loan too small for this put goes back: the reply may lend a bigger one
+            slots = yield p.PutAlloc(req=next(self._reqs), request_id=request_id, tensors=wire_specs, ttl=ttl,
+                                     meta=meta, give_back=scratch[0] if scratch else None), 0.0
+            try:
+                write(slots.segments)
+                self._sync_device()
+            except BaseException:
+                # free the reservation now rather than at lease expiry
+                yield p.Delete(req=next(self._reqs), request_id=request_id, token=slots.token), NO_REPLY
+                raise
+            reply = yield p.PutCommit(req=next(self._reqs), request_id=request_id, token=slots.token, dest=dest,
+                                      lend=True), wait
+        self._keep_scratch(reply)
+
+    def _keep_scratch(self, reply: p.Message) -> None:
+        """Remember blocks the daemon lent for the next put (checked: they must lie in the pool)."""
+        if not isinstance(reply, p.PutOk) or reply.scratch is None:
+            return  # (the daemon lends one loan per connection: a new one means any old one was used)
+        try:
+            extents = [(int(first), int(count)) for first, count in reply.extents]
+        except (TypeError, ValueError):
+            return
+        pool_blocks = self.info.pool_size // self.info.block_size
+        if all(0 <= first and 0 < count and first + count <= pool_blocks for first, count in extents):
+            self._scratch = (reply.scratch, extents, sum(count for _, count in extents))
+
+    def _get(self, request_id: str, source: str | None, timeout: float, out: Mapping[str, torch.Tensor] | None,
+             keep: bool, with_meta: bool = False) -> Operation:
+        generation = self._generation
+        slots = yield p.Get(req=next(self._reqs), request_id=request_id, timeout=float(timeout),
+                            source=source, keep=keep), float(timeout)
+        consume = not keep
+        try:
+            pool = self._pool_of(generation)
+            specs = [TensorSpec.from_wire(t) for t in slots.tensors]
+            out = out or {}
+            unknown = set(out) - {s.name for s in specs}
+            if unknown:
+                raise BadRequest(f"out names tensors the cache does not hold: {sorted(unknown)}")
+            for spec in specs:
+                if spec.name in out:
+                    check_out(spec, out[spec.name])
+            result = {
+                spec.name: copy_out(pool, spec, segments, out.get(spec.name))
+                for spec, segments in zip(specs, slots.segments)
+            }
+            self._sync_device()
+        except BaseException:
+            consume = False  # give the entry back: nothing was delivered
+            raise
+        finally:
+            yield p.GetDone(req=next(self._reqs), request_id=request_id, token=slots.token,
+                            consume=consume, reply=False), NO_REPLY
+        return (result, slots.meta) if with_meta else result
+
+    def _simple(self, msg: p.Message) -> Operation:
+        reply = yield msg, 0.0
+        return reply.value
+
+    def _send_nowait(self, msg: p.Message) -> None:
+        raise NotImplementedError
+
+    def _unwind(self, op: Operation, exc: BaseException, reraise: bool) -> None:
+        """Throw exc into the operation, send the clean-up messages it yields, re-raise.
+
+        After ConnectionLost they are not sent: their tokens and request ids were the old
+        daemon's, and on the new one they could name somebody else's."""
+        try:
+            step = op.throw(exc)
+            while not isinstance(step, (Emit, Receive)) and step[1] is NO_REPLY:
+                if not isinstance(exc, ConnectionLost):
+                    self._send_nowait(step[0])
+                step = op.send(None)
+        except (StopIteration, StreamClosed):
+            pass
+        finally:
+            op.close()
+        if reraise:
+            raise exc
+
+    def _sync_device(self) -> None:
+        """Wait for this process's copies into or out of the pool (GPU pools copy asynchronously)."""
+        if self._pool is not None and self._pool.device.type == "cuda":
+            torch.cuda.current_stream(self._pool.device).synchronize()
+
+    def _close_transport(self) -> None:
+        """Close the connection and the pool mapping."""
+        self._scratch = None  # lent to that connection; the daemon takes it back
+        self._writes.clear()  # (its streams fail at their next write: another connection's offsets)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._close_mapping()
+
+    def _close_mapping(self) -> None:
+        self._pool = None
+        if self._ipc_close is not None:
+            self._ipc_close()
+            self._ipc_close = None
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:
+                pass  # a tensor view still references it; it goes with the process
+            self._mapping = None

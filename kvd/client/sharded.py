@@ -1,0 +1,218 @@
+"""Layout-aware KV handoff between instances with different TP/PP (prefill TP=2 -> decode TP=4, ...).
+
+Built on the plain client API. The convention, one entry per source rank:
+
+- key `f"{request_id}@tp{tp_rank}.pp{pp_rank}"`, meta `{"kv_layout": layout.to_wire(), "shard_of": request_id}`;
+- tensors `"layer.{global_layer}.k"` and `"layer.{global_layer}.v"` for exactly the shard's layers,
+  each `[..., heads_in_this_shard, head_dim]`: KV heads on `head_axis` (default -2), head_dim last;
+- a tiny companion entry `key + "#layout"` with the layout as JSON bytes (one uint8 tensor). A
+  reader checks it before moving any bulk bytes, and since it is put *after* the data, once a
+  reader sees it the data has arrived too.
+
+A decode rank plans with `plan_reshard`, fetches only the source shards its slice needs
+(`keep=True`: other decode ranks read the same shards), checks every fingerprint before
+moving bulk bytes and every tensor before assembling, then copies its slice out with
+`assemble`. Layer and head rules (vLLM's) live in `kvd.parallel.sharding`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvd.errors import AlreadyExists, BadRequest, LayoutMismatch
+from kvd.parallel.sharding import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
+
+from .tensors import DTYPE_NAMES, TORCH_DTYPES, as_tensor
+
+if TYPE_CHECKING:
+    from .sync import Client
+
+LAYOUT_SUFFIX = "#layout"
+LAYOUT_TENSOR = "kv_layout"
+MAX_LAYOUT_BYTES = 4096  # a to_wire() dict is ~200 bytes; anything bigger is not ours
+KINDS = ("k", "v")
+
+__all__ = ["LAYOUT_SUFFIX", "check_shard", "get_shard", "put_shard", "release_shards", "shard_key", "shard_names"]
+
+
+def shard_key(request_id: str, tp_rank: int, pp_rank: int) -> str:
+    """The entry name of one source rank's shard."""
+    return f"{request_id}@tp{tp_rank}.pp{pp_rank}"
+
+
+def shard_names(layout: KVLayout) -> list[str]:
+    """The tensor names a shard of `layout` holds, layer by layer, k before v."""
+    l0, l1 = layout.layer_range()
+    return [f"layer.{g}.{kind}" for g in range(l0, l1) for kind in KINDS]
+
+
+def check_shard(kv: Mapping[str, Any], layout: KVLayout, head_axis: int = -2) -> dict[str, torch.Tensor]:
+    """Raise LayoutMismatch unless `kv` is exactly the shard `layout` describes; return it as torch tensors.
+
+    Checks names (the shard's layer range), dtype, the head count on `head_axis` and head_dim
+    on the last axis. Other axes (tokens, blocks) are free.
+    """
+    if not isinstance(kv, Mapping) or not kv:
+        raise BadRequest("kv must be a non-empty mapping of name -> tensor")
+    where = f"shard tp{layout.tp_rank}/{layout.tp_size} pp{layout.pp_rank}/{layout.pp_size}"
+    expected = shard_names(layout)
+    if set(kv) != set(expected):
+        missing, extra = sorted(set(expected) - set(kv)), sorted(set(kv) - set(expected), key=str)
+        raise LayoutMismatch(f"{where} holds layers [{', '.join(map(str, layout.layer_range()))}): "
+                             f"missing {missing[:6]}, unexpected {extra[:6]}")
+    h0, h1 = layout.head_range()
+    tensors = {}
+    for name in expected:
+        t = as_tensor(name, kv[name])
+        if DTYPE_NAMES[t.dtype] != layout.dtype:
+            raise LayoutMismatch(f"{where}: {name} dtype {DTYPE_NAMES[t.dtype]} != layout dtype {layout.dtype}")
+        # head_dim is the last axis, so the head axis must be another one
+        if t.dim() < 2 or not -t.dim() <= head_axis < t.dim() - 1 or head_axis == -1:
+            raise BadRequest(f"{where}: {name} of shape {list(t.shape)} has no head axis {head_axis} before head_dim")
+        if t.shape[head_axis] != h1 - h0:
+            raise LayoutMismatch(f"{where}: {name} has {t.shape[head_axis]} heads on axis {head_axis}, "
+                                 f"the shard holds {h1 - h0} (KV heads [{h0}, {h1}) of {layout.num_kv_heads})")
+        if t.shape[-1] != layout.head_dim:
+            raise LayoutMismatch(f"{where}: {name} head_dim {t.shape[-1]} != layout head_dim {layout.head_dim}")
+        tensors[name] = t
+    return tensors
+
+
+def put_shard(client: Client, request_id: str, kv: Mapping[str, Any], layout: KVLayout, *,
+              dest: str | None = None, ttl: float | None = None, head_axis: int = -2) -> str:
+    """Hand off this rank's shard of request_id's cache; returns its entry key.
+
+    Validates `kv` against `layout` before any byte is sent, then puts the data and its layout
+    entry (both to `dest` when given, with the same `ttl`).
+    """
+    tensors = check_shard(kv, layout, head_axis)
+    key = shard_key(request_id, layout.tp_rank, layout.pp_rank)
+    meta = {"kv_layout": layout.to_wire(), "shard_of": request_id}
+    client.put(key, tensors, dest=dest, ttl=ttl, meta=meta)
+    # second, as a commit marker; if this put fails, the data entry goes at its ttl
+    client.put(key + LAYOUT_SUFFIX, {LAYOUT_TENSOR: _encode(layout)}, dest=dest, ttl=ttl, meta=meta)
+    return key
+
+
+def get_shard(client: Client, request_id: str, layout: KVLayout, src_tp_size: int, src_pp_size: int, *,
+              source: str | None = None, timeout: float = 30.0, out: Mapping[str, torch.Tensor] | None = None,
+              consume: bool = False, head_axis: int = -2,
+              src_pp_partition: str | None = None) -> dict[str, torch.Tensor]:
+    """This rank's slice (`layout`) of request_id's cache, rebuilt from a src_tp_size x src_pp_size deployment.
+
+    Returns {"layer.{g}.k"/"layer.{g}.v": tensor} for this rank's layers, written into `out`
+    (same names; preallocated, any device) when given. `source`: pull the shards from that
+    peer. `timeout` bounds the whole call. Source shards stay (keep=True) for the other decode
+    ranks unless `consume` (this is their last reader); `release_shards` drops them later.
+    Raises LayoutMismatch (naming the field) before assembling anything if a source shard is
+    another model or another deployment than src_tp_size/src_pp_size/src_pp_partition.
+    """
+    srcs = {(s.tp_rank, s.pp_rank): s for s in shard_layouts(layout, src_tp_size, src_pp_size, src_pp_partition)}
+    pieces = plan_reshard(list(srcs.values()), layout)
+    needed = sorted({(p.src_tp_rank, p.src_pp_rank) for p in pieces})  # only these are fetched
+    deadline = time.monotonic() + timeout
+    keys = {rank: shard_key(request_id, *rank) for rank in needed}
+    # fingerprints first: a mismatch then costs a few hundred bytes, not the cache
+    for rank in needed:
+        got = _fetch(client, keys[rank] + LAYOUT_SUFFIX, source, deadline, keep=True)
+        _check_source(keys[rank], _decode(got), srcs[rank], layout)
+    held = {rank: check_shard(_fetch(client, keys[rank], source, deadline, keep=not consume), srcs[rank], head_axis)
+            for rank in needed}
+    targets = _target_shapes(pieces, held, layout, head_axis, out)  # all checks done before any copy
+    dtype, result = TORCH_DTYPES[layout.dtype], {}
+    for kind in KINDS:  # k and v are assembled alike, each as a list of per-layer tensors
+        names = [f"layer.{g}.{kind}" for g in range(*layout.layer_range())]
+        layers = {rank: [held[rank][f"layer.{g}.{kind}"] for g in range(*srcs[rank].layer_range())]
+                  for rank in needed}
+        data = [(p, slice_shard(p, layers[p.src_tp_rank, p.src_pp_rank], head_axis)) for p in pieces]
+        dst = [out[n] if out is not None else torch.empty(targets[n], dtype=dtype) for n in names]
+        result.update(zip(names, assemble(layout, data, head_axis, dst)))
+    if consume:  # the data entries went with their get; the layout entries go too
+        for rank in needed:
+            client.delete(keys[rank] + LAYOUT_SUFFIX)
+    return {name: result[name] for name in shard_names(layout)}
+
+
+def release_shards(client: Client, request_id: str, src_tp_size: int, src_pp_size: int) -> int:
+    """Drop every source shard of request_id this daemon holds (data and layout entries).
+
+    For the decode side once all its ranks have read them; copies elsewhere go at their ttl.
+    Returns how many data shards were held.
+    """
+    held = 0
+    for pp in range(src_pp_size):
+        for tp in range(src_tp_size):
+            key = shard_key(request_id, tp, pp)
+            held += client.delete(key)
+            client.delete(key + LAYOUT_SUFFIX)
+    return held
+
+
+def _encode(layout: KVLayout) -> torch.Tensor:
+    raw = json.dumps(layout.to_wire(), sort_keys=True).encode()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _decode(kv: Mapping[str, torch.Tensor]) -> KVLayout:
+    t = kv.get(LAYOUT_TENSOR)
+    if t is None or t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > MAX_LAYOUT_BYTES:
+        raise BadRequest(f"a layout entry holds one uint8 tensor {LAYOUT_TENSOR!r} of at most {MAX_LAYOUT_BYTES} bytes")
+    try:
+        raw = json.loads(bytes(t.numpy()))
+    except ValueError:
+        raise BadRequest("layout entry is not valid JSON") from None
+    return KVLayout.from_wire(raw)
+
+
+def _check_source(key: str, got: KVLayout, expected: KVLayout, dst: KVLayout) -> None:
+    try:
+        dst.check_compatible(got)  # names every differing model field (head_dim, dtype, ...)
+    except LayoutMismatch as exc:
+        raise LayoutMismatch(f"{key}: {exc.message}") from None
+    mine = (got.tp_rank, got.tp_size, got.pp_rank, got.pp_size, got.layer_partition())
+    want = (expected.tp_rank, expected.tp_size, expected.pp_rank, expected.pp_size, expected.layer_partition())
+    if mine != want:
+        fields = ("tp_rank", "tp_size", "pp_rank", "pp_size", "layer partition")
+        diffs = ", ".join(f"{f} {a!r} != {b!r}" for f, a, b in zip(fields, mine, want) if a != b)
+        raise LayoutMismatch(f"{key} was put by another deployment: {diffs} "
+                             "(pass the prefill's src_tp_size, src_pp_size, src_pp_partition)")
+
+
+def _fetch(client: Client, key: str, source: str | None, deadline: float, keep: bool) -> dict[str, torch.Tensor]:
+    try:
+        return client.get(key, source=source, timeout=max(0.0, deadline - time.monotonic()), keep=keep)
+    except AlreadyExists:
+        if source is None:
+            raise
+        # another reader on this node is pulling the same shard right now: wait for its copy
+        return client.get(key, timeout=max(0.0, deadline - time.monotonic()), keep=keep)
+
+
+def _target_shapes(pieces: list[ShardPiece], held: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
+                   layout: KVLayout, head_axis: int, out: Mapping[str, torch.Tensor] | None) -> dict[str, list[int]]:
+    """Each destination tensor's shape; sources (and `out`) must agree on every non-head axis."""
+    heads = layout.head_range()[1] - layout.head_range()[0]
+    names = shard_names(layout)
+    if out is not None and set(out) != set(names):
+        raise BadRequest(f"out must name exactly this shard's tensors ({names[0]} .. {names[-1]})")
+    shapes: dict[str, list[int]] = {}
+    if out is not None:
+        for name in names:
+            t = out[name]
+            if not isinstance(t, torch.Tensor) or DTYPE_NAMES.get(t.dtype) != layout.dtype:
+                raise BadRequest(f"out[{name!r}] must be a {layout.dtype} torch.Tensor")
+            shapes[name] = list(t.shape)
+    for p in pieces:
+        for g in range(p.layer_start, p.layer_stop):
+            for kind in KINDS:
+                name = f"layer.{g}.{kind}"
+                shape = list(held[p.src_tp_rank, p.src_pp_rank][name].shape)
+                shape[head_axis] = heads
+                if shapes.setdefault(name, shape) != shape:
+                    raise LayoutMismatch(f"{name}: source tp{p.src_tp_rank}.pp{p.src_pp_rank} gives shape {shape} "
+                                         f"(with {heads} heads), expected {shapes[name]}")
+    return shapes

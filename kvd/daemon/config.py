@@ -1,0 +1,175 @@
+"""Daemon configuration: one frozen dataclass, loaded from defaults < TOML file < KVD_* env < CLI.
+
+Every field has a default, so `kvd serve` runs bare. Units are parsed here, at the edge
+("512MiB", "30s"); the rest of the daemon sees plain ints and floats.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvd.units import parse_duration, parse_size
+from kvd.wire.checksum import ALGORITHMS
+from kvd.wire.endpoints import LOCAL_SCHEMES, default_socket
+
+DEFAULT_PEER_PORT = 7470
+DEFAULT_METRICS_PORT = 9470
+
+
+@dataclass(frozen=True)
+class Config:
+    node_id: str = field(default_factory=socket.gethostname)
+    listen: str = f"tcp://127.0.0.1:{DEFAULT_PEER_PORT}"  # peer-facing; loopback unless configured
+    socket: str = field(default_factory=default_socket)  # local clients
+    pool_size: int = 1 << 30
+    block_size: int = 64 << 10
+    pool_path: str = ""  # empty: memfd (see kvd.device)
+    pool_prefault: bool = True
+    scratch_max: int = 4 << 20  # puts up to this size take one round trip (blocks lent ahead); 0 = off
+    device: str = "cpu"
+    peers: Mapping[str, str] = field(default_factory=dict)  # name -> tcp:// endpoint
+    default_ttl: float = 600.0  # seconds an unread entry is kept; 0 = forever
+    lease_timeout: float = 30.0  # a client must finish a put's or get's copy within this
+    transfer_timeout: float = 15.0  # a peer transfer fails after this long without progress
+    connect_timeout: float = 5.0  # peer handshake deadline
+    heartbeat_interval: float = 1.0  # peers are pinged this often
+    heartbeat_timeout: float = 5.0  # a peer silent this long is lost; its transfers fail
+    drain_timeout: float = 10.0  # on SIGTERM, in-flight transfers get this long to finish
+    chunk_size: int = 4 << 20
+    window: int = 8  # chunks in flight per transfer
+    io_threads: int = 1  # ZeroMQ I/O threads (raise on many cores and fast NICs)
+    checksum: str = "xxh3_64"
+    log_level: str = "info"
+    log_format: str = "text"  # text | json
+    metrics_port: int = DEFAULT_METRICS_PORT  # 0 = disabled
+    metrics_host: str = "127.0.0.1"
+    curve_secret_key: str = ""  # our key pair (from `kvd keygen`); empty: no CURVE
+    curve_allow: tuple[str, ...] = ()  # public keys allowed to connect: files, directories, Z85 strings
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.node_id or len(self.node_id) > 128:
+            problems.append("node_id must be 1-128 characters")
+        if not self.listen.startswith("tcp://"):
+            problems.append(f"listen must be a tcp:// endpoint, got {self.listen!r}")
+        if not self.socket.startswith(LOCAL_SCHEMES):
+            problems.append(f"socket must be a unix://PATH (or tcp://) endpoint, got {self.socket!r}")
+        if self.block_size < 4096 or self.block_size & (self.block_size - 1):
+            problems.append(f"block_size must be a power of two >= 4096, got {self.block_size}")
+        if self.pool_size < self.block_size:
+            problems.append(f"pool_size {self.pool_size} is smaller than one block")
+        if self.chunk_size < self.block_size or self.chunk_size % self.block_size:
+            problems.append("chunk_size must be a multiple of block_size")
+        if self.scratch_max < 0:
+            problems.append("scratch_max must not be negative")
+        if self.window < 1:
+            problems.append("window must be at least 1")
+        if not 1 <= self.io_threads <= 64:
+            problems.append("io_threads must be 1-64")
+        if self.checksum not in ALGORITHMS:
+            problems.append(f"checksum must be one of {ALGORITHMS}")
+        if self.log_format not in ("text", "json"):
+            problems.append("log_format must be text or json")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            problems.append(f"unknown log_level {self.log_level!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            problems.append(f"device must be cpu or cuda:N, got {self.device!r}")
+        for name, endpoint in self.peers.items():
+            if not name or not endpoint.startswith("tcp://"):
+                problems.append(f"peer {name!r} needs a tcp:// endpoint, got {endpoint!r}")
+        if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
+            problems.append("heartbeat_interval must be > 0 and below heartbeat_timeout")
+        for name in ("default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "drain_timeout"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must not be negative")
+        if self.curve_allow and not self.curve_secret_key:
+            problems.append("curve_allow needs curve_secret_key (our own key pair)")
+        if not 0 <= self.metrics_port < 65536:
+            problems.append("metrics_port must be 0-65535")
+        if problems:
+            raise ValueError("invalid configuration: " + "; ".join(problems))
+
+    def public(self) -> dict[str, Any]:
+        """The effective configuration, for the start-up log line and `kvd status`."""
+        values = dataclasses.asdict(self)
+        values["peers"] = dict(self.peers)
+        return values
+
+
+_SIZES = {"pool_size", "block_size", "chunk_size", "scratch_max"}
+_DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "heartbeat_interval",
+              "heartbeat_timeout", "drain_timeout"}
+_INTS = {"window", "metrics_port", "io_threads"}
+_BOOLS = {"pool_prefault"}
+FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
+
+
+def parse_peers(items: list[str] | str) -> dict[str, str]:
+    """['B=tcp://h:7470', ...] or 'B=tcp://h:7470,C=...' -> {name: endpoint}."""
+    if isinstance(items, str):
+        items = [part for part in items.split(",") if part.strip()]
+    peers: dict[str, str] = {}
+    for item in items:
+        name, sep, endpoint = item.partition("=")
+        if not sep:
+            raise ValueError(f"peer must be NAME=tcp://HOST:PORT, got {item!r}")
+        peers[name.strip()] = endpoint.strip()
+    return peers
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name in _SIZES:
+        return parse_size(value)
+    if name in _DURATIONS:
+        return parse_duration(value)
+    if name in _INTS:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
+        return int(value)
+    if name in _BOOLS:
+        if isinstance(value, str):
+            if value.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(f"{name}: not a boolean: {value!r}")
+            return value.lower() in ("1", "true", "yes", "on")
+        return bool(value)
+    if name == "peers":
+        return parse_peers(value) if isinstance(value, (str, list)) else dict(value)
+    if name == "curve_allow":
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(item.strip() for item in items if item.strip())
+    return str(value)
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> Config:
+    """Merge the layers: defaults < file < KVD_* environment < CLI (None means 'not given')."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    config_file = config_file or env.get("KVD_CONFIG")
+    if config_file:
+        with open(config_file, "rb") as handle:
+            data = tomllib.load(handle)
+        if "kvd" in data:  # everything under a [kvd] table; nothing may sit beside it
+            table = data["kvd"]
+            unknown = set(data) - {"kvd"} | set(table) - set(FIELD_NAMES)
+        else:
+            table = data
+            unknown = set(table) - set(FIELD_NAMES)
+        if unknown:
+            raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(unknown))}")
+        values.update({k: _coerce(k, v) for k, v in table.items()})
+    for name in FIELD_NAMES:
+        raw = env.get(f"KVD_{name.upper()}")
+        if raw is not None and raw != "":
+            values[name] = _coerce(name, raw)
+    for name, value in (cli or {}).items():
+        if value is not None:
+            values[name] = _coerce(name, value)
+    return Config(**values)

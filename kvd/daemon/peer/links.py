@@ -1,0 +1,263 @@
+"""Connections to peer daemons, and the channel a transfer talks through.
+
+Each daemon binds one ROUTER (`--listen`) for peers that connect to it, and opens one
+DEALER per peer it connects to (`PeerLink`). A transfer does not care which of the two
+carries it: it holds a `Channel` and sends frames; replies come back on the same path.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvd.errors import KvdError, PeerUnavailable, Unauthorized
+from kvd.wire import protocol as p
+
+from .auth import CurveKeys, make_client
+from .loopsocket import LoopSocket
+from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
+
+log = logging.getLogger(__name__)
+
+COPY_BELOW = (1 << 20) + 1  # bytes; frames up to 1 MiB are copied into ZeroMQ
+# ZeroMQ's own handshake (ZMTP, and CURVE's key exchange and ZAP check) happens before any kvd
+# message; these socket-monitor events are the only sign that a peer refused us there
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+REDIAL_INTERVAL = 2.0  # seconds between new attempts on a link whose handshake the peer refused
+
+
+def tune_peer_socket(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 500)  # let Abort messages out at shutdown, but not forever
+    sock.setsockopt(zmq.SNDHWM, 0)  # flow control is the transfer window, not the HWM
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings keep dead TCP connections from lingering
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, 6000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)  # a restarted peer is found again within 0.5 s
+    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_CHUNK_BYTES)  # a bigger frame is a broken peer: drop it
+    # pyzmq copies frames smaller than this instead of lending them to libzmq; a lent frame's
+    # release goes through pyzmq's garbage-collector thread (two more thread wake-ups), which
+    # costs more than copying up to ~1 MiB here (64 KiB push 1.74 -> 1.51-1.57 ms, measured)
+    sock.copy_threshold = COPY_BELOW
+
+
+class Channel:
+    """Where a transfer's messages go: a ROUTER routing id, or a DEALER link."""
+
+    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], asyncio.Future],
+                 cutter: Callable[[], bool]) -> None:
+        self.key = key  # identifies the connection, so a message on another one is refused
+        self.peer_name = peer_name
+        self._sender = sender
+        self._cutter = cutter
+
+    def send(self, msg: p.Message, track: bool = False) -> asyncio.Future:
+        """Queue a message; the future resolves (to a MessageTracker if track) once ZeroMQ took it."""
+        return self._sender(p.encode(msg), track)
+
+    def cut(self) -> bool:
+        """Cut the TCP connection under this channel: ZeroMQ drops what it still had queued on it
+        (and reconnects, for a link). False if there was no connection to cut."""
+        return self._cutter()
+
+
+class PeerLink:
+    """Our DEALER to one peer's ROUTER, with its handshake state."""
+
+    def __init__(self, ctx: zmq.Context, name: str, endpoint: str, node_id: str, incarnation: int,
+                 on_message: Callable[["PeerLink", p.Message], None], curve: CurveKeys | None = None,
+                 on_lost: Callable[["PeerLink", str], None] | None = None) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.remote_node_id: str | None = None
+        self.remote_incarnation: int | None = None
+        self._node_id = node_id
+        self._incarnation = incarnation
+        self._on_message = on_message
+        sock = ctx.socket(zmq.DEALER)
+        tune_peer_socket(sock)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue into a connection that is not up
+        if curve is not None:
+            make_client(sock, curve, name)
+        self._curve = curve is not None
+        self._on_lost = on_lost  # (link, why): whatever was in flight on this link is gone
+        self._monitor = LoopSocket(sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED),
+                                   self._on_socket_event)
+        self.refusal: KvdError | None = None  # why the last handshake failed, until one succeeds
+        # ZeroMQ drops a connection for good once the peer refused its handshake (it redials
+        # only after network errors), so the link dials again itself: the peer may be fixed
+        self._given_up = False
+        self._dialed_at = time.monotonic()
+        sock.connect(endpoint)
+        self.socket = LoopSocket(sock, self._on_frames, copy=False)
+        self.channel = Channel(("dealer", endpoint), name,
+                               lambda frames, track: self.socket.send(frames, copy=False, track=track), self.cut)
+        self.connection: TcpConnection | None = None  # the TCP connection the last hello answer came on
+        self._hello: asyncio.Future | None = None
+        self.connected = False
+        self.last_seen = 0.0  # monotonic time of the last message from this peer
+        self.last_used = time.monotonic()  # when a transfer last asked for this link
+
+    def ping(self, now: float) -> None:
+        """Heartbeat: a Ping when connected, a fresh hello otherwise (reconnects in the background)."""
+        if self._given_up and now - self._dialed_at >= REDIAL_INTERVAL:
+            self._redial()
+        if self.socket.backlog:
+            return  # the last one has not left yet: the peer is not reachable
+        if self.connected:
+            self.channel.send(p.Ping(nonce=int(now * 1000)))
+        else:
+            self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
+
+    async def ensure_ready(self, timeout: float) -> None:
+        """Handshake once (again after a loss): PeerHello, wait for PeerHelloOk."""
+        if self.connected:
+            return
+        if self._given_up:
+            self._redial()
+        if self._hello is None or self._hello.done():
+            self._hello = asyncio.get_running_loop().create_future()
+        hello = self._hello
+        sent = self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
+        try:
+            await asyncio.wait_for(asyncio.shield(hello), timeout)
+        except (asyncio.TimeoutError, KvdError) as exc:
+            if not sent.done():
+                sent.cancel()  # never delivered: do not let it go out later
+            if isinstance(exc, KvdError):  # the peer refused the handshake
+                raise
+            if self.refusal is not None:  # the reason ZeroMQ saw, if any, says more than "no answer"
+                raise type(self.refusal)(self.refusal.message) from None
+            raise PeerUnavailable(f"peer {self.name} ({self.endpoint}) did not answer within {timeout:g}s") from None
+
+    def _on_socket_event(self, frames: list) -> None:
+        event = parse_monitor_message(frames)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self._on_disconnected()
+        else:
+            self._on_handshake_failure(event)
+
+    def _on_disconnected(self) -> None:
+        """The TCP connection closed (the peer stopped or restarted, or the network failed).
+        ZeroMQ reconnects by itself, but the peer will not know the new connection, and a
+        transfer cannot move to it: fail what ran on this link now, not at the heartbeat
+        timeout, and say hello again before the next message."""
+        if not self.connected:
+            return
+        log.warning("peer %s: connection closed; reconnecting", self.name)
+        self.mark_lost()
+        if self._on_lost is not None:
+            self._on_lost(self, f"connection to peer {self.name} closed")
+
+    def _on_handshake_failure(self, event: dict) -> None:
+        """ZeroMQ's handshake with the peer failed. Refused by the peer (ZAP said no, or the
+        mechanisms differ): fail a waiting handshake at once, with the reason, rather than at the
+        connect timeout. Cut off without detail (a connection error, which ZeroMQ retries by
+        itself: it may pass): keep the reason for the timeout's message."""
+        refusal = handshake_refusal(self.name, self.endpoint, event["event"], event["value"], self._curve)
+        if self.refusal is None or self.refusal.message != refusal.message:
+            log.warning("%s", refusal.message)
+        self.refusal = refusal
+        self._given_up = event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        if self._given_up and self._hello is not None and not self._hello.done():
+            self._hello.set_exception(type(refusal)(refusal.message))
+            self._hello.exception()  # retrieved: whoever still waits on it raises it all the same
+
+    def _redial(self) -> None:
+        self._given_up = False
+        self._dialed_at = time.monotonic()
+        sock = self.socket.sock
+        try:
+            sock.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass  # already forgotten
+        sock.connect(self.endpoint)
+
+    def mark_lost(self) -> None:
+        self.connected = False
+
+    def cut(self) -> bool:
+        """Cut our TCP connection to the peer: ZeroMQ drops the frames queued on it (with
+        IMMEDIATE, a DEALER discards its queue with the connection) and dials again."""
+        return self.connection is not None and self.connection.cut()
+
+    def _on_frames(self, frames: list) -> None:
+        self.last_seen = time.monotonic()
+        try:
+            msg = p.decode([f.buffer for f in frames])
+        except Exception as exc:
+            log.warning("peer %s sent an undecodable message: %s", self.name, exc)
+            return
+        if isinstance(msg, p.PeerHelloOk):
+            self.connection = TcpConnection.of_fd(frames[0].get(zmq.SRCFD))
+            uid = None if self._curve else foreign_user(self.connection)
+            if uid is not None:  # another user's process listens there: never send it a cache
+                refusal = foreign_user_refusal(uid, f"the listener of peer {self.name} ({self.endpoint})")
+                log.warning("%s", refusal.message)
+                self.refusal = refusal
+                self.cut()
+                if self._hello is not None and not self._hello.done():
+                    self._hello.set_exception(refusal)
+                    self._hello.exception()
+                return
+            restarted = self.remote_incarnation is not None and self.remote_incarnation != msg.incarnation
+            self.remote_node_id, self.remote_incarnation = msg.node_id, msg.incarnation
+            if not self.connected:
+                log.info("peer %s connected: node %s at %s", self.name, msg.node_id, self.endpoint)
+            self.refusal = None
+            if restarted:
+                log.warning("peer %s answered with a new incarnation: it restarted", self.name)
+                if self._on_lost is not None:
+                    self._on_lost(self, f"peer {self.name} restarted")
+            self.connected = True
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(None)
+            return
+        if isinstance(msg, p.Pong):
+            return
+        if isinstance(msg, p.Abort) and msg.xfer == 0 and msg.code == Unauthorized.code:
+            refusal = Unauthorized(f"peer {self.name} ({self.endpoint}) refused this daemon: {msg.message}")
+            log.warning("%s", refusal.message)
+            self.refusal, self.connected = refusal, False
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_exception(refusal)
+                self._hello.exception()
+            return
+        if isinstance(msg, p.Abort) and msg.xfer == 0 and self.connected:
+            # the peer does not know us (it restarted on the same address): introduce ourselves again
+            log.warning("peer %s no longer knows us (%s); handshaking again", self.name, msg.message)
+            self.connected = False
+            self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
+            return
+        self._on_message(self, msg)
+
+    def close(self) -> None:
+        self.socket.sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self.socket.close()
+
+
+def handshake_refusal(name: str, endpoint: str, event: int, value: int, curve: bool) -> KvdError:
+    """The error a put or get to this peer reports when ZeroMQ's handshake with it failed."""
+    where = f"peer {name} ({endpoint})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # value: the ZAP status code (400: key not allowed)
+        return Unauthorized(f"{where} refused this daemon's CURVE key (ZAP status {value}): add this node's "
+                            "public key (its .key file from `kvd keygen`) to that peer's --curve-allow")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        mine, theirs = ("on", "off") if curve else ("off", "on")
+        return Unauthorized(f"{where} has CURVE {theirs} and this daemon has it {mine}: set --curve-secret-key "
+                            "on every daemon or on none")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and curve:
+        return Unauthorized(f"the CURVE handshake with {where} failed: most likely its key pair is not the one "
+                            f"whose public key this daemon has for it ({name}.key among --curve-allow)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # value: an errno (the peer hung up on us)
+        return PeerUnavailable(f"the ZeroMQ handshake with {where} failed ({os.strerror(value)}): a peer with CURVE "
+                               "on hangs up on daemons without --curve-secret-key; or that is not a kvd daemon")
+    return PeerUnavailable(f"the ZeroMQ handshake with {where} failed (monitor event {event:#x}, value {value:#x})")

@@ -1,0 +1,153 @@
+"""Who a daemon talks to, and whether they are still there.
+
+Outgoing links (one DEALER per configured peer name or tcp:// endpoint, created on first use),
+peers that connected to our ROUTER (known once they said peer_hello), and liveness: every link is
+pinged each heartbeat_interval, and a peer silent for heartbeat_timeout is declared lost, which
+fails its transfers (the `on_lost` callback, given the channel key). Transfers live in the
+Exchange; this module only names the channels they run on.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from kvd.errors import PeerUnavailable
+from kvd.wire import protocol as p
+
+from ..config import Config
+from .auth import CurveKeys
+from .links import PeerLink
+from .tcpconn import TcpConnection
+
+log = logging.getLogger(__name__)
+
+# a link to a tcp:// endpoint that is not a configured peer (e.g. a decode pod's address from a
+# request) is closed after this long unused: addresses come and go, and each link is three file
+# descriptors and a reconnect attempt every 0.5 s for as long as it exists
+ADHOC_IDLE = 60.0  # seconds
+
+
+class PeerSet:
+    def __init__(self, config: Config, ctx: zmq.Context, incarnation: int,
+                 on_message: Callable[[PeerLink, p.Message], None],
+                 on_lost: Callable[[tuple, str], None]) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.incarnation = incarnation
+        self.curve: CurveKeys | None = None
+        self._on_message = on_message
+        self._on_lost = on_lost  # (channel key, reason): fail what runs on that channel
+        self.links: dict[str, PeerLink] = {}  # peer name or endpoint -> link
+        self._router_peers: dict[bytes, str] = {}  # routing id -> node id, after PeerHello
+        self._router_seen: dict[bytes, float] = {}  # routing id -> last message
+        self._router_conns: dict[bytes, TcpConnection] = {}  # routing id -> its TCP connection
+        self._last_ping = 0.0
+
+    # --- outgoing links ----------------------------------------------------------------------
+
+    def start(self, curve: CurveKeys | None) -> None:
+        self.curve = curve
+        for name, endpoint in self.config.peers.items():
+            self.links[name] = self._new_link(name, endpoint)
+
+    def _new_link(self, name: str, endpoint: str) -> PeerLink:
+        return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation, self._on_message,
+                        self.curve, self._on_link_lost)
+
+    def _on_link_lost(self, link: PeerLink, reason: str) -> None:
+        """The connection to a peer closed, or the peer came back with a new incarnation:
+        whatever we had in flight with it is gone."""
+        self._on_lost(link.channel.key, reason)
+
+    def link_for(self, dest: str) -> PeerLink:
+        """A peer name from the config, or a tcp:// endpoint (linked on first use)."""
+        link = self.links.get(dest)
+        if link is None and dest.startswith("tcp://"):
+            self.links[dest] = link = self._new_link(dest, dest)
+        if link is not None:
+            link.last_used = time.monotonic()
+            return link
+        known = ", ".join(sorted(n for n in self.links if not n.startswith("tcp://"))) or "none"
+        raise PeerUnavailable(f"unknown peer {dest!r} (configured peers: {known}; or give a tcp:// endpoint)")
+
+    def set_peers(self, peers: dict[str, str]) -> None:
+        """Apply a reloaded peer list: new names are linked, removed ones closed."""
+        for name in [n for n in self.links if not n.startswith("tcp://") and n not in peers]:
+            self.links.pop(name).close()
+            log.info("peer %s removed", name)
+        for name, endpoint in peers.items():
+            link = self.links.get(name)
+            if link is not None and link.endpoint != endpoint:
+                self.links.pop(name).close()
+                link = None
+            if link is None:
+                self.links[name] = self._new_link(name, endpoint)
+                log.info("peer %s added at %s", name, endpoint)
+
+    def states(self) -> dict[str, dict]:
+        return {
+            name: {"endpoint": link.endpoint, "connected": link.connected, "node_id": link.remote_node_id}
+            for name, link in self.links.items()
+        }
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+
+    # --- peers connected to our ROUTER ---------------------------------------------------------
+
+    def router_name(self, rid: bytes) -> str:
+        return self._router_peers.get(rid, rid.hex())
+
+    def router_known(self, rid: bytes) -> bool:
+        """Has this connection said peer_hello? (Anything else from it before that is refused.)"""
+        return rid in self._router_peers
+
+    def router_seen(self, rid: bytes) -> None:
+        if rid in self._router_peers:
+            self._router_seen[rid] = time.monotonic()
+
+    def router_hello(self, rid: bytes, msg: p.PeerHello, conn: TcpConnection | None) -> None:
+        if self._router_peers.get(rid) != msg.node_id:
+            log.info("peer %s (incarnation %x) connected to us", msg.node_id, msg.incarnation)
+        self._router_peers[rid] = msg.node_id
+        self._router_seen[rid] = time.monotonic()
+        if conn is not None:
+            self._router_conns[rid] = conn
+
+    def cut_router(self, rid: bytes) -> bool:
+        """Cut the TCP connection of a peer connected to our ROUTER (ZeroMQ then drops it and the
+        frames it still had queued for it)."""
+        conn = self._router_conns.get(rid)
+        return conn is not None and conn.cut()
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    def heartbeat(self, now: float, busy: set[tuple]) -> None:
+        """Ping every linked peer; a peer silent past heartbeat_timeout is lost. Ad-hoc links
+        unused for ADHOC_IDLE with no transfer on them (`busy`: channel keys in use) are closed."""
+        cfg = self.config
+        idle = max(ADHOC_IDLE, 2 * cfg.connect_timeout)  # never under a transfer still waiting for its hello
+        for name in [n for n, link in self.links.items() if n.startswith("tcp://")
+                     and now - link.last_used > idle and link.channel.key not in busy]:
+            self.links.pop(name).close()
+            log.info("closed the idle link to %s", name)
+        if now - self._last_ping >= cfg.heartbeat_interval:
+            self._last_ping = now
+            for link in self.links.values():
+                link.ping(now)
+        for link in self.links.values():
+            if link.connected and now - link.last_seen > cfg.heartbeat_timeout:
+                log.warning("peer %s lost: silent for %.1fs", link.name, now - link.last_seen)
+                link.mark_lost()
+                self._on_lost(link.channel.key, f"peer {link.name} stopped answering")
+        for rid, seen in list(self._router_seen.items()):
+            if now - seen > cfg.heartbeat_timeout:
+                del self._router_seen[rid]
+                self._router_conns.pop(rid, None)
+                name = self._router_peers.pop(rid, rid.hex())
+                log.warning("peer %s (connected to us) lost: silent for %.1fs", name, now - seen)
+                self._on_lost(("router", rid), f"peer {name} stopped answering")

@@ -1,0 +1,388 @@
+"""Entries by request id: states, leases, expiry, and the blocks each one holds.
+
+Bookkeeping only; no sockets. The daemon reserves an entry (WRITING for a local put,
+RECEIVING for an inbound transfer), publishes it (READY, visible to get), and removes it.
+
+Who may touch an entry's blocks pins them, and the blocks return to the allocator only once
+the entry is removed *and* nothing pins them, so a block is never handed to another request
+while anyone may still read or write it:
+- the local writer of a WRITING entry, until it commits (`publish`) or says it stopped
+  (`release_writer`): removing the entry before then (its lease ran out, a delete) parks the
+  blocks instead of freeing them;
+- every lease (a reader, a transfer sending the entry). A lease *claims* the entry (a
+  consuming one hides it from others) until its claim ends (`end_claim`: it ran out, or its
+  transfer finished); it keeps pinning the blocks until `release`, when its holder is sure
+  it no longer touches them (the reader said so or hung up, ZeroMQ let go of the frames).
+Every reservation gets a fresh token (a generation number), and every lease names its token,
+so a stale client or transfer can never act on a reused slot.
+"""
+from __future__ import annotations
+
+import bisect
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+from kvd.errors import AlreadyExists, BadRequest, NotFound, PoolFull
+from kvd.wire.layout import (
+    Extent, TensorSpec, blocks_needed, physical_segments, split_extents, tensor_offsets, validate_specs,
+)
+from .allocator import BlockAllocator
+from .intervals import Intervals
+
+MAX_REQUEST_ID_LEN = 256
+
+
+class State(enum.Enum):
+    WRITING = "writing"  # a local client is copying its tensors in
+    RECEIVING = "receiving"  # chunks are arriving from a peer
+    READY = "ready"  # complete and visible to get
+    CLAIMED = "claimed"  # taken by one consuming reader or outbound transfer; invisible
+
+
+@dataclass(slots=True)
+class Lease:
+    token: int
+    request_id: str
+    consume: bool  # removing the entry when its claim ends successfully
+    deadline: float | None  # monotonic; None: the holder (a transfer) manages its own time
+    started: float = field(default_factory=time.monotonic)
+    # False once the claim ended (ran out, or the transfer finished): the lease no longer hides
+    # or consumes the entry, but pins its blocks until released
+    claiming: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    request_id: str
+    token: int
+    specs: list[TensorSpec]
+    offsets: list[int]
+    total_bytes: int
+    extents: list[Extent]
+    meta: dict | None
+    state: State
+    expires_at: float | None  # monotonic ttl deadline
+    write_deadline: float | None = None  # WRITING/RECEIVING must finish by then
+    leases: dict[int, Lease] = field(default_factory=dict)
+    writer: bool = False  # a local client may still be copying into the blocks (WRITING, not committed)
+    removed: bool = False
+    created: float = field(default_factory=time.time)
+    remaining: list[int] = field(default_factory=list)  # per tensor: bytes (of its range) still missing
+    written: Intervals = field(default_factory=Intervals)  # bytes a local producer announced as written
+
+    def __post_init__(self) -> None:
+        if not self.remaining:
+            self.remaining = [hi - lo for lo, hi in self.tensor_ranges()]
+
+    def tensor_ranges(self) -> list[tuple[int, int]]:
+        """The logical bytes each tensor owns: its data and the alignment padding after it.
+
+        These ranges partition [0, total_bytes), so sending every tensor's range sends the entry."""
+        starts = self.offsets
+        ends = starts[1:] + [self.total_bytes]
+        return list(zip(starts, ends))
+
+    def complete_tensors(self) -> list[int]:
+        return [i for i, left in enumerate(self.remaining) if left == 0]
+
+    def mark_range(self, offset: int, length: int) -> list[int]:
+        """Bytes [offset, offset+length) arrived (each byte once); returns tensors that just completed."""
+        done = []
+        end = offset + length
+        first = max(0, bisect.bisect_right(self.offsets, offset) - 1)
+        for index, (lo, hi) in enumerate(self.tensor_ranges()[first:], start=first):
+            if lo >= end:
+                break
+            overlap = min(hi, end) - max(lo, offset)
+            if overlap > 0:
+                self.remaining[index] -= overlap
+                if self.remaining[index] == 0:
+                    done.append(index)
+        return done
+
+    def mark_tensors(self, indices: list) -> list[tuple[int, int]]:
+        """A local producer wrote these tensors; returns their (merged) byte ranges."""
+        ranges = self.tensor_ranges()
+        if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < len(ranges) for i in indices):
+            raise BadRequest(f"tensor indices for {self.request_id!r} must be ints in 0..{len(ranges) - 1} (no tensor with that number)")
+        picked = []
+        for index in sorted(set(indices)):
+            lo, hi = ranges[index]
+            if hi > lo and self.written.overlaps(lo, hi):
+                raise BadRequest(f"tensor {self.specs[index].name!r} of {self.request_id!r} was already written")
+            self.written.add(lo, hi)
+            self.remaining[index] = 0
+            if picked and picked[-1][1] == lo:
+                picked[-1] = (picked[-1][0], hi)
+            elif hi > lo:
+                picked.append((lo, hi))
+        return [(lo, hi - lo) for lo, hi in picked]
+
+    def mark_rest(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """The producer is done: every byte not yet announced is written; returns those ranges
+        and the tensors they completed."""
+        rest = self.written.gaps(0, self.total_bytes)
+        done = []
+        for lo, hi in rest:
+            self.written.add(lo, hi)
+            done += self.mark_range(lo, hi - lo)
+        return [(lo, hi - lo) for lo, hi in rest], done
+
+    def segments(self, block_size: int) -> list[list[tuple[int, int]]]:
+        return [
+            physical_segments(self.extents, block_size, offset, spec.nbytes)
+            for spec, offset in zip(self.specs, self.offsets)
+        ]
+
+    def describe(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "state": self.state.value,
+            "bytes": self.total_bytes,
+            "tensors": len(self.specs),
+            "blocks": sum(count for _, count in self.extents),
+            "age_s": round(time.time() - self.created, 3),
+            "ttl_s": None if self.expires_at is None else round(self.expires_at - time.monotonic(), 3),
+        }
+
+
+def validate_request_id(request_id: str) -> None:
+    if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+        raise BadRequest(f"request id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} chars")
+
+
+class Store:
+    def __init__(self, allocator: BlockAllocator, block_size: int, default_ttl: float | None) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.default_ttl = default_ttl
+        self.entries: dict[str, Entry] = {}  # request id -> live entry (any state)
+        self._leases: dict[int, tuple[Entry, Lease]] = {}
+        self._tokens = itertools.count(1)
+        self._zombies: set[Entry] = set()  # removed, but a lease or their writer still pins their blocks
+        self._scratch: dict[int, list[Extent]] = {}  # token -> blocks lent to a client (see lend_scratch)
+        self.expired_total = 0
+
+    # --- reservation and publication ---------------------------------------------------
+
+    def reserve(
+        self, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict | None,
+        state: State, write_deadline: float | None,
+    ) -> Entry:
+        offsets, total = self._check_new(request_id, specs, ttl)
+        try:
+            extents = self.allocator.allocate(blocks_needed(total, self.block_size))
+        except PoolFull as exc:
+            if self.scratch_blocks:  # say where the blocks are that no entry holds
+                raise PoolFull(f"{exc.message}; {self.scratch_blocks} blocks are lent to connected clients "
+                               "for their next put") from None
+            raise
+        entry = self._add(request_id, specs, offsets, total, extents, ttl, meta, state, write_deadline)
+        entry.writer = state is State.WRITING  # the client copies in after this returns
+        return entry
+
+    def _check_new(self, request_id: str, specs: list[TensorSpec], ttl: float | None) -> tuple[list[int], int]:
+        """Validate a new entry; returns its tensor offsets and total size."""
+        validate_request_id(request_id)
+        validate_specs(specs)
+        if request_id in self.entries:
+            raise AlreadyExists(f"request {request_id!r} is already held by this daemon")
+        if ttl is not None and (not math.isfinite(ttl) or ttl < 0):
+            raise BadRequest(f"ttl must be a non-negative number of seconds, got {ttl!r}")
+        return tensor_offsets(specs)
+
+    def _add(self, request_id: str, specs: list[TensorSpec], offsets: list[int], total: int,
+             extents: list[Extent], ttl: float | None, meta: dict | None, state: State,
+             write_deadline: float | None) -> Entry:
+        ttl = self.default_ttl if ttl is None else ttl
+        expires = time.monotonic() + ttl if ttl else None
+        entry = Entry(request_id, next(self._tokens), specs, offsets, total, extents, meta, state,
+                      expires, write_deadline)
+        self.entries[request_id] = entry
+        return entry
+
+    # --- scratch: blocks lent to a client for its next put ----------------------------------
+
+    def lend_scratch(self, blocks: int) -> tuple[int, list[Extent]]:
+        """Reserve blocks a client may write its next put into before it asks (one round trip
+        instead of two); PoolFull if they are not free. They belong to no entry until
+        `reserve_in_scratch` claims them, and return with `return_scratch`."""
+        extents = self.allocator.allocate(blocks)
+        token = next(self._tokens)
+        self._scratch[token] = extents
+        return token, extents
+
+    def return_scratch(self, token: int) -> None:
+        extents = self._scratch.pop(token, None)
+        if extents is not None:
+            self.allocator.free(extents)
+
+    def reserve_in_scratch(
+        self, token: int, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict | None,
+        state: State, write_deadline: float | None,
+    ) -> Entry:
+        """Turn lent scratch blocks, already written, into an entry; blocks it does not need go
+        back to the pool. The scratch is used up either way (on error its blocks are freed)."""
+        extents = self._scratch.get(token)
+        if extents is None:
+            raise NotFound(f"no scratch blocks {token} lent to this connection")
+        try:
+            offsets, total = self._check_new(request_id, specs, ttl)
+            needed = blocks_needed(total, self.block_size)
+            have = sum(count for _, count in extents)
+            if needed > have:
+                raise BadRequest(f"{request_id!r} needs {needed} blocks, the scratch lent has {have}")
+        except BaseException:
+            self.return_scratch(token)
+            raise
+        del self._scratch[token]
+        used, spare = split_extents(extents, needed)
+        self.allocator.free(spare)
+        return self._add(request_id, specs, offsets, total, used, ttl, meta, state, write_deadline)
+
+    def writing_entry(self, request_id: str, token: int, state: State) -> Entry:
+        entry = self.entries.get(request_id)
+        if entry is None or entry.token != token or entry.state is not state:
+            raise NotFound(f"no pending put for {request_id!r} with token {token} (expired or aborted?)")
+        return entry
+
+    def publish(self, entry: Entry) -> None:
+        """Complete: visible to readers, unless a consuming lease (a streaming push) already owns it.
+        A local writer commits only after its last copy, so its pin ends here."""
+        entry.state = State.CLAIMED if self._consumer_of(entry) else State.READY
+        entry.write_deadline = None
+        entry.writer = False
+        entry.remaining = [0] * len(entry.remaining)
+
+    def release_writer(self, entry: Entry) -> None:
+        """The local writer will copy nothing more into this entry (it hung up, or acknowledged
+        that its put is over): a removed entry's parked blocks can go."""
+        entry.writer = False
+        self._free_if_unused(entry)
+
+    @staticmethod
+    def _consumer_of(entry: Entry) -> Lease | None:
+        return next((l for l in entry.leases.values() if l.consume and l.claiming), None)
+
+    # --- reading and sending ------------------------------------------------------------
+
+    def ready(self, request_id: str) -> Entry | None:
+        entry = self.entries.get(request_id)
+        return entry if entry is not None and entry.state is State.READY else None
+
+    def lease(self, entry: Entry, consume: bool, deadline: float | None, incomplete: bool = False) -> Lease:
+        """Take a read lease. A consuming lease hides the entry from everyone else.
+
+        With incomplete=True the entry may still be WRITING or RECEIVING (streams)."""
+        if entry.removed or not (entry.state is State.READY or (incomplete and entry.state is not State.CLAIMED)):
+            raise NotFound(f"request {entry.request_id!r} is not ready")
+        lease = Lease(next(self._tokens), entry.request_id, consume, deadline)
+        if consume and entry.state is State.READY:
+            entry.state = State.CLAIMED
+        entry.leases[lease.token] = lease
+        self._leases[lease.token] = (entry, lease)
+        return lease
+
+    def end_claim(self, token: int, success: bool) -> Entry:
+        """The lease stops claiming its entry: a successful consuming lease removes it, a failed one
+        gives it back to other readers. Its blocks stay pinned until `release`."""
+        found = self._leases.get(token)
+        if found is None:
+            raise NotFound(f"no read lease {token} (expired?)")
+        entry, lease = found
+        if not lease.claiming:
+            return entry
+        lease.claiming, lease.deadline = False, None
+        if lease.consume and not entry.removed:
+            if success:
+                self.remove(entry)
+            elif entry.state is State.CLAIMED and self._consumer_of(entry) is None:
+                entry.state = State.READY
+        return entry
+
+    def release(self, token: int, success: bool) -> Entry:
+        """End a lease: its claim (as in `end_claim`, if still claiming) and its pin."""
+        entry = self.end_claim(token, success)
+        del self._leases[token], entry.leases[token]
+        self._free_if_unused(entry)
+        return entry
+
+    def lease_of(self, token: int) -> Lease | None:
+        found = self._leases.get(token)
+        return found[1] if found else None
+
+    def set_lease_deadline(self, token: int, deadline: float | None) -> None:
+        found = self._leases.get(token)
+        if found is not None and found[1].claiming:
+            found[1].deadline = deadline
+
+    # --- removal and expiry -------------------------------------------------------------
+
+    def remove(self, entry: Entry) -> None:
+        if entry.removed:
+            return
+        entry.removed = True
+        if self.entries.get(entry.request_id) is entry:
+            del self.entries[entry.request_id]
+        self._zombies.add(entry)
+        self._free_if_unused(entry)
+
+    def _free_if_unused(self, entry: Entry) -> None:
+        if entry.removed and not entry.leases and not entry.writer and entry in self._zombies:
+            self._zombies.discard(entry)
+            self.allocator.free(entry.extents)
+            entry.extents = []
+
+    def sweep(self, now: float) -> tuple[list[Entry], list[Entry], list[Lease]]:
+        """Expire what ran out of time: (ttl-expired entries, abandoned writes, stale leases).
+
+        An abandoned write is removed, its blocks parked until its writer lets go; a stale lease
+        stops claiming its entry, its blocks pinned until its reader releases it."""
+        expired = [
+            e for e in self.entries.values()
+            if e.expires_at is not None and e.expires_at <= now and e.state is State.READY
+        ]
+        abandoned = [
+            e for e in self.entries.values()
+            if e.write_deadline is not None and e.write_deadline <= now
+            and e.state in (State.WRITING, State.RECEIVING)
+        ]
+        stale = [l for _, l in self._leases.values() if l.deadline is not None and l.deadline <= now]
+        for lease in stale:
+            self.end_claim(lease.token, success=False)
+        for entry in expired:
+            self.remove(entry)
+        for entry in abandoned:
+            self.remove(entry)
+        self.expired_total += len(expired)
+        return expired, abandoned, stale
+
+    # --- accounting -------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by entries (scratch lent to clients is counted apart)."""
+        return (self.allocator.used_blocks - self.scratch_blocks) * self.block_size
+
+    @property
+    def parked_bytes(self) -> int:
+        """Bytes of removed entries whose blocks someone may still touch (part of used_bytes)."""
+        return sum(count for entry in self._zombies for _, count in entry.extents) * self.block_size
+
+    @property
+    def scratch_blocks(self) -> int:
+        """Blocks lent to clients (one loan per connection at most, so this sum stays short)."""
+        return sum(count for extents in self._scratch.values() for _, count in extents)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self.scratch_blocks * self.block_size
+
+    def counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in State}
+        for entry in self.entries.values():
+            counts[entry.state.value] += 1
+        return counts

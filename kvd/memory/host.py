@@ -1,0 +1,126 @@
+"""The pool in host RAM (daemon process), and its mapping in a client (`map_pool`, worker process).
+
+Host memory is a memfd by default, not a /dev/shm file: containers often cap /dev/shm at
+64 MiB, a memfd is not bound by that mount, and it disappears with the daemon even on
+kill -9, so nothing can leak. Clients open it as /proc/<daemon pid>/fd/<fd> (same user),
+which also avoids Python 3.11's multiprocessing.shared_memory resource tracker, which
+unlinks segments that a client merely attached to. `--pool-path FILE` uses a named file
+instead (for a tmpfs/hugetlbfs mount shared between containers without a shared PID
+namespace); the daemon creates it 0600 and unlinks it on exit.
+
+A page of the pool that is not there kills whoever touches it with SIGBUS, the daemon
+included. So the memfd is sealed at its size (a client, which must open it read-write to put,
+cannot shrink or grow it), and a pool file's space is reserved at start, prefault or not (a
+tmpfs that cannot hold the pool fails the start instead of the first transfer).
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+
+from kvd.errors import BadRequest
+from kvd.units import format_size
+
+from .io import HostPoolIO, PoolIO
+
+log = logging.getLogger(__name__)
+
+
+class HostMemory:
+    """The pool in host RAM: a memfd (default) or a file the daemon owns, mmapped shared."""
+
+    kind = "cpu"
+    ipc_handle = None
+
+    def __init__(self, size: int, path: str = "", prefault: bool = True) -> None:
+        self.size = size
+        self._unlink_path = ""
+        self._fd = -1
+        if path:
+            _check_room(path, size)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            try:
+                self._fd = os.open(path, flags, 0o600)
+            except FileExistsError:
+                raise BadRequest(f"pool file {path} already exists: another daemon may own it") from None
+            self._unlink_path = path
+            self.client_path = os.path.abspath(path)
+        else:
+            self._fd = os.memfd_create("kvd-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            self.client_path = f"/proc/{os.getpid()}/fd/{self._fd}"
+        try:
+            os.ftruncate(self._fd, size)
+            if prefault or path:
+                # allocate every page now: fail at start rather than SIGBUS mid-transfer, and
+                # keep first-touch page faults off the copy path (a memfd without prefault
+                # takes its pages from memory as it goes: no file system to run out of)
+                try:
+                    os.posix_fallocate(self._fd, 0, size)
+                except OSError as exc:
+                    where = f"the file system of {path}" if path else "this host's shared memory"
+                    raise BadRequest(f"{where} cannot hold the {format_size(size)} pool: {exc.strerror}") from None
+            if not path:  # a client opens the memfd read-write: it must not be able to resize it
+                fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+            self._map = mmap.mmap(self._fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BadRequest:
+            self.close()
+            raise
+        except OSError as exc:
+            self.close()
+            raise BadRequest(f"cannot allocate a {size}-byte host pool: {exc}") from None
+        self._view = memoryview(self._map)
+
+    def host_view(self) -> memoryview:
+        return self._view
+
+    def io(self, chunk_size: int, window: int) -> PoolIO:
+        return HostPoolIO(self._view)
+
+    def close(self) -> None:
+        view = getattr(self, "_view", None)
+        if view is not None:
+            view.release()
+            self._view = None
+        mapping = getattr(self, "_map", None)
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                log.warning("pool mapping still referenced at close; leaving it to process exit")
+            self._map = None
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._unlink_path:
+            try:
+                os.unlink(self._unlink_path)
+            except FileNotFoundError:
+                pass
+            self._unlink_path = ""
+
+
+def _check_room(path: str, size: int) -> None:
+    """Refuse a pool file on a file system without room for it (before creating anything)."""
+    try:
+        fs = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError as exc:
+        raise BadRequest(f"cannot use --pool-path {path}: {exc.strerror}") from None
+    free = fs.f_bavail * fs.f_frsize
+    if free < size:
+        raise BadRequest(f"the file system of {path} cannot hold the {format_size(size)} pool "
+                         f"({format_size(free)} free): make the tmpfs bigger or the pool smaller")
+
+
+def map_pool(path: str, size: int) -> tuple[mmap.mmap, memoryview]:
+    """Client side: map the daemon's pool by the path it announced."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        # MAP_POPULATE: take the page-table faults once, here, not on every first copy
+        # (measured: first touch of a fresh mapping copies at ~1 GB/s, later ones at ~11 GB/s)
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return mapping, memoryview(mapping)

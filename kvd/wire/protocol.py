@@ -1,0 +1,499 @@
+"""Wire protocol v1, sans I/O: message dataclasses and pure encode/decode.
+
+A message is a list of frames (ZeroMQ's between peers, `kvd.framing`'s on the local socket):
+frame 0 is a msgpack map (the header) with the protocol version "v", the message type "t",
+and the message's fields by name; any further frames are raw payload bytes, used only by CHUNK. Decoding is bounded (header size cap,
+msgpack length limits) and validates every field's type before returning a message.
+This module imports neither zmq nor asyncio; `proto/PROTOCOL.md` is its specification.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from kvd.errors import InternalError, KvdError, ProtocolError, VersionMismatch
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20  # a 4096-tensor put with its slot list fits comfortably
+MAX_PAYLOAD_FRAMES = 64
+MAX_CHUNK_BYTES = 64 << 20  # largest chunk a receiver accepts (and largest ZeroMQ frame)
+# msgpack limits: nothing in a header needs more, and a hostile header cannot make us allocate more
+UNPACK_LIMITS = dict(
+    max_bin_len=1 << 10,
+    max_str_len=1 << 16,
+    max_array_len=1 << 17,
+    max_map_len=1 << 12,
+    max_ext_len=0,
+)
+
+Frame = typing.Union[bytes, bytearray, memoryview]
+# a field added to a v1 message after v1 was fixed: sent only when it differs from its default,
+# so v1 bytes stay as they were and a v1 peer (which ignores unknown keys) never sees it unset
+EXTENSION = {"extension": True}
+
+
+@dataclass(slots=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+# ---- client <-> local daemon -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Hello(Message):
+    """Client -> daemon, first message: who is calling."""
+
+    TYPE: ClassVar[str] = "hello"
+    req: int
+    client: str = ""
+
+
+@dataclass(slots=True)
+class HelloOk(Message):
+    """Daemon -> client: where the shared pool lives, so the client can map it."""
+
+    TYPE: ClassVar[str] = "hello_ok"
+    req: int
+    node_id: str
+    incarnation: int
+    pool_path: str  # file the client opens and mmaps (a tmpfs file or /proc/PID/fd/N of a memfd)
+    pool_size: int
+    block_size: int
+    device: str
+    pool_handle: bytes | None = None  # CUDA IPC handle, when the pool is GPU memory
+
+
+@dataclass(slots=True)
+class PutAlloc(Message):
+    """Client -> daemon: reserve pool space for a request's tensors."""
+
+    TYPE: ClassVar[str] = "put_alloc"
+    req: int
+    request_id: str
+    tensors: list  # [[name, dtype, shape], ...]
+    ttl: float | None = None  # seconds; None = daemon default
+    meta: dict | None = None  # opaque to the transport (KV layout lives here)
+    stream: bool = False  # tensors will be announced with put_part as they are written
+    dest: str | None = None  # streaming push: start sending to this peer right away
+    give_back: int | None = field(default=None, metadata=EXTENSION)  # a scratch token returned unused
+
+
+@dataclass(slots=True)
+class PutSlots(Message):
+    """Daemon -> client: where to write each tensor; token names this reservation."""
+
+    TYPE: ClassVar[str] = "put_slots"
+    req: int
+    token: int
+    segments: list  # per tensor: [[pool_offset, length], ...]
+
+
+@dataclass(slots=True)
+class PutCommit(Message):
+    """Client -> daemon: the bytes are written; publish (or push to dest)."""
+
+    TYPE: ClassVar[str] = "put_commit"
+    req: int
+    request_id: str
+    token: int
+    dest: str | None = None  # peer name or tcp:// endpoint
+    lend: bool = field(default=False, metadata=EXTENSION)  # put_ok may lend blocks for the next put
+
+
+@dataclass(slots=True)
+class Put(Message):
+    """Client -> daemon: the tensors are already written into the scratch blocks this
+    connection was lent (`put_ok`); make them an entry and publish (or push to dest)."""
+
+    TYPE: ClassVar[str] = "put"
+    req: int
+    request_id: str
+    tensors: list
+    scratch: int  # token of the lent blocks; used up by this request, whatever the outcome
+    ttl: float | None = None
+    meta: dict | None = None
+    dest: str | None = None
+
+
+@dataclass(slots=True)
+class PutOk(Message):
+    """Daemon -> client: the put is done; maybe new scratch blocks for the next one."""
+
+    TYPE: ClassVar[str] = "put_ok"
+    req: int
+    scratch: int | None = None  # token of blocks lent to this connection, or none lent
+    extents: list = field(default_factory=list)  # [[first_block, count], ...] in the order used
+
+
+@dataclass(slots=True)
+class PutPart(Message):
+    """Client -> daemon, fire and forget: these tensors (indices) of a streamed put are written."""
+
+    TYPE: ClassVar[str] = "put_part"
+    req: int
+    request_id: str
+    token: int
+    tensors: list  # indices into the put_alloc's tensor list
+
+
+@dataclass(slots=True)
+class GetStream(Message):
+    """Client -> daemon: lease a cache while it is still arriving; tensors_ready follows as it fills."""
+
+    TYPE: ClassVar[str] = "get_stream"
+    req: int
+    request_id: str
+    timeout: float
+    source: str | None = None  # pull from this peer, streaming chunks to the reader as they land
+    keep: bool = False  # with source: the holder keeps its copy
+
+
+@dataclass(slots=True)
+class TensorsReady(Message):
+    """Daemon -> client (after get_slots for a get_stream): these tensors are complete."""
+
+    TYPE: ClassVar[str] = "tensors_ready"
+    req: int
+    tensors: list  # indices
+    complete: bool = False  # every tensor is now complete; nothing more follows
+
+
+@dataclass(slots=True)
+class Get(Message):
+    """Client -> daemon: find (or wait for, or pull) a request's cache."""
+
+    TYPE: ClassVar[str] = "get"
+    req: int
+    request_id: str
+    timeout: float
+    source: str | None = None
+    keep: bool = False
+
+
+@dataclass(slots=True)
+class GetSlots(Message):
+    """Daemon -> client: where the cache's tensors are; the entry is leased to this reader."""
+
+    TYPE: ClassVar[str] = "get_slots"
+    req: int
+    token: int
+    tensors: list
+    segments: list
+    meta: dict | None = None
+
+
+@dataclass(slots=True)
+class GetDone(Message):
+    """Client -> daemon: reading is over; consume the entry or give it back."""
+
+    TYPE: ClassVar[str] = "get_done"
+    req: int
+    request_id: str
+    token: int
+    consume: bool = True
+    reply: bool = False  # False: fire and forget
+
+
+@dataclass(slots=True)
+class Delete(Message):
+    """Client -> daemon: drop a request's entry; with token, only the writer's own reservation."""
+
+    TYPE: ClassVar[str] = "delete"
+    req: int
+    request_id: str
+    # the put_slots token of a reservation this connection writes: it stops writing (aborts, or
+    # acknowledges that the put ended without it); never touches another entry of that id
+    token: int | None = field(default=None, metadata=EXTENSION)
+
+
+@dataclass(slots=True)
+class Stats(Message):
+    TYPE: ClassVar[str] = "stats"
+    req: int
+
+
+@dataclass(slots=True)
+class ListEntries(Message):
+    TYPE: ClassVar[str] = "list"
+    req: int
+
+
+@dataclass(slots=True)
+class Ok(Message):
+    """Reply carrying a plain result (bool, map, list or nothing)."""
+
+    TYPE: ClassVar[str] = "ok"
+    req: int
+    value: Any = None
+
+
+@dataclass(slots=True)
+class Error(Message):
+    """Reply to a failed request; code is one of kvd.errors' codes."""
+
+    TYPE: ClassVar[str] = "error"
+    req: int
+    code: int
+    message: str
+    origin: str | None = None  # node id of the daemon that detected the fault
+
+
+# ---- daemon <-> daemon --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PeerHello(Message):
+    """First message on a peer connection."""
+
+    TYPE: ClassVar[str] = "peer_hello"
+    node_id: str
+    incarnation: int
+
+
+@dataclass(slots=True)
+class PeerHelloOk(Message):
+    TYPE: ClassVar[str] = "peer_hello_ok"
+    node_id: str
+    incarnation: int
+
+
+@dataclass(slots=True)
+class Offer(Message):
+    """Sender -> receiver: a cache is coming; allocate room for it."""
+
+    TYPE: ClassVar[str] = "offer"
+    xfer: int
+    request_id: str
+    tensors: list
+    total_bytes: int
+    chunk_size: int
+    checksum: str  # "xxh3_64" | "crc32" | "none"
+    ttl: float | None = None
+    meta: dict | None = None
+    sealed: bool = True  # False: a stream; the receiver publishes only after a seal message
+
+
+@dataclass(slots=True)
+class Seal(Message):
+    """Sender -> receiver: the producer committed the stream; publish once every byte is in."""
+
+    TYPE: ClassVar[str] = "seal"
+    xfer: int
+
+
+@dataclass(slots=True)
+class Accept(Message):
+    """Receiver -> sender: room reserved, start sending chunks."""
+
+    TYPE: ClassVar[str] = "accept"
+    xfer: int
+
+
+@dataclass(slots=True)
+class Chunk(Message):
+    """Sender -> receiver: bytes [offset, offset + sum(lengths)) of the entry, in payload frames."""
+
+    TYPE: ClassVar[str] = "chunk"
+    xfer: int
+    seq: int
+    offset: int
+    lengths: list
+    digest: int  # checksum of the payload bytes in order; 0 when checksum is "none"
+    payload: list = field(default_factory=list)  # raw frames, not part of the header
+
+
+@dataclass(slots=True)
+class ChunkAck(Message):
+    """Receiver -> sender: chunk seq verified and stored; opens the window by one."""
+
+    TYPE: ClassVar[str] = "chunk_ack"
+    xfer: int
+    seq: int
+
+
+@dataclass(slots=True)
+class Done(Message):
+    """Receiver -> sender: every chunk verified; the entry is published on the receiver."""
+
+    TYPE: ClassVar[str] = "done"
+    xfer: int
+
+
+@dataclass(slots=True)
+class Abort(Message):
+    """Either side: the transfer is over and failed; free what it holds."""
+
+    TYPE: ClassVar[str] = "abort"
+    xfer: int
+    code: int
+    message: str
+
+
+@dataclass(slots=True)
+class Pull(Message):
+    """Puller -> holder: send me this request's cache (holder answers with Offer or Abort)."""
+
+    TYPE: ClassVar[str] = "pull"
+    xfer: int
+    request_id: str
+    timeout: float
+    keep: bool = False
+
+
+@dataclass(slots=True)
+class Ping(Message):
+    TYPE: ClassVar[str] = "ping"
+    nonce: int
+
+
+@dataclass(slots=True)
+class Pong(Message):
+    TYPE: ClassVar[str] = "pong"
+    nonce: int
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello, HelloOk, PutAlloc, PutSlots, Put, PutOk, PutPart, PutCommit, Get, GetStream, TensorsReady,
+        GetSlots, GetDone, Delete, Stats, ListEntries, Ok, Error,
+        PeerHello, PeerHelloOk, Offer, Seal, Accept, Chunk, ChunkAck, Done, Abort, Pull, Ping, Pong,
+    )
+}
+
+
+# ---- field validation ---------------------------------------------------------------------
+
+_CHECKERS: dict[str, typing.Callable[[Any], bool]] = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "list": lambda v: isinstance(v, list),
+    "dict": lambda v: isinstance(v, dict),
+    "bytes": lambda v: isinstance(v, bytes),
+    "Any": lambda v: True,
+}
+
+
+def _field_table(cls: type[Message]) -> list[tuple[str, str, bool, bool]]:
+    """(name, type name, optional, required) for each header field of a message class."""
+    table: list[tuple[str, str, bool, bool]] = []
+    for f in dataclasses.fields(cls):
+        if f.name == "payload":
+            continue
+        annotation = str(f.type)
+        optional = annotation.endswith("| None")
+        base = annotation.removesuffix("| None").strip()
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        table.append((f.name, base, optional, required))
+    return table
+
+
+_FIELDS = {name: _field_table(cls) for name, cls in MESSAGE_TYPES.items()}
+# extension fields and their defaults, per message type (see EXTENSION)
+_EXTENSIONS = {
+    name: {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+           for f in dataclasses.fields(cls) if f.metadata.get("extension")}
+    for name, cls in MESSAGE_TYPES.items()
+}
+
+
+# ---- encode / decode ----------------------------------------------------------------------
+
+_packer_options = dict(use_bin_type=True)
+
+
+def encode(msg: Message) -> list[Frame]:
+    """Message -> frames. Payload frames (CHUNK only) are passed through untouched."""
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
+    extensions = _EXTENSIONS[msg.TYPE]
+    for name, _base, _optional, _required in _FIELDS[msg.TYPE]:
+        value = getattr(msg, name)
+        if name in extensions and value == extensions[name]:
+            continue
+        header[name] = value
+    payload = msg.payload if isinstance(msg, Chunk) else ()
+    if payload:
+        header["n"] = len(payload)
+    return [msgpack.packb(header, **_packer_options), *payload]
+
+
+def request_number(head: Frame) -> int:
+    """Best effort: the `req` of a header that did not decode (a string or the whole header over
+    the limits), so that the error reaches the request that caused it; 0 if it cannot be read.
+
+    Reads only the first keys (an encoder writes v, t, req first), with the same limits."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, **UNPACK_LIMITS)
+        unpacker.feed(head)
+        for _ in range(min(unpacker.read_map_header(), 4)):
+            key, value = unpacker.unpack(), unpacker.unpack()
+            if key == "req":
+                return value if type(value) is int and 0 <= value < 1 << 63 else 0
+    except Exception:  # msgpack raises several unrelated types on bad input
+        pass
+    return 0
+
+
+def decode(frames: typing.Sequence[Frame]) -> Message:
+    """Frames -> message, or ProtocolError saying exactly what is wrong. Never trusts sizes."""
+    if not frames:
+        raise ProtocolError("empty message")
+    head = frames[0]
+    if len(head) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(head)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True, **UNPACK_LIMITS)
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header must be a msgpack map")
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version {version!r} not supported (this side speaks {PROTOCOL_VERSION})")
+    kind = header.get("t")
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    values: dict[str, Any] = {}
+    for name, base, optional, required in _FIELDS[kind]:
+        if name not in header:
+            if required:
+                raise ProtocolError(f"{kind}: missing field {name!r}")
+            continue
+        value = header[name]
+        if value is None and optional:
+            values[name] = None
+            continue
+        if not _CHECKERS[base](value):
+            raise ProtocolError(f"{kind}: field {name!r} must be {base}, got {type(value).__name__}")
+        values[name] = float(value) if base == "float" else value
+    msg = cls(**values)
+    n_payload = header.get("n", 0)
+    if isinstance(msg, Chunk):
+        if type(n_payload) is not int or n_payload != len(frames) - 1:
+            raise ProtocolError(f"chunk declares {n_payload!r} payload frames, {len(frames) - 1} arrived")
+        if len(frames) - 1 > MAX_PAYLOAD_FRAMES:
+            raise ProtocolError(f"chunk has {len(frames) - 1} payload frames (limit {MAX_PAYLOAD_FRAMES})")
+        lengths = msg.lengths
+        if len(lengths) != len(frames) - 1 or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n == len(f) for n, f in zip(lengths, frames[1:])
+        ):
+            raise ProtocolError("chunk payload frame sizes disagree with the header's lengths")
+        msg.payload = list(frames[1:])
+    elif len(frames) != 1:
+        raise ProtocolError(f"{kind} carries no payload, but {len(frames) - 1} extra frames arrived")
+    return msg
+
+
+def error_reply(req: int, exc: Exception, origin: str | None) -> Error:
+    """Any exception -> the Error message a client can turn back into the same class."""
+    if isinstance(exc, KvdError):
+        return Error(req=req, code=exc.code, message=exc.message, origin=exc.remote or origin)
+    return Error(req=req, code=InternalError.code, message=f"{type(exc).__name__}: {exc}", origin=origin)

@@ -1,0 +1,459 @@
+"""Local handoff through one real daemon: put/get, dtypes, out=, keep, errors, ttl, pool full."""
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvd
+from kvd.client.tensors import TORCH_DTYPES
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def special_values(dtype: torch.dtype, shape=(3, 5, 7)) -> torch.Tensor:
+    """Random bytes reinterpreted as dtype: covers NaN payloads, infinities, -0.0, subnormals."""
+    g = torch.Generator().manual_seed(1234)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * itemsize,), dtype=torch.uint8, generator=g)
+    t = raw.view(dtype).reshape(shape).clone()
+    if dtype.is_floating_point and itemsize >= 2:
+        flat = t.view(-1)
+        flat[0] = -0.0
+        flat[1] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("dtype_name", list(TORCH_DTYPES))
+def test_every_dtype_round_trips_bit_exact(client, dtype_name):
+    dtype = TORCH_DTYPES[dtype_name]
+    kv = {"layer.0.k": special_values(dtype), "layer.0.v": special_values(dtype, (2, 1, 64))}
+    client.put(f"dtype-{dtype_name}", kv)
+    got = client.get(f"dtype-{dtype_name}")
+    assert set(got) == set(kv)
+    for name, tensor in kv.items():
+        assert got[name].dtype == dtype and got[name].shape == tensor.shape
+        assert bits(got[name]) == bits(tensor)
+
+
+def test_nan_payload_and_negative_zero_survive(client):
+    payload_nan = struct.unpack("<f", struct.pack("<I", 0x7FC0BEEF))[0]
+    t = torch.tensor([payload_nan, -0.0, float("-inf"), 1e-45], dtype=torch.float32)
+    client.put("nan", {"x": t})
+    got = client.get("nan")["x"]
+    assert bits(got) == bits(t)
+    assert got.view(torch.int32)[0].item() == 0x7FC0BEEF
+
+
+def test_shapes_scalars_and_empty_tensors(client):
+    kv = {
+        "scalar": torch.tensor(3.5, dtype=torch.float16),
+        "empty": torch.empty(0, 8, dtype=torch.bfloat16),
+        "vector": torch.arange(10, dtype=torch.int64),
+        "deep": torch.randn(2, 1, 3, 1, 2, 1, 2, 3),
+    }
+    client.put("shapes", kv)
+    got = client.get("shapes")
+    for name, tensor in kv.items():
+        assert got[name].shape == tensor.shape and bits(got[name]) == bits(tensor)
+
+
+def test_numpy_and_non_contiguous_inputs(client):
+    arr = np.arange(24, dtype=np.float32).reshape(4, 6)
+    strided = torch.randn(6, 8).t()  # not contiguous
+    client.put("np", {"a": arr, "s": strided})
+    got = client.get("np")
+    assert np.array_equal(got["a"].numpy(), arr)
+    assert torch.equal(got["s"], strided)
+
+
+def test_get_into_preallocated_out(client):
+    k = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    v = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    client.put("out", {"k": k, "v": v})
+    out_k = torch.zeros_like(k)
+    ptr = out_k.data_ptr()
+    got = client.get("out", out={"k": out_k})
+    assert got["k"] is out_k and out_k.data_ptr() == ptr
+    assert torch.equal(out_k.view(torch.int16), k.view(torch.int16))
+    assert torch.equal(got["v"].view(torch.int16), v.view(torch.int16))
+
+
+def test_out_mismatch_is_bad_request_and_keeps_the_entry(client):
+    client.put("mm", {"k": torch.ones(4, 4)})
+    with pytest.raises(kvd.BadRequest, match="holds"):
+        client.get("mm", out={"k": torch.zeros(4, 5)})
+    with pytest.raises(kvd.BadRequest, match="does not hold"):
+        client.get("mm", out={"nope": torch.zeros(1)})
+    assert torch.equal(client.get("mm")["k"], torch.ones(4, 4))
+
+
+def test_get_consumes_unless_keep(client):
+    client.put("keep", {"x": torch.ones(3)})
+    client.get("keep", keep=True)
+    client.get("keep", keep=True)
+    assert client.stats()["entries"] == 1
+    client.get("keep")
+    assert client.stats()["entries"] == 0
+    assert client.stats()["pool"]["used_bytes"] == 0
+    with pytest.raises(kvd.NotFound):
+        client.get("keep", timeout=0)
+
+
+def test_not_found_and_timeout(client):
+    with pytest.raises(kvd.NotFound, match="not found"):
+        client.get("missing", timeout=0)
+    start = time.monotonic()
+    with pytest.raises(kvd.Timeout) as timed_out:
+        client.get("missing", timeout=0.3)
+    assert 0.25 < time.monotonic() - start < 5
+    # the daemon's own error, naming it; not "the daemon did not answer"
+    assert "did not arrive" in str(timed_out.value) and timed_out.value.remote == client.info.node_id
+
+
+def test_get_waits_for_a_later_put(daemon):
+    result = {}
+
+    def reader():
+        with daemon.client() as c:
+            result["kv"] = c.get("later", timeout=10)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.3)
+    with daemon.client() as c:
+        c.put("later", {"x": torch.arange(5)})
+    thread.join(10)
+    assert torch.equal(result["kv"]["x"], torch.arange(5))
+
+
+def test_delete_and_duplicate(client):
+    client.put("dup", {"x": torch.ones(2)})
+    with pytest.raises(kvd.AlreadyExists):
+        client.put("dup", {"x": torch.ones(2)})
+    assert client.delete("dup") is True
+    assert client.delete("dup") is False
+    client.put("dup", {"x": torch.zeros(2)})
+    assert torch.equal(client.get("dup")["x"], torch.zeros(2))
+
+
+def test_bad_requests_are_rejected_cleanly(client):
+    with pytest.raises(kvd.BadRequest, match="dtype"):
+        client.put("bad", {"x": torch.ones(2, dtype=torch.complex64)})
+    with pytest.raises(kvd.BadRequest):
+        client.put("bad", {})
+    with pytest.raises(kvd.BadRequest, match="request id"):
+        client.put("", {"x": torch.ones(2)})
+    with pytest.raises(kvd.BadRequest, match="request id"):
+        client.put("x" * 1000, {"x": torch.ones(2)})
+    with pytest.raises(kvd.BadRequest):
+        client.put("bad", {"x": [1, 2, 3]})
+    with pytest.raises(kvd.BadRequest, match="ttl"):
+        client.put("bad", {"x": torch.ones(2)}, ttl=-1)
+    assert client.stats()["pool"]["used_bytes"] == 0
+    client.put("good", {"x": torch.ones(2)})
+    assert torch.equal(client.get("good")["x"], torch.ones(2))
+
+
+def test_pool_full_then_recovery_after_delete(client):
+    capacity = client.stats()["pool"]["capacity_bytes"]  # 64 MiB
+    chunk = torch.zeros(16 << 20, dtype=torch.uint8)
+    for i in range(3):
+        client.put(f"fill-{i}", {"x": chunk})
+    with pytest.raises(kvd.PoolFull, match="pool full"):
+        client.put("too-much", {"x": torch.zeros(capacity // 2, dtype=torch.uint8)})
+    assert client.stats()["entries"] == 3
+    client.delete("fill-0")
+    client.delete("fill-1")
+    client.put("too-much", {"x": torch.ones(capacity // 2, dtype=torch.uint8)})
+    assert client.get("too-much")["x"].sum().item() == capacity // 2
+
+
+def test_fragmented_pool_still_serves_what_fits(client):
+    block = torch.zeros(64 << 10, dtype=torch.uint8)  # one block each
+    for i in range(64):
+        client.put(f"frag-{i}", {"x": block})
+    for i in range(0, 64, 2):
+        client.delete(f"frag-{i}")
+    big = torch.randint(0, 256, (20 * (64 << 10),), dtype=torch.uint8)  # needs scattered blocks
+    client.put("scattered", {"x": big, "y": big[:1000]})
+    got = client.get("scattered")
+    assert torch.equal(got["x"], big) and torch.equal(got["y"], big[:1000])
+
+
+def test_ttl_expiry_reclaims_space(client):
+    client.put("short", {"x": torch.ones(1 << 20, dtype=torch.uint8)}, ttl=0.3)
+    assert client.stats()["pool"]["used_bytes"] > 0
+    time.sleep(1.0)
+    stats = client.stats()
+    assert stats["entries"] == 0 and stats["pool"]["used_bytes"] == 0
+    assert stats["expired_total"] == 1
+    with pytest.raises(kvd.NotFound):
+        client.get("short", timeout=0)
+
+
+def test_async_client_concurrent_requests(daemon):
+    import asyncio
+
+    async def main():
+        async with kvd.AsyncClient(daemon.socket) as c:
+            tensors = {f"r{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}
+            await asyncio.gather(*(c.put(rid, {"x": t}) for rid, t in tensors.items()))
+            got = await asyncio.gather(*(c.get(rid) for rid in tensors))
+            for (rid, t), kv in zip(tensors.items(), got):
+                assert torch.equal(kv["x"], t)
+            return await c.stats()
+
+    stats = asyncio.run(main())
+    assert stats["entries"] == 0 and stats["pool"]["used_bytes"] == 0
+
+
+def test_no_daemon_is_a_clear_error(tmp_path):
+    with pytest.raises(kvd.KvdError, match="no kvd daemon"):
+        kvd.Client(f"ipc://{tmp_path}/nothing.sock").connect()
+
+
+def _restart_in_place(daemons, old):
+    """SIGTERM a daemon, then start a new one on the same client socket (what systemd does)."""
+    assert old.stop() == 0
+    new = daemons.start(old.node_id, extra=["--socket", old.socket], wait=False)
+    new.socket = old.socket  # the last --socket wins
+    from kvd.testing import wait_ready
+
+    wait_ready(new)
+    return new
+
+
+def test_a_client_carries_on_across_a_daemon_restart(daemons):
+    d = daemons.start("A")
+    with d.client() as c:
+        c.put("before", {"x": torch.arange(10)})
+        first = c.info.incarnation
+        d = _restart_in_place(daemons, d)
+        # no error and no manual reconnect: the next call notices and maps the new daemon's pool
+        c.put("after", {"x": torch.arange(20)})
+        assert c.info.incarnation != first
+        assert torch.equal(c.get("after")["x"], torch.arange(20))
+        with pytest.raises(kvd.NotFound):
+            c.get("before", timeout=0)  # the old daemon's entries went with it
+
+
+def test_an_async_client_carries_on_across_a_daemon_restart(daemons):
+    import asyncio
+
+    d = daemons.start("A")
+
+    async def main(d):
+        async with d.async_client() as c:
+            await c.put("before", {"x": torch.arange(10)})
+            first = c.info.incarnation
+            d = await asyncio.to_thread(_restart_in_place, daemons, d)
+            await asyncio.sleep(0.1)  # the old connection's end has been seen by the loop
+            await c.put("after", {"x": torch.arange(20)})
+            assert c.info.incarnation != first
+            assert torch.equal((await c.get("after"))["x"], torch.arange(20))
+
+    asyncio.run(main(d))
+
+
+def test_a_daemon_dying_mid_call_fails_the_call_at_once(daemons):
+    import asyncio
+
+    d = daemons.start("A")
+    with d.client() as c:
+        c.stats()
+        killer = threading.Timer(0.3, d.proc.kill)
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(kvd.KvdError, match="connection to the kvd daemon .* was lost"):
+            c.get("never-put", timeout=20)  # waits on the daemon, which is killed meanwhile
+        assert time.monotonic() - started < 5  # not the 20 s timeout, nor the reply grace
+        killer.join()
+    d2 = daemons.start("B")
+
+    async def waiting_async_get():
+        async with d2.async_client() as c:
+            threading.Timer(0.3, d2.proc.kill).start()
+            await c.get("never-put", timeout=20)
+
+    started = time.monotonic()
+    with pytest.raises(kvd.KvdError, match="connection to the kvd daemon .* was lost"):
+        asyncio.run(waiting_async_get())
+    assert time.monotonic() - started < 5
+
+
+def test_local_socket_on_tcp(daemons):
+    """--socket tcp://HOST:PORT (a client in another network namespace of the same host)."""
+    import asyncio
+
+    from kvd.testing import free_port, wait_ready
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    d = daemons.start("T", extra=["--socket", endpoint], wait=False)
+    d.socket = endpoint  # the last --socket wins
+    wait_ready(d)
+    with kvd.Client(endpoint) as c:
+        c.put("over-tcp", {"x": torch.arange(100)})
+        assert c.stats()["local_clients"] >= 1  # (the readiness probe may not be counted out yet)
+
+    async def main():
+        async with kvd.AsyncClient(endpoint) as c:
+            return await c.get("over-tcp")
+
+    assert torch.equal(asyncio.run(main())["x"], torch.arange(100))
+
+
+def test_a_stream_opened_before_a_daemon_restart_never_writes_into_the_new_pool(daemons):
+    # its offsets were the old daemon's: in the new pool they are somebody else's entry
+    d = daemons.start("A")
+    layers = {f"l{i}": torch.full((1 << 20,), -7.0) for i in range(4)}
+    with d.client() as producer, d.client() as other:
+        stream = producer.put_stream("stream", layers)
+        stream.write({"l0": layers["l0"]})
+        d = _restart_in_place(daemons, d)
+        victim = torch.arange(4 << 20, dtype=torch.float32)
+        other.put("victim", {"x": victim})
+        producer.stats()  # any call reconnects the producer's client to the new daemon
+        with pytest.raises(kvd.KvdError, match="connection to the daemon was lost"):
+            stream.write({"l1": layers["l1"]})
+        with pytest.raises(kvd.KvdError, match="connection to the daemon was lost"):
+            stream.commit()
+        stream.abort()  # nothing to abort on the new daemon, and nothing sent there by mistake
+        assert torch.equal(other.get("victim")["x"], victim)
+
+
+def test_an_async_stream_across_a_daemon_restart_fails_without_writing(daemons):
+    import asyncio
+
+    d = daemons.start("A")
+    victim = torch.arange(4 << 20, dtype=torch.float32)
+
+    async def scenario() -> None:
+        nonlocal d
+        async with kvd.AsyncClient(d.socket) as c:
+            stream = await c.put_stream("stream", {f"l{i}": ((1 << 20,), torch.float32) for i in range(4)})
+            await stream.write({"l0": torch.full((1 << 20,), -7.0)})
+            d = _restart_in_place(daemons, d)
+            with d.client() as other:
+                other.put("victim", {"x": victim})
+            await asyncio.sleep(0.2)  # the client sees its connection close
+            await c.stats()  # another task's call reconnects the shared client meanwhile
+            with pytest.raises(kvd.KvdError, match="connection to the daemon was lost"):
+                await stream.write({"l1": torch.full((1 << 20,), -7.0)})
+            await stream.abort()
+
+    asyncio.run(scenario())
+    with d.client() as other:
+        assert torch.equal(other.get("victim")["x"], victim)
+
+
+def test_a_client_inherited_across_fork_connects_anew_in_the_child(daemon):
+    # the parent's connection, its scratch loan and its request numbers stay the parent's
+    import os
+
+    with daemon.client() as c:
+        c.put("warm", {"x": torch.zeros(1024)})  # the reply lends this connection scratch blocks
+        pid = os.fork()
+        if pid == 0:  # the child: uses the inherited client
+            try:
+                c.put("child", {"x": torch.full((1024,), 2.0)})
+                ok = torch.equal(c.get("child")["x"], torch.full((1024,), 2.0))
+                os._exit(0 if ok else 1)
+            except BaseException:
+                os._exit(2)
+        c.put("parent", {"x": torch.ones(1024)})  # into the loan the child must not have used
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert torch.equal(c.get("parent")["x"], torch.ones(1024))
+        c.delete("warm")
+
+
+def test_a_meta_tensor_as_out_is_refused_and_the_entry_kept(client):
+    client.put("kept", {"x": torch.arange(16)})
+    with pytest.raises(kvd.BadRequest, match="meta tensor"):
+        client.get("kept", out={"x": torch.empty(16, dtype=torch.int64, device="meta")})
+    assert torch.equal(client.get("kept")["x"], torch.arange(16))
+
+
+def test_a_cancelled_async_get_gives_back_what_its_late_reply_leased(daemon):
+    # asyncio.wait_for around a get that was still waiting: the daemon answers it later with a
+    # lease; the client gives that lease back at once instead of holding it for the lease timeout
+    import asyncio
+
+    async def scenario() -> float:
+        async with kvd.AsyncClient(daemon.socket) as c:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.get("late", timeout=30), 0.2)
+            await c.put("late", {"x": torch.arange(8)})  # answers the abandoned get: leased to it
+            started = time.monotonic()
+            got = await c.get("late", timeout=20)
+            assert torch.equal(got["x"], torch.arange(8))
+            return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 5  # not the 30 s lease timeout
+
+
+def test_calls_inside_a_get_stream_loop_leave_the_stream_its_messages(daemon):
+    # a stats/put inside `for group in c.get_stream(...)` on the same Client reads the socket;
+    # the stream's messages it meets are kept for the stream (they were dropped: the loop hung)
+    layers = {f"l{i}": torch.full((1024,), float(i)) for i in range(4)}
+    with daemon.client() as producer, kvd.Client(daemon.socket, reply_timeout=2) as c:
+        c.transfer_wait = 3  # an old-style hang shows up as a Timeout in seconds
+        stream = producer.put_stream("layered", layers)
+
+        def produce() -> None:
+            for name, value in layers.items():
+                time.sleep(0.05)
+                stream.write({name: value})
+            stream.commit()
+
+        writer = threading.Thread(target=produce)
+        writer.start()
+        got = {}
+        for group in c.get_stream("layered", timeout=10):
+            got.update(group)
+            c.stats()
+            c.put(f"side-{len(got)}", {"x": torch.ones(4)})
+        writer.join(10)
+        assert set(got) == set(layers) and all(torch.equal(got[n], layers[n]) for n in layers)
+        for key in [e["request_id"] for e in c.list() if e["request_id"].startswith("side-")]:
+            c.delete(key)
+
+
+def test_a_stream_used_in_a_forked_child_fails_there_and_stays_the_parents(daemon):
+    import os
+
+    layers = {f"l{i}": torch.full((1024,), float(i)) for i in range(2)}
+    with daemon.client() as c:
+        stream = c.put_stream("forked-stream", layers)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                stream.write({"l0": torch.full((1024,), -1.0)})
+                os._exit(1)  # it wrote into the parent's reservation
+            except kvd.KvdError:
+                os._exit(0)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        stream.write(layers)
+        stream.commit()
+        got = c.get("forked-stream")
+        assert all(torch.equal(got[n], layers[n]) for n in layers)
+
+
+def test_a_request_over_the_header_limits_gets_its_error_at_once(client):
+    # the daemon cannot decode it, but still finds which request it was (not a 30 s silence)
+    started = time.monotonic()
+    with pytest.raises(kvd.ProtocolError, match="max_str_len|exceeds"):
+        client.put("too-long", {"n" * 70000: torch.ones(1)})
+    assert time.monotonic() - started < 5
+    client.put("fine", {"x": torch.ones(1)})
+    assert client.get("fine")["x"].item() == 1
