@@ -1,4 +1,5 @@
-"""kvd: a KV-cache transfer daemon for disaggregated LLM inference, and its client library.
+"""kvd: a KV-cache transfer daemon for disaggregated LLM inference, and its client library
+(imported by worker processes; the daemon process imports only what it needs, never torch).
 
     import kvd
     with kvd.Client() as c:

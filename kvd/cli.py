@@ -1,4 +1,4 @@
-"""The `kvd` command: serve, status, ls, rm, keygen."""
+"""The `kvd` command: serve (runs the daemon process), status, ls, rm (small clients of it), keygen."""
 from __future__ import annotations
 
 import argparse
@@ -134,51 +134,52 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def client_command(args: argparse.Namespace) -> int:
-    from .client import Client
+    """status, ls, rm: one request each over the bare connection (no torch, no pool mapping)."""
+    from .client.connection import ask
     from .errors import KvdError
     from .units import format_size
+    from .wire import protocol as p
 
     try:
-        with Client(args.socket) as client:
-            if args.command == "status":
-                stats = client.stats()
-                if args.json:
-                    print(json.dumps(stats, indent=2))
-                    return 0
-                pool = stats["pool"]
-                print(f"node       {stats['node_id']}  (device {stats['device']}, up {stats['uptime_s']:.0f}s)")
-                print(f"pool       {format_size(pool['used_bytes'])} used of {format_size(pool['capacity_bytes'])}"
-                      f" ({100 * pool['used_bytes'] / max(1, pool['capacity_bytes']):.1f}%),"
-                      f" {format_size(pool['scratch_bytes'])} lent to clients for their next put,"
-                      f" {format_size(pool['parked_bytes'])} parked (removed; a client or ZeroMQ may still touch it)")
-                print(f"entries    {stats['entries']}  {stats['entries_by_state']}")
-                print(f"transfers  {stats['transfers_in_flight']} in flight")
-                print(f"clients    {stats['local_clients']} connected (this one included)")
-                print(f"listen     {stats['listen']}")
-                for name, peer in stats["peers"].items():
-                    state = "connected" if peer["connected"] else "not connected"
-                    print(f"peer       {name} {peer['endpoint']} {state}")
-                print(f"metrics    {stats['metrics'] or 'off'}")
-                print(f"counters   {stats['counters']}")
-                for error in stats["recent_errors"][-5:]:
-                    when = time.strftime("%H:%M:%S", time.localtime(error["time"]))
-                    print(f"error      {when} {error['request']} {error['request_id'] or ''}: {error['message']}")
-            elif args.command == "ls":
-                entries = client.list()
-                if args.json:
-                    print(json.dumps(entries, indent=2))
-                    return 0
-                print(f"{'REQUEST ID':40} {'STATE':10} {'BYTES':>10} {'TENSORS':>7} {'AGE':>8}")
-                for e in entries:
-                    print(f"{e['request_id']:40} {e['state']:10} {format_size(e['bytes']):>10} "
-                          f"{e['tensors']:>7} {e['age_s']:>7.1f}s")
-            elif args.command == "rm":
-                removed = client.delete(args.request_id)
-                if args.json:
-                    print(json.dumps({"removed": removed}))
-                else:
-                    print(f"removed {args.request_id}" if removed else f"{args.request_id}: not found")
-                return 0 if removed else 1
+        if args.command == "status":
+            stats = ask(p.Stats(req=1), args.socket)
+            if args.json:
+                print(json.dumps(stats, indent=2))
+                return 0
+            pool = stats["pool"]
+            print(f"node       {stats['node_id']}  (device {stats['device']}, up {stats['uptime_s']:.0f}s)")
+            print(f"pool       {format_size(pool['used_bytes'])} used of {format_size(pool['capacity_bytes'])}"
+                  f" ({100 * pool['used_bytes'] / max(1, pool['capacity_bytes']):.1f}%),"
+                  f" {format_size(pool['scratch_bytes'])} lent to clients for their next put,"
+                  f" {format_size(pool['parked_bytes'])} parked (removed; a client or ZeroMQ may still touch it)")
+            print(f"entries    {stats['entries']}  {stats['entries_by_state']}")
+            print(f"transfers  {stats['transfers_in_flight']} in flight")
+            print(f"clients    {stats['local_clients']} connected (this one included)")
+            print(f"listen     {stats['listen']}")
+            for name, peer in stats["peers"].items():
+                state = "connected" if peer["connected"] else "not connected"
+                print(f"peer       {name} {peer['endpoint']} {state}")
+            print(f"metrics    {stats['metrics'] or 'off'}")
+            print(f"counters   {stats['counters']}")
+            for error in stats["recent_errors"][-5:]:
+                when = time.strftime("%H:%M:%S", time.localtime(error["time"]))
+                print(f"error      {when} {error['request']} {error['request_id'] or ''}: {error['message']}")
+        elif args.command == "ls":
+            entries = ask(p.ListEntries(req=1), args.socket)
+            if args.json:
+                print(json.dumps(entries, indent=2))
+                return 0
+            print(f"{'REQUEST ID':40} {'STATE':10} {'BYTES':>10} {'TENSORS':>7} {'AGE':>8}")
+            for e in entries:
+                print(f"{e['request_id']:40} {e['state']:10} {format_size(e['bytes']):>10} "
+                      f"{e['tensors']:>7} {e['age_s']:>7.1f}s")
+        elif args.command == "rm":
+            removed = bool(ask(p.Delete(req=1, request_id=args.request_id), args.socket))
+            if args.json:
+                print(json.dumps({"removed": removed}))
+            else:
+                print(f"removed {args.request_id}" if removed else f"{args.request_id}: not found")
+            return 0 if removed else 1
     except KvdError as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""Exception classes with wire status codes.
+"""Exception classes with wire status codes (every process: the one shared leaf).
 
 Every error that can cross a socket has a numeric code, so a client raises the
 same class whether the fault happened in its local daemon or on a remote peer.

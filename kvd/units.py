@@ -1,4 +1,4 @@
-"""Parsing of human units at the edge: sizes ("512MiB") and durations ("30s")."""
+"""Parsing of human units at the edge (any process): sizes ("512MiB") and durations ("30s")."""
 from __future__ import annotations
 
 import re

@@ -2,9 +2,26 @@
 `AsyncClient` (asyncio), their put streams, and `Rows` for paged caches.
 
     from kvd.client import Client      # also kvd.Client
+
+The faces load on first use (they import torch); `kvd.client.connection`, the bare connection
+to a daemon that `kvd status` uses, does not.
 """
-from .aio import AsyncClient, AsyncPutStream
-from .paged import Rows
-from .sync import Client, PutStream
+from __future__ import annotations
 
 __all__ = ["AsyncClient", "AsyncPutStream", "Client", "PutStream", "Rows"]
+
+
+def __getattr__(name: str):
+    if name in ("Client", "PutStream"):
+        from . import sync
+
+        return getattr(sync, name)
+    if name in ("AsyncClient", "AsyncPutStream"):
+        from . import aio
+
+        return getattr(aio, name)
+    if name == "Rows":
+        from .paged import Rows
+
+        return Rows
+    raise AttributeError(f"module 'kvd.client' has no attribute {name!r}")

@@ -2,7 +2,8 @@
 
 `BlockingConnection` is the synchronous `Client`'s, a blocking socket in the caller's thread;
 `StreamConnection` is `AsyncClient`'s, an asyncio protocol. Both carry the messages
-`kvd.wire.framing` frames; the daemon's end is `kvd.daemon.local_server`.
+`kvd.wire.framing` frames; the daemon's end is `kvd.daemon.local_server`. `ask` sends one
+request that needs no pool (what `kvd status`, `ls` and `rm` send): no torch, no mapping.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import select
 import socket
 from typing import Any, Callable
 
-from kvd.errors import KvdError, ProtocolError
-from kvd.wire.endpoints import tcp_address, unix_path
+from kvd.errors import KvdError, ProtocolError, Timeout, error_from_code
+from kvd.wire import protocol as p
+from kvd.wire.endpoints import default_socket, tcp_address, unix_path
 from kvd.wire.framing import MessageReader, encode_message
 
 RECEIVE_BYTES = 1 << 16
@@ -141,3 +143,22 @@ class StreamConnection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def ask(msg: p.Message, endpoint: str | None = None, timeout: float = 10.0) -> Any:
+    """Send one request that needs no pool (stats, list, delete) and return its answer's value;
+    the daemon's error is raised as its class."""
+    endpoint = endpoint or default_socket()
+    conn = BlockingConnection(endpoint, timeout)
+    try:
+        conn.send(p.encode(msg))
+        while (frames := conn.receive(timeout)) is not None:
+            reply = p.decode(frames)
+            if getattr(reply, "req", None) != msg.req:
+                continue
+            if isinstance(reply, p.Error):
+                raise error_from_code(reply.code, reply.message, remote=reply.origin)
+            return reply.value
+        raise Timeout(f"the kvd daemon at {endpoint} did not answer {msg.TYPE} within {timeout:g}s")
+    finally:
+        conn.close()

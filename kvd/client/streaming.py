@@ -1,4 +1,4 @@
-"""Client side of layer-wise streaming: write a cache layer by layer, read it as it arrives.
+"""Layer-wise streaming in a worker process: write a cache layer by layer, read it as it arrives.
 
 The producer opens a stream with every tensor's name, shape and dtype, writes tensors as
 they are computed (each write is copied into the pool and announced; with dest, the daemon

@@ -1,10 +1,11 @@
-"""The kvd daemon: owns the pool and the sockets, and runs the process's life.
+"""The kvd daemon's composition root (daemon process): builds the parts, runs the process's life.
 
-One asyncio loop (uvloop). Local clients talk to a unix socket at `--socket`
-(`kvd.localsock`), served by `kvd.service`; peers talk ZeroMQ to `kvd.exchange`. This
-module starts them in order, keeps house (expiry, deadlines, heartbeats, watchdog), reloads
-what can change on SIGHUP, and on SIGTERM drains in-flight work before it releases the pool
-and exits.
+One asyncio loop (uvloop). `start` builds every part, each given its collaborators, in the
+order they depend on each other: pool memory and its bookkeeping (`store/`), the local
+server, the entry watch, the peer side (`peer/`: links, transfers, the ROUTER), the status
+reader, the local handlers. Then it keeps house (expiry, deadlines, heartbeats, watchdog),
+reloads what can change on SIGHUP, and on SIGTERM drains in-flight work before it releases
+the pool and exits. No part below this module receives the Daemon.
 """
 from __future__ import annotations
 
@@ -13,28 +14,34 @@ import dataclasses
 import logging
 import os
 import platform
-import random
 import signal
 import time
 from typing import Callable
 
 import zmq
 
+from kvd import __version__
 from kvd.errors import BadRequest
 from kvd.memory import open_staging_memory
+from kvd.memory.faults import with_fault_injection
 from kvd.units import format_size
 from kvd.wire.endpoints import unix_path
 
 from .config import Config
-from .handlers import ClientService
+from .handlers import HelloInfo, LocalHandlers
 from .http import HttpEndpoint
+from .lifecycle import Lifecycle
 from .local_server import LocalServer
-from .metrics import Metrics, StateCollector
+from .metrics import Metrics
 from .peer.auth import load_keys, start_authenticator
-from .peer.transfers import Exchange
+from .peer.peers import PeerSet
+from .peer.router import Router
+from .peer.transfers import Transfers
+from .status import Status
 from .store.allocator import BlockAllocator
 from .store.entries import Store
 from .systemd import Notifier
+from .watch import EntryWatch
 
 log = logging.getLogger(__name__)
 
@@ -50,28 +57,24 @@ class Daemon:
     def __init__(self, config: Config, reload_config: Callable[[], Config] | None = None) -> None:
         self.config = config
         self._reload_config = reload_config
-        self.incarnation = random.getrandbits(63)  # new on every start: tells peers we restarted
+        self.lifecycle = Lifecycle(config.node_id)
         self.metrics = Metrics()
         self.notifier = Notifier()
-        self.memory = None
-        self.store: Store | None = None
-        self.exchange: Exchange | None = None
-        self.service: ClientService | None = None
-        self.ctx: zmq.Context | None = None
-        self.local: LocalServer | None = None
-        self.http: HttpEndpoint | None = None
-        self.authenticator = None
-        self._tasks: set[asyncio.Task] = set()
         self._stop_requested = asyncio.Event()
-        self.draining = False
-        self.started_at = time.time()
-        self.ready = False
-        self.metrics.registry.register(StateCollector(self))
+        # built by start(), in this order; stop() closes whatever was built
+        self.memory = self.store = self.ctx = self.authenticator = None
+        self.local: LocalServer | None = None
+        self.peers: PeerSet | None = None
+        self.transfers: Transfers | None = None
+        self.router: Router | None = None
+        self.handlers: LocalHandlers | None = None
+        self.http: HttpEndpoint | None = None
+        self._housekeeping: asyncio.Task | None = None
 
     # --- start ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        cfg = self.config
+        cfg, life = self.config, self.lifecycle
         keep_receive_buffers()
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
         num_blocks = cfg.pool_size // cfg.block_size
@@ -86,23 +89,32 @@ class Daemon:
             log.warning("peers are not authenticated: %s is reachable beyond this host and CURVE is off, so any "
                         "host that reaches it can read and consume every entry (set --curve-secret-key, or "
                         "firewall the port)", cfg.listen)
-        self.exchange = Exchange(cfg, self.store, self.memory.io(cfg.chunk_size, cfg.window), self.ctx,
-                                 self.incarnation, self.metrics)
-        self.exchange.curve = curve
-        self.service = ClientService(self)
-        self.exchange.events = self.service  # arrivals wake waiters and stream readers
-        await self.exchange.start()
+        self.local = LocalServer()
+        watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
+        self.peers = PeerSet(cfg, self.ctx, life.incarnation, curve, self.metrics)
+        io = with_fault_injection(self.memory.io(cfg.chunk_size, cfg.window))
+        self.transfers = Transfers(cfg, self.store, io, self.metrics, watch, self.peers)
+        self.router = Router(cfg, self.ctx, curve, self.peers, self.metrics, life.incarnation)
+        self.router.start(self.transfers.on_message)
+        self.peers.start(self.transfers.on_link_message, self.transfers.on_lost)
+        status = Status(cfg, life, self.store, self.transfers, self.peers, self.local, self.metrics,
+                        self.router.bound_endpoint, __version__)
+        self.metrics.registry.register(status)
+        hello = HelloInfo(cfg.node_id, life.incarnation, self.memory.client_path, cfg.pool_size, cfg.block_size,
+                          cfg.device, self.memory.ipc_handle)
+        self.handlers = LocalHandlers(cfg, self.store, watch, self.transfers, self.metrics, self.local, life, hello,
+                                      status.snapshot)
+        self._sweeper = Sweeper(self.store, watch, self.handlers, self.metrics)
         if cfg.metrics_port:  # before the client socket: once a client is answered, /healthz answers too
-            self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: self.ready)
+            self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: life.ready)
             await self.http.start()
-        self.local = LocalServer(self.service.on_local_message, self.service.on_client_gone)
-        await self.local.start(cfg.socket)
-        self.spawn(self._housekeeping(), "housekeeping")
-        self.ready = True
-        self.notifier.notify(f"READY=1\nSTATUS=serving {cfg.socket}, peers on {self.exchange.bound_endpoint}")
+        await self.local.start(cfg.socket, self.handlers.on_local_message, self.handlers.on_client_gone)
+        self._housekeeping = asyncio.get_running_loop().create_task(self._keep_house(), name="housekeeping")
+        life.ready = True
+        self.notifier.notify(f"READY=1\nSTATUS=serving {cfg.socket}, peers on {self.router.bound_endpoint}")
         log.info("kvd %s ready: pool %s on %s (%d blocks of %s), clients on %s, peers on %s, %d peer(s) "
                  "configured, metrics %s%s", cfg.node_id, format_size(cfg.pool_size), cfg.device, num_blocks,
-                 format_size(cfg.block_size), cfg.socket, self.exchange.bound_endpoint, len(cfg.peers),
+                 format_size(cfg.block_size), cfg.socket, self.router.bound_endpoint, len(cfg.peers),
                  f"on http://{cfg.metrics_host}:{self.http.port}/metrics" if self.http else "off",
                  f", CURVE on ({len(curve.allowed)} allowed keys)" if curve else "")
 
@@ -136,22 +148,25 @@ class Daemon:
 
     async def stop(self) -> None:
         """Refuse new work, let in-flight transfers finish (up to drain_timeout), then close."""
-        if self.draining:
+        life = self.lifecycle
+        if life.draining:
             return
-        self.draining = True
-        self.ready = False  # /readyz fails from the start of the drain: send no new work here
+        life.draining = True
+        life.ready = False  # /readyz fails from the start of the drain: send no new work here
         self.notifier.notify("STOPPING=1")
         log.info("kvd %s shutting down (draining up to %gs)", self.config.node_id, self.config.drain_timeout)
         deadline = time.monotonic() + self.config.drain_timeout
-        while self._in_flight() and time.monotonic() < deadline:
+        while self.transfers is not None and self.transfers.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.exchange is not None:
-            await self.exchange.close()  # aborts what is left, telling peers
+        if self.transfers is not None:
+            await self.transfers.close()  # aborts what is left, telling peers
             for _ in range(3):  # let the requests waiting on those transfers send their errors
                 await asyncio.sleep(0)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.handlers is not None:
+            await self.handlers.close()
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            await asyncio.gather(self._housekeeping, return_exceptions=True)
         if self.http is not None:
             await self.http.close()
         if self.local is not None:
@@ -162,30 +177,23 @@ class Daemon:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
+        if self.router is not None:
+            self.router.close()
+        if self.peers is not None:
+            self.peers.close()
         if self.authenticator is not None:
             self.authenticator.stop()
         if self.ctx is not None:
             self.ctx.destroy(linger=500)  # closes any socket a failed start left open
-        self.exchange = None
         if self.memory is not None:
             self.memory.close()
         log.info("kvd %s stopped", self.config.node_id)
 
-    def _in_flight(self) -> bool:
-        """Transfers are running, or a push is still connecting to its peer (what the drain waits for)."""
-        return (self.exchange is not None and self.exchange.busy()) or (
-            self.service is not None and self.service.pushing())
-
-    def spawn(self, coro, name: str) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     # --- reload ------------------------------------------------------------------------------------
 
     def reload(self) -> None:
-        """SIGHUP: re-read the configuration; apply peers and log level, report the rest."""
+        """SIGHUP: re-read the configuration; apply peers and log level, report the rest. The parts
+        keep what they were given: nothing they read can change while running."""
         if self._reload_config is None:
             log.warning("SIGHUP: this daemon was started without a reloadable configuration")
             return
@@ -202,76 +210,48 @@ class Daemon:
         self.config = dataclasses.replace(old, peers=dict(new.peers), log_level=new.log_level)
         if "log_level" in changed:
             logging.getLogger().setLevel(new.log_level.upper())
-        if "peers" in changed:
-            self.exchange.set_peers(self.config.peers)
-        self.exchange.config = self.service.config = self.config
+        if "peers" in changed and self.peers is not None:
+            self.peers.set_peers(self.config.peers)
         log.info("SIGHUP: configuration reloaded (%s)", ", ".join(sorted(changed & RELOADABLE)) or "no changes")
 
     # --- housekeeping ------------------------------------------------------------------------------
 
-    async def _housekeeping(self) -> None:
+    async def _keep_house(self) -> None:
         last_watchdog = 0.0
         expected = time.monotonic() + HOUSEKEEPING_INTERVAL
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
             now = time.monotonic()
-            lag = max(0.0, now - expected)
+            self.metrics.lag(max(0.0, now - expected))
             expected = now + HOUSEKEEPING_INTERVAL
-            self.metrics.loop_lag.set(lag)
-            if lag > self.metrics.loop_lag_max._value.get():
-                self.metrics.loop_lag_max.set(lag)
-            self._sweep(now)
-            self.exchange.check_deadlines(now)
-            self.exchange.heartbeat(now)
+            self._sweeper.sweep(now)
+            self.transfers.tick(now)
+            self.peers.heartbeat(now, self.transfers.busy_channels())
             interval = self.notifier.watchdog_interval
             if interval and now - last_watchdog >= interval:
                 self.notifier.notify("WATCHDOG=1")
                 last_watchdog = now
 
-    def _sweep(self, now: float) -> None:
+
+class Sweeper:
+    """Expiry (daemon process): what ran out of time in the store, and who must hear of it."""
+
+    def __init__(self, store: Store, watch: EntryWatch, handlers: LocalHandlers, metrics: Metrics) -> None:
+        self.store, self.watch, self.handlers, self.metrics = store, watch, handlers, metrics
+
+    def sweep(self, now: float) -> None:
         expired, abandoned, stale = self.store.sweep(now)
         for entry in expired:
             log.info("expired %s (ttl)", entry.request_id)
         self.metrics.expired.inc(len(expired))
         for entry in abandoned:
             log.warning("dropped %s: its writer did not finish within the lease", entry.request_id)
-            self.service.write_expired(entry)
+            self.handlers.write_expired(entry)
         self.metrics.abandoned.inc(len(abandoned))
         for lease in stale:
-            self.service.lease_expired(lease)
+            self.watch.lease_expired(lease)
             log.warning("read lease on %s expired; entry given back", lease.request_id)
         self.metrics.lease_expiries.inc(len(stale))
-
-    def stats(self) -> dict:
-        cfg, store = self.config, self.store
-        return {
-            "node_id": cfg.node_id,
-            "incarnation": self.incarnation,
-            "device": cfg.device,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "ready": self.ready,
-            "draining": self.draining,
-            "pool": {
-                "capacity_bytes": store.allocator.num_blocks * cfg.block_size,
-                "used_bytes": store.used_bytes,
-                # of used_bytes: removed entries whose blocks a client or ZeroMQ may still touch
-                "parked_bytes": store.parked_bytes,
-                "scratch_bytes": store.scratch_bytes,  # lent to connected clients for their next put
-                "block_size": cfg.block_size,
-                "free_blocks": store.allocator.free_blocks,
-                "largest_free_extent_blocks": store.allocator.largest_free_extent(),
-            },
-            "entries": len(store.entries),
-            "entries_by_state": store.counts(),
-            "expired_total": store.expired_total,
-            "transfers_in_flight": len(self.exchange.transfers),
-            "local_clients": self.local.connections if self.local is not None else 0,
-            "peers": self.exchange.peer_states(),
-            "counters": {**self.service.counters, **self.exchange.counters},
-            "recent_errors": list(self.service.recent_errors),
-            "listen": self.exchange.bound_endpoint,
-            "metrics": f"http://{cfg.metrics_host}:{self.http.port}/metrics" if self.http else None,
-        }
 
 
 def keep_receive_buffers() -> bool:

@@ -1,4 +1,4 @@
-"""A minimal HTTP endpoint on the daemon's own event loop: /metrics, /healthz, /readyz.
+"""A minimal HTTP endpoint on the daemon process's own event loop: /metrics, /healthz, /readyz.
 
 Served from the loop (no thread), so a scrape sees a consistent snapshot of the daemon's
 state, and a stuck loop shows up as a failing health check rather than a cheerful one.

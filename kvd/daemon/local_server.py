@@ -37,16 +37,21 @@ BATCH = 64
 
 
 class LocalServer:
-    """Accepts client connections; on_message gets [connection id, *frames] for each message."""
+    """Accepts client connections; on_message gets [connection id, *frames] for each message.
 
-    def __init__(self, on_message: Callable[[list], None], on_disconnect: Callable[[bytes], None]) -> None:
-        self._on_message = on_message
-        self._on_disconnect = on_disconnect
+    Built before the handlers (they send replies through it) and given them at `start`."""
+
+    def __init__(self) -> None:
+        self._on_message: Callable[[list], None] = lambda frames: None
+        self._on_disconnect: Callable[[bytes], None] = lambda conn_id: None
         self._connections: dict[bytes, _ClientConnection] = {}
         self._ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
 
-    async def start(self, endpoint: str) -> None:
+    async def start(self, endpoint: str, on_message: Callable[[list], None],
+                    on_disconnect: Callable[[bytes], None]) -> None:
+        """Serve endpoint; on_message gets [connection id, *frames], on_disconnect a departed id."""
+        self._on_message, self._on_disconnect = on_message, on_disconnect
         loop = asyncio.get_running_loop()
         path = unix_path(endpoint)
         if path is not None:
@@ -72,11 +77,13 @@ class LocalServer:
     def is_connected(self, conn_id: bytes) -> bool:
         return conn_id in self._connections
 
-    def send_now(self, frames: list) -> None:
-        """Send frames[1:] to connection frames[0]; dropped if that client is gone."""
-        conn = self._connections.get(frames[0])
-        if conn is not None:
-            conn.send(frames[1:])
+    def send(self, conn_id: bytes, msg: p.Message) -> bool:
+        """Send msg to a client; False if that client is gone."""
+        conn = self._connections.get(conn_id)
+        if conn is None:
+            return False
+        conn.send(p.encode(msg))
+        return True
 
     def _gone(self, conn_id: bytes) -> None:
         if self._connections.pop(conn_id, None) is not None:

@@ -1,4 +1,4 @@
-"""Logging set-up: plain text for people, one JSON object per line for log shippers."""
+"""Logging set-up (daemon process): plain text for people, one JSON object per line for log shippers."""
 from __future__ import annotations
 
 import json

@@ -1,25 +1,26 @@
-"""Prometheus metrics: event counters and histograms, plus gauges read from live state at scrape time.
+"""Prometheus counters and histograms of the daemon's events (daemon process): a leaf.
 
 Counters and histograms are updated where events happen (a transfer ends, an error is
-returned). Gauges (pool use, entries, peers, in-flight transfers) are not updated on every
-call: `StateCollector` reads them from the daemon when Prometheus scrapes.
+returned). Gauges of live state (pool use, entries, peers, in-flight transfers) are not kept
+here: `status.py` reads them from the parts when Prometheus scrapes. The totals `kvd status`
+shows (`tally`) and the last errors returned to clients live here too, so that the handlers and
+the transfers record into one place and the status reader reads from one.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+import collections
+import logging
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
-from prometheus_client.registry import Collector
 
 from kvd.errors import ERROR_NAMES
-
-if TYPE_CHECKING:
-    from .daemon import Daemon
 
 # transfer durations: a 64 KiB local handoff takes ~0.1 ms, a 4 GiB push several seconds
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0, 30.0)
+RECENT_ERRORS = 20  # kept for `kvd status`
+UNDECODABLE_LOG_INTERVAL = 10.0  # seconds: one log line per socket kind, however many arrive
 
 
 class Metrics:
@@ -41,8 +42,15 @@ class Metrics:
                                  registry=r)
         self.lease_expiries = Counter("kvd_expired_leases", "Read leases given back after their holder vanished",
                                       registry=r)
+        self.undecodable = Counter("kvd_undecodable_messages", "Messages that could not be decoded, by socket",
+                                   ["socket"], registry=r)
         self.loop_lag = Gauge("kvd_event_loop_lag_seconds", "How late the last housekeeping tick ran", registry=r)
         self.loop_lag_max = Gauge("kvd_event_loop_lag_max_seconds", "Largest housekeeping delay seen", registry=r)
+        self.max_loop_lag = 0.0
+        # totals for `kvd status`: puts, gets, errors, sent/received bytes, pushes, pulls, failures
+        self.tally: collections.Counter = collections.Counter()
+        self.recent_errors: collections.deque = collections.deque(maxlen=RECENT_ERRORS)
+        self._undecodable_logged: dict[str, float] = {}
 
     def error(self, code: int) -> None:
         self.errors.labels(ERROR_NAMES.get(code, str(code))).inc()
@@ -52,52 +60,22 @@ class Metrics:
         if seconds is not None and outcome == "ok":
             self.duration.labels("push" if direction == "sent" else "pull").observe(seconds)
 
+    def lag(self, seconds: float) -> None:
+        self.loop_lag.set(seconds)
+        if seconds > self.max_loop_lag:
+            self.max_loop_lag = seconds
+            self.loop_lag_max.set(seconds)
+
+    def report_undecodable(self, socket: str, source: str, error: Exception, log: logging.Logger) -> None:
+        """The one policy for input that does not decode, on every socket: count it, log it at
+        most once per interval per socket (a flood must not flood the log), never raise. The
+        caller answers it where it can (an error or abort naming it)."""
+        self.undecodable.labels(socket).inc()
+        now = time.monotonic()
+        if now - self._undecodable_logged.get(socket, -UNDECODABLE_LOG_INTERVAL) >= UNDECODABLE_LOG_INTERVAL:
+            self._undecodable_logged[socket] = now
+            log.warning("undecodable message on the %s socket from %s: %.200s (further ones for %gs: counted in "
+                        "kvd_undecodable_messages_total)", socket, source, error, UNDECODABLE_LOG_INTERVAL)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class StateCollector(Collector):
-    """Gauges computed from the daemon's state when scraped."""
-
-    def __init__(self, daemon: "Daemon") -> None:
-        self.daemon = daemon
-
-    def collect(self) -> Iterator:
-        d = self.daemon
-        cfg = d.config
-        info = InfoMetricFamily("kvd_build", "Daemon identity")
-        from kvd import __version__
-
-        info.add_metric([], {"version": __version__, "node_id": cfg.node_id, "device": cfg.device,
-                             "incarnation": f"{d.incarnation:x}"})
-        yield info
-        if d.store is None or d.exchange is None:
-            return
-        store = d.store
-        yield GaugeMetricFamily("kvd_pool_capacity_bytes", "Staging pool size",
-                                value=store.allocator.num_blocks * cfg.block_size)
-        yield GaugeMetricFamily("kvd_pool_used_bytes", "Staging pool bytes held by entries", value=store.used_bytes)
-        yield GaugeMetricFamily("kvd_pool_scratch_bytes", "Staging pool bytes lent to clients for their next put",
-                                value=store.scratch_bytes)
-        yield GaugeMetricFamily("kvd_pool_parked_bytes", "Staging pool bytes of removed entries that a client or "
-                                "ZeroMQ may still touch (part of used bytes)", value=store.parked_bytes)
-        yield GaugeMetricFamily("kvd_pool_largest_free_bytes", "Largest contiguous free run (fragmentation)",
-                                value=store.allocator.largest_free_extent() * cfg.block_size)
-        entries = GaugeMetricFamily("kvd_pool_entries", "Entries held, by state", labels=["state"])
-        for state, count in store.counts().items():
-            entries.add_metric([state], count)
-        yield entries
-        in_flight = GaugeMetricFamily("kvd_transfers_in_flight", "Peer transfers in progress", labels=["direction"])
-        counts = {"sent": 0, "received": 0}
-        for transfer in d.exchange.transfers.values():
-            counts["sent" if type(transfer).__name__ == "Outbound" else "received"] += 1
-        for direction, count in counts.items():
-            in_flight.add_metric([direction], count)
-        yield in_flight
-        peers = GaugeMetricFamily("kvd_peer_up", "1 if the peer answered its last heartbeat", labels=["peer"])
-        for name, link in d.exchange.links.items():
-            peers.add_metric([name], 1 if link.connected else 0)
-        yield peers
-        yield GaugeMetricFamily("kvd_ready", "1 once the pool and listeners are up", value=1 if d.ready else 0)
-        yield GaugeMetricFamily("kvd_local_clients", "Client connections open on the local socket",
-                                value=d.local.connections if d.local is not None else 0)

@@ -1,1 +1,2 @@
-"""Integrations of kvd with inference engines (each imports its engine only when imported itself)."""
+"""Integrations of kvd with inference engines, in their worker processes (each imports its engine
+only when imported itself)."""

@@ -1,4 +1,5 @@
-"""The kv_transfer_params handshake between a prefill and a decode vLLM instance, and the
+"""The kv_transfer_params handshake between a prefill and a decode vLLM instance (vLLM's scheduler
+process), and the
 connector's options: plain data, no vLLM import (tested on its own)."""
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Handing a request's blocks of a paged KV cache to kvd and back, for an inference engine's workers.
+"""Handing a request's blocks of a paged KV cache to kvd and back, in an inference engine's worker
+processes.
 
 Engine-agnostic (no vLLM import): the vLLM connector (`kvd.integrations.vllm`) is a thin adapter
 over this module, and the tests drive it with real daemons and real paged tensors.

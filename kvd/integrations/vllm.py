@@ -1,4 +1,4 @@
-"""kvd as a vLLM v1 KV connector, for disaggregated prefill/decode.
+"""kvd as a vLLM v1 KV connector, for disaggregated prefill/decode (vLLM's scheduler and worker processes).
 
 Turn it on with one flag (each vLLM instance beside its kvd daemon):
 

@@ -1,4 +1,4 @@
-"""Moving chunk bytes between the pool and the network, whatever memory the pool is in.
+"""Moving chunk bytes between the pool and the network (daemon process), whatever memory the pool is in.
 
 The exchange asks for a chunk's bytes as host buffers to send (`outbound`) and hands over
 received frames to store and checksum (`inbound`). For a host pool both are direct: zero-copy

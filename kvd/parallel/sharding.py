@@ -1,4 +1,5 @@
-"""Which slice of a model's KV cache each rank holds, and how to rebuild one layout from another.
+"""Which slice of a model's KV cache each rank holds, and how to rebuild one layout from another
+(worker processes; pure).
 
 Pure bookkeeping on layer and KV-head indices, no I/O. The only torch is in `slice_shard`
 (views) and `assemble` (one copy per piece), which apply a plan to per-layer tensors; torch

@@ -1,4 +1,5 @@
-"""The dtype table: wire names and element sizes. No torch here (the daemon never imports it).
+"""The dtype table (both processes): wire names and element sizes. No torch here (the daemon never
+imports it).
 
 The wire carries dtypes by these exact names; any other name is a BadRequest.
 `kvd.client.tensors` maps them to torch dtypes in a worker.

@@ -1,4 +1,4 @@
-"""Message framing for the local client socket, a byte stream: pure encode/decode, no I/O.
+"""Message framing for the local client socket, a byte stream (both processes): pure encode/decode, no I/O.
 
 Peers talk ZeroMQ, which keeps message boundaries. Local clients talk to their daemon over a
 unix stream socket instead (one kernel hop each way; ZeroMQ adds an I/O thread on both ends,

@@ -1,4 +1,4 @@
-"""Wire protocol v1, sans I/O: message dataclasses and pure encode/decode.
+"""Wire protocol v1, sans I/O (both processes): message dataclasses and pure encode/decode.
 
 A message is a list of frames (ZeroMQ's between peers, `kvd.framing`'s on the local socket):
 frame 0 is a msgpack map (the header) with the protocol version "v", the message type "t",

@@ -331,7 +331,11 @@ def test_containerfile():
     health = values("HEALTHCHECK")[-1]
     assert re.search(r'CMD \["kvd", "status", "--json"\]$', health)
     runs = " ".join(values("RUN"))
-    assert "pip install torch==2.13.0" in runs and "download.pytorch.org/whl/cpu" in runs
+    # the daemon alone: its own requirements, then kvd without the client's torch
+    assert "pip install -r /tmp/kvd-src/requirements/daemon.txt" in runs and "--no-deps" in runs
+    assert "torch" not in runs
+    daemon_requirements = (ROOT / "requirements" / "daemon.txt").read_text()
+    assert "torch" not in [line.split(">")[0].strip() for line in daemon_requirements.splitlines()]
     # everything COPY takes from the build context (the repository root) exists
     for rest in values("COPY"):
         for source in rest.split()[:-1]:

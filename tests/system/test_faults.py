@@ -399,11 +399,12 @@ def test_second_daemon_cannot_take_over_the_socket(daemons):
 
 
 def test_bit_flips_are_caught_by_the_checksum(daemons):
-    # A flips one bit in every 3rd chunk it sends (after computing the checksum)
+    # one bit of every 3rd chunk B receives is flipped on the way (kvd.memory.faults), after A
+    # computed its checksum
     port_a, port_b = free_port(), free_port()
     a = daemons.start("A", port=port_a, peers={"B": f"tcp://127.0.0.1:{port_b}"}, pool_size="128MiB",
-                      env={"KVD_TEST_CORRUPT_EVERY_NTH_CHUNK": "3"}, extra=["--chunk-size", "1MiB"])
-    b = daemons.start("B", port=port_b, pool_size="128MiB")
+                      extra=["--chunk-size", "1MiB"])
+    b = daemons.start("B", port=port_b, pool_size="128MiB", env={"KVD_TEST_CORRUPT_EVERY_NTH_CHUNK": "3"})
     data = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
     with a.client() as ca, b.client() as cb:
         with pytest.raises(kvd.ChecksumMismatch) as info:

@@ -144,38 +144,6 @@ def test_a_peer_restarted_on_the_same_address_takes_the_next_push(daemons):
         assert torch.equal(cb.get("after")["x"], kv["x"])
 
 
-def test_idle_links_to_ad_hoc_endpoints_are_closed():
-    # decode pods' addresses come and go: a daemon must not keep a socket (and reconnect
-    # attempts) for every address it was ever asked to push to
-    import asyncio
-
-    import zmq
-
-    from kvd.daemon.config import Config
-    from kvd.daemon.peer.peers import ADHOC_IDLE, PeerSet
-
-    async def scenario() -> None:
-        ctx = zmq.Context()
-        peers = PeerSet(Config(peers={"B": f"tcp://127.0.0.1:{free_port()}"}), ctx, 1,
-                        on_message=lambda link, msg: None, on_lost=lambda key, why: None)
-        peers.start(None)
-        try:
-            idle, in_use = (peers.link_for(f"tcp://127.0.0.1:{free_port()}") for _ in range(2))
-            later = time.monotonic() + ADHOC_IDLE + 1
-            peers.heartbeat(later, busy={in_use.channel.key})
-            assert set(peers.links) == {"B", in_use.name}  # configured peers stay, whatever their use
-            assert idle.socket.sock.closed
-            peers.heartbeat(later, busy=set())
-            assert set(peers.links) == {"B"}
-            again = peers.link_for(idle.name)  # asked for again: a fresh link
-            assert again is not idle and not again.socket.sock.closed
-        finally:
-            peers.close()
-            ctx.term()
-
-    asyncio.run(scenario())
-
-
 def test_remote_pool_full_reaches_the_client_as_pool_full(daemons):
     port_a, port_b = free_port(), free_port()
     a = daemons.start("A", port=port_a, pool_size="64MiB", peers={"B": f"tcp://127.0.0.1:{port_b}"})

@@ -1,4 +1,4 @@
-"""CurveZMQ authentication and encryption between daemons.
+"""CurveZMQ authentication and encryption between daemons (daemon process; `kvd keygen` too).
 
 With `--curve-secret-key FILE` (a key pair written by `kvd keygen`) the peer listener becomes a
 CURVE server and every peer link a CURVE client. Encryption alone is not access control: a

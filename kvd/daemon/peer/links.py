@@ -1,4 +1,4 @@
-"""Connections to peer daemons, and the channel a transfer talks through.
+"""Our connections to peer daemons (daemon process): one DEALER link per peer.
 
 Each daemon binds one ROUTER (`--listen`) for peers that connect to it, and opens one
 DEALER per peer it connects to (`PeerLink`). A transfer does not care which of the two
@@ -18,7 +18,9 @@ from zmq.utils.monitor import parse_monitor_message
 from kvd.errors import KvdError, PeerUnavailable, Unauthorized
 from kvd.wire import protocol as p
 
+from ..metrics import Metrics
 from .auth import CurveKeys, make_client
+from .channel import Channel
 from .loopsocket import LoopSocket
 from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
@@ -48,32 +50,13 @@ def tune_peer_socket(sock: zmq.Socket) -> None:
     sock.copy_threshold = COPY_BELOW
 
 
-class Channel:
-    """Where a transfer's messages go: a ROUTER routing id, or a DEALER link."""
-
-    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], asyncio.Future],
-                 cutter: Callable[[], bool]) -> None:
-        self.key = key  # identifies the connection, so a message on another one is refused
-        self.peer_name = peer_name
-        self._sender = sender
-        self._cutter = cutter
-
-    def send(self, msg: p.Message, track: bool = False) -> asyncio.Future:
-        """Queue a message; the future resolves (to a MessageTracker if track) once ZeroMQ took it."""
-        return self._sender(p.encode(msg), track)
-
-    def cut(self) -> bool:
-        """Cut the TCP connection under this channel: ZeroMQ drops what it still had queued on it
-        (and reconnects, for a link). False if there was no connection to cut."""
-        return self._cutter()
-
-
 class PeerLink:
     """Our DEALER to one peer's ROUTER, with its handshake state."""
 
     def __init__(self, ctx: zmq.Context, name: str, endpoint: str, node_id: str, incarnation: int,
                  on_message: Callable[["PeerLink", p.Message], None], curve: CurveKeys | None = None,
-                 on_lost: Callable[["PeerLink", str], None] | None = None) -> None:
+                 on_lost: Callable[["PeerLink", str], None] | None = None, metrics: Metrics | None = None) -> None:
+        self._metrics = metrics or Metrics()
         self.name = name
         self.endpoint = endpoint
         self.remote_node_id: str | None = None
@@ -116,26 +99,46 @@ class PeerLink:
         else:
             self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
 
-    async def ensure_ready(self, timeout: float) -> None:
-        """Handshake once (again after a loss): PeerHello, wait for PeerHelloOk."""
+    def ready(self, timeout: float) -> asyncio.Future:
+        """Handshake once (again after a loss): a future that resolves once the peer answered our
+        PeerHello (at once when it has), or fails within timeout with the reason it did not."""
+        loop = asyncio.get_running_loop()
+        result = loop.create_future()
         if self.connected:
-            return
+            result.set_result(None)
+            return result
         if self._given_up:
             self._redial()
         if self._hello is None or self._hello.done():
-            self._hello = asyncio.get_running_loop().create_future()
+            self._hello = loop.create_future()
         hello = self._hello
         sent = self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
-        try:
-            await asyncio.wait_for(asyncio.shield(hello), timeout)
-        except (asyncio.TimeoutError, KvdError) as exc:
+
+        def give_up(error: KvdError) -> None:
             if not sent.done():
                 sent.cancel()  # never delivered: do not let it go out later
-            if isinstance(exc, KvdError):  # the peer refused the handshake
-                raise
-            if self.refusal is not None:  # the reason ZeroMQ saw, if any, says more than "no answer"
-                raise type(self.refusal)(self.refusal.message) from None
-            raise PeerUnavailable(f"peer {self.name} ({self.endpoint}) did not answer within {timeout:g}s") from None
+            if not result.done():
+                result.set_exception(error)
+
+        def expired() -> None:
+            # the reason ZeroMQ saw, if any, says more than "no answer"
+            give_up(type(self.refusal)(self.refusal.message) if self.refusal is not None else
+                    PeerUnavailable(f"peer {self.name} ({self.endpoint}) did not answer within {timeout:g}s"))
+
+        def answered(done: asyncio.Future) -> None:
+            timer.cancel()
+            if done.cancelled() or done.exception() is None:
+                if not result.done():
+                    result.set_result(None)
+            else:
+                give_up(done.exception())  # the peer refused the handshake
+
+        timer = loop.call_later(timeout, expired)
+        hello.add_done_callback(answered)
+        return result
+
+    async def ensure_ready(self, timeout: float) -> None:
+        await self.ready(timeout)
 
     def _on_socket_event(self, frames: list) -> None:
         event = parse_monitor_message(frames)
@@ -192,8 +195,9 @@ class PeerLink:
         self.last_seen = time.monotonic()
         try:
             msg = p.decode([f.buffer for f in frames])
-        except Exception as exc:
-            log.warning("peer %s sent an undecodable message: %s", self.name, exc)
+        except KvdError as exc:  # the one decode site of this socket: counted, answered, never raised
+            self._metrics.report_undecodable("peer", f"peer {self.name}", exc, log)
+            self.channel.send(p.Abort(xfer=0, code=exc.code, message=exc.message))
             return
         if isinstance(msg, p.PeerHelloOk):
             self.connection = TcpConnection.of_fd(frames[0].get(zmq.SRCFD))

@@ -1,4 +1,4 @@
-"""A plain (synchronous) ZeroMQ socket driven by the asyncio loop: the daemon's peer sockets.
+"""A plain (synchronous) ZeroMQ socket driven by the asyncio loop: the daemon process's peer sockets.
 
 zmq.asyncio wraps every receive and send in a Future, which costs tens of microseconds
 per message; here the loop watches the socket's file descriptor and a callback drains

@@ -1,10 +1,10 @@
-"""Who a daemon talks to, and whether they are still there.
+"""Who a daemon talks to, and whether they are still there (daemon process).
 
 Outgoing links (one DEALER per configured peer name or tcp:// endpoint, created on first use),
 peers that connected to our ROUTER (known once they said peer_hello), and liveness: every link is
 pinged each heartbeat_interval, and a peer silent for heartbeat_timeout is declared lost, which
-fails its transfers (the `on_lost` callback, given the channel key). Transfers live in the
-Exchange; this module only names the channels they run on.
+fails its transfers (the `on_lost` callback, given the channel key). Transfers live in
+`transfers.py`; this module only names the channels they run on.
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from kvd.errors import PeerUnavailable
 from kvd.wire import protocol as p
 
 from ..config import Config
+from ..metrics import Metrics
 from .auth import CurveKeys
+from .channel import Channel
 from .links import PeerLink
 from .tcpconn import TcpConnection
 
@@ -31,31 +33,36 @@ ADHOC_IDLE = 60.0  # seconds
 
 
 class PeerSet:
-    def __init__(self, config: Config, ctx: zmq.Context, incarnation: int,
-                 on_message: Callable[[PeerLink, p.Message], None],
-                 on_lost: Callable[[tuple, str], None]) -> None:
+    """Built before the transfers (they find links here), and given their handlers at `start`."""
+
+    def __init__(self, config: Config, ctx: zmq.Context, incarnation: int, curve: CurveKeys | None,
+                 metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or Metrics()  # node id, heartbeat and connect timings; the peer list is `set_peers`'
         self.ctx = ctx
         self.incarnation = incarnation
-        self.curve: CurveKeys | None = None
-        self._on_message = on_message
-        self._on_lost = on_lost  # (channel key, reason): fail what runs on that channel
+        self.curve = curve
+        self._on_message: Callable[[PeerLink, p.Message], None] = lambda link, msg: None
+        self._on_lost: Callable[[tuple, str], None] = lambda key, reason: None
         self.links: dict[str, PeerLink] = {}  # peer name or endpoint -> link
         self._router_peers: dict[bytes, str] = {}  # routing id -> node id, after PeerHello
         self._router_seen: dict[bytes, float] = {}  # routing id -> last message
         self._router_conns: dict[bytes, TcpConnection] = {}  # routing id -> its TCP connection
+        self._router_channels: dict[bytes, Channel] = {}  # routing id -> the channel replies go on
         self._last_ping = 0.0
 
     # --- outgoing links ----------------------------------------------------------------------
 
-    def start(self, curve: CurveKeys | None) -> None:
-        self.curve = curve
+    def start(self, on_message: Callable[[PeerLink, p.Message], None], on_lost: Callable[[tuple, str], None]) -> None:
+        """Link the configured peers; on_message gets what links receive, on_lost (channel key,
+        reason) says a connection is gone, so what runs on it fails."""
+        self._on_message, self._on_lost = on_message, on_lost
         for name, endpoint in self.config.peers.items():
             self.links[name] = self._new_link(name, endpoint)
 
     def _new_link(self, name: str, endpoint: str) -> PeerLink:
-        return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation, self._on_message,
-                        self.curve, self._on_link_lost)
+        return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation,
+                        lambda link, msg: self._on_message(link, msg), self.curve, self._on_link_lost, self.metrics)
 
     def _on_link_lost(self, link: PeerLink, reason: str) -> None:
         """The connection to a peer closed, or the peer came back with a new incarnation:
@@ -102,6 +109,10 @@ class PeerSet:
     def router_name(self, rid: bytes) -> str:
         return self._router_peers.get(rid, rid.hex())
 
+    def router_channel(self, rid: bytes) -> Channel | None:
+        """The channel of a peer connected to our ROUTER, once it said hello."""
+        return self._router_channels.get(rid)
+
     def router_known(self, rid: bytes) -> bool:
         """Has this connection said peer_hello? (Anything else from it before that is refused.)"""
         return rid in self._router_peers
@@ -110,11 +121,12 @@ class PeerSet:
         if rid in self._router_peers:
             self._router_seen[rid] = time.monotonic()
 
-    def router_hello(self, rid: bytes, msg: p.PeerHello, conn: TcpConnection | None) -> None:
+    def router_hello(self, rid: bytes, msg: p.PeerHello, conn: TcpConnection | None, channel: Channel) -> None:
         if self._router_peers.get(rid) != msg.node_id:
             log.info("peer %s (incarnation %x) connected to us", msg.node_id, msg.incarnation)
         self._router_peers[rid] = msg.node_id
         self._router_seen[rid] = time.monotonic()
+        self._router_channels[rid] = channel
         if conn is not None:
             self._router_conns[rid] = conn
 
@@ -148,6 +160,7 @@ class PeerSet:
             if now - seen > cfg.heartbeat_timeout:
                 del self._router_seen[rid]
                 self._router_conns.pop(rid, None)
+                self._router_channels.pop(rid, None)
                 name = self._router_peers.pop(rid, rid.hex())
                 log.warning("peer %s (connected to us) lost: silent for %.1fs", name, now - seen)
                 self._on_lost(("router", rid), f"peer {name} stopped answering")

@@ -1,4 +1,5 @@
-"""Peer transfer bookkeeping, without sockets: which chunks to send next, which bytes arrived.
+"""Peer transfer bookkeeping (daemon process), without sockets: which chunks to send next, which
+bytes arrived.
 
 `SendWindow` is the sender's view: byte ranges queued for sending (all of an entry at once,
 or layer by layer while a stream is being written), cut into chunks, at most `window`

@@ -1,4 +1,4 @@
-"""Block allocator for the staging pool: pure bookkeeping, no memory, no I/O.
+"""Block allocator for the staging pool (daemon process): pure bookkeeping, no memory, no I/O.
 
 The pool is `num_blocks` fixed-size blocks. Free space is kept as a sorted list of
 extents (first_block, count), coalesced on free. An allocation prefers one contiguous

@@ -1,4 +1,4 @@
-"""Entries by request id: states, leases, expiry, and the blocks each one holds.
+"""Entries by request id (daemon process): states, leases, expiry, and the blocks each one holds.
 
 Bookkeeping only; no sockets. The daemon reserves an entry (WRITING for a local put,
 RECEIVING for an inbound transfer), publishes it (READY, visible to get), and removes it.

@@ -1,4 +1,4 @@
-"""Disjoint half-open intervals of bytes, merged as they are added. Pure bookkeeping.
+"""Disjoint half-open intervals of bytes, merged as they are added (daemon process). Pure bookkeeping.
 
 Used wherever "each byte exactly once" must hold: chunks arriving from a peer, and the parts
 of a streamed put that its producer announces as written.

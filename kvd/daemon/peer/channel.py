@@ -1,0 +1,27 @@
+"""The channel a transfer talks through (daemon process): where its messages go, and the TCP
+connection under it. A ROUTER routing id and a DEALER link look the same from here; the
+transfer state machine sees only `key` and `peer_name`. No ZeroMQ here."""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from kvd.wire import protocol as p
+
+
+class Channel:
+    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], asyncio.Future],
+                 cutter: Callable[[], bool]) -> None:
+        self.key = key  # identifies the connection, so a message on another one is refused
+        self.peer_name = peer_name
+        self._sender = sender
+        self._cutter = cutter
+
+    def send(self, msg: p.Message, track: bool = False) -> asyncio.Future:
+        """Queue a message; the future resolves (to a MessageTracker if track) once ZeroMQ took it."""
+        return self._sender(p.encode(msg), track)
+
+    def cut(self) -> bool:
+        """Cut the TCP connection under this channel: ZeroMQ drops what it still had queued on it
+        (and reconnects, for a link). False if there was no connection to cut."""
+        return self._cutter()

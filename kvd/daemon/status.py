@@ -1,0 +1,106 @@
+"""What the daemon reports about itself (daemon process): one reader of the parts' state for both
+`kvd status` (`snapshot`, the Stats reply) and Prometheus (`collect`, gauges read at scrape time).
+
+It is given the parts it reads and computes every figure once, so the two views cannot drift.
+It changes nothing.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from .config import Config
+from .lifecycle import Lifecycle
+from .local_server import LocalServer
+from .metrics import Metrics
+from .peer.peers import PeerSet
+from .peer.transfers import Transfers
+from .store.entries import Store
+
+
+class Status(Collector):
+    def __init__(self, config: Config, lifecycle: Lifecycle, store: Store, transfers: Transfers, peers: PeerSet,
+                 clients: LocalServer, metrics: Metrics, listen: str, version: str) -> None:
+        self.config = config
+        self.lifecycle = lifecycle
+        self.store = store
+        self.transfers = transfers
+        self.peers = peers
+        self.clients = clients
+        self.metrics = metrics
+        self.listen = listen  # the peer endpoint as bound
+        self.version = version
+
+    def pool(self) -> dict:
+        store, block_size = self.store, self.config.block_size
+        return {
+            "capacity_bytes": store.allocator.num_blocks * block_size,
+            "used_bytes": store.used_bytes,
+            "scratch_bytes": store.scratch_bytes,  # lent to connected clients for their next put
+            # of used_bytes: removed entries whose blocks a client or ZeroMQ may still touch
+            "parked_bytes": store.parked_bytes,
+            "block_size": block_size,
+            "free_blocks": store.allocator.free_blocks,
+            "largest_free_extent_blocks": store.allocator.largest_free_extent(),
+        }
+
+    def snapshot(self) -> dict:
+        cfg, life = self.config, self.lifecycle
+        in_flight = self.transfers.in_flight()
+        return {
+            "node_id": cfg.node_id,
+            "incarnation": life.incarnation,
+            "device": cfg.device,
+            "uptime_s": round(time.time() - life.started_at, 3),
+            "ready": life.ready,
+            "draining": life.draining,
+            "pool": self.pool(),
+            "entries": len(self.store.entries),
+            "entries_by_state": self.store.counts(),
+            "expired_total": self.store.expired_total,
+            "transfers_in_flight": sum(in_flight.values()),
+            "local_clients": self.clients.connections,
+            "peers": self.peers.states(),
+            "counters": {key: self.metrics.tally[key] for key in COUNTERS},
+            "recent_errors": list(self.metrics.recent_errors),
+            "listen": self.listen,
+            "metrics": f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None,
+        }
+
+    def collect(self) -> Iterator:
+        cfg, life = self.config, self.lifecycle
+        info = InfoMetricFamily("kvd_build", "Daemon identity")
+        info.add_metric([], {"version": self.version, "node_id": cfg.node_id, "device": cfg.device,
+                             "incarnation": f"{life.incarnation:x}"})
+        yield info
+        pool = self.pool()
+        yield GaugeMetricFamily("kvd_pool_capacity_bytes", "Staging pool size", value=pool["capacity_bytes"])
+        yield GaugeMetricFamily("kvd_pool_used_bytes", "Staging pool bytes held by entries", value=pool["used_bytes"])
+        yield GaugeMetricFamily("kvd_pool_scratch_bytes", "Staging pool bytes lent to clients for their next put",
+                                value=pool["scratch_bytes"])
+        yield GaugeMetricFamily("kvd_pool_parked_bytes", "Staging pool bytes of removed entries that a client or "
+                                "ZeroMQ may still touch (part of used bytes)", value=pool["parked_bytes"])
+        yield GaugeMetricFamily("kvd_pool_largest_free_bytes", "Largest contiguous free run (fragmentation)",
+                                value=pool["largest_free_extent_blocks"] * pool["block_size"])
+        entries = GaugeMetricFamily("kvd_pool_entries", "Entries held, by state", labels=["state"])
+        for state, count in self.store.counts().items():
+            entries.add_metric([state], count)
+        yield entries
+        in_flight = GaugeMetricFamily("kvd_transfers_in_flight", "Peer transfers in progress", labels=["direction"])
+        for direction, count in self.transfers.in_flight().items():
+            in_flight.add_metric([direction], count)
+        yield in_flight
+        peers = GaugeMetricFamily("kvd_peer_up", "1 if the peer answered its last heartbeat", labels=["peer"])
+        for name, state in self.peers.states().items():
+            peers.add_metric([name], 1 if state["connected"] else 0)
+        yield peers
+        yield GaugeMetricFamily("kvd_ready", "1 once the pool and listeners are up", value=1 if life.ready else 0)
+        yield GaugeMetricFamily("kvd_local_clients", "Client connections open on the local socket",
+                                value=self.clients.connections)
+
+
+# the totals `kvd status` shows, in this order (recorded in Metrics.tally by handlers and transfers)
+COUNTERS = ("puts", "gets", "errors", "sent_bytes", "received_bytes", "pushes", "pulls", "failures")

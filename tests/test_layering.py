@@ -1,0 +1,169 @@
+"""The house rules of kvd's tree, read off the code with `ast` (no import is executed).
+
+- `kvd.wire` imports nothing of kvd but itself and `kvd.errors`, and no sockets, asyncio,
+  ZeroMQ or torch: both processes use it.
+- the daemon never imports the client library, parallel or integrations, nor torch (a GPU pool
+  reaches torch through `kvd.memory.cuda` only); the client never imports the daemon.
+- `kvd.daemon.store` is pure bookkeeping: no asyncio, no ZeroMQ, nothing else of the daemon.
+- no two kvd modules import each other in a circle (imports inside functions and under
+  TYPE_CHECKING count: they are dependencies at run time);
+- no module is over 500 lines, and at most about 8 plain modules sit directly under kvd/.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvd"
+MAX_LINES = 500
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str) -> set[str]:
+    """Every module `name` imports, anywhere in its body: kvd modules resolved, others as written."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                candidate = f"{source}.{alias.name}"
+                found.add(candidate if candidate in MODULES else source)
+    return found
+
+
+IMPORTS = {name: imports_of(name) for name in MODULES}
+
+
+def kvd_imports(name: str) -> set[str]:
+    return {i for i in IMPORTS[name] if i == "kvd" or i.startswith("kvd.")}
+
+
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def test_the_modules_are_found():
+    assert {"kvd.wire.protocol", "kvd.daemon.daemon", "kvd.client.sync", "kvd.daemon.peer.machine"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if within(n, "kvd.wire")])
+def test_wire_is_pure(name):
+    for imported in IMPORTS[name]:
+        if within(imported, "kvd"):
+            assert within(imported, "kvd.wire") or imported == "kvd.errors", (name, imported)
+        else:
+            assert top(imported) not in {"zmq", "asyncio", "socket", "torch", "numpy"}, (name, imported)
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if within(n, "kvd.daemon")])
+def test_the_daemon_never_imports_the_client_nor_torch(name):
+    for imported in IMPORTS[name]:
+        for banned in ("kvd.client", "kvd.parallel", "kvd.integrations", "kvd.sharded", "kvd.memory.cuda"):
+            assert not within(imported, banned), (name, imported)
+        assert top(imported) not in {"torch", "numpy", "cupy"}, (name, imported)
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if within(n, "kvd.client")])
+def test_the_client_never_imports_the_daemon(name):
+    for imported in kvd_imports(name):
+        assert not within(imported, "kvd.daemon"), (name, imported)
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if within(n, "kvd.daemon.store")])
+def test_the_store_is_pure_bookkeeping(name):
+    for imported in IMPORTS[name]:
+        assert top(imported) not in {"asyncio", "zmq", "socket", "torch"}, (name, imported)
+        if within(imported, "kvd.daemon"):
+            assert within(imported, "kvd.daemon.store"), (name, imported)
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if within(n, "kvd.memory") and n != "kvd.memory.cuda"])
+def test_memory_reaches_torch_only_through_cuda(name):
+    for imported in IMPORTS[name]:
+        assert top(imported) not in {"torch", "cupy", "zmq", "asyncio"}, (name, imported)
+        if within(imported, "kvd"):
+            assert any(within(imported, ok) for ok in ("kvd.memory", "kvd.wire", "kvd.errors", "kvd.units")), \
+                (name, imported)
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if within(n, "kvd.parallel") or within(n, "kvd.integrations")
+                                  or within(n, "kvd.cluster")])
+def test_the_libraries_never_import_the_daemon(name):
+    for imported in kvd_imports(name):
+        assert not within(imported, "kvd.daemon"), (name, imported)
+        if within(name, "kvd.parallel"):
+            assert not within(imported, "kvd.client"), (name, imported)
+
+
+def test_no_import_circles():
+    graph = {name: {i for i in kvd_imports(name) if i in MODULES and i != name} for name in MODULES}
+    cycles, index, low, stack, on_stack, counter = [], {}, {}, [], set(), [0]
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    assert not cycles, f"modules that import each other in a circle: {cycles}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_is_over_500_lines(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines (at most {MAX_LINES}: split it along a seam)"
+
+
+def test_at_most_about_eight_plain_modules_directly_under_kvd():
+    plain = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(plain) <= 8, plain
+
+
+def test_every_module_says_which_process_it_runs_in():
+    for name, path in MODULES.items():
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "process" in doc, f"{name}'s docstring does not say which process it runs in"
