@@ -1,0 +1,29 @@
+"""kvd.cluster: discovery and the request directory on a registry (etcd or Redis), in the daemon
+process and in routers' processes.
+
+Runs in the daemon (`ClusterMember`: registration, publishing, lookups) and in routers and proxies
+(`Registry`: a read-only view). Imports only the standard library and kvd.errors; the Redis backend
+imports redis-py when it is opened (`pip install 'kvd[redis]'`); the etcd backend needs nothing
+extra (it speaks etcd's JSON gateway). See proto/REGISTRY.md for the key schema and the semantics.
+
+Modules: records (records, JSON, keys), backend (the interface), directory (outbox, candidate
+order), health (breaker, membership state), memory / etcd / redis (backends), etcd_http (the small
+HTTP client), url (URLs and the backend factory), member (the daemon side), registry (the router side).
+"""
+from .backend import (
+    Added, Backend, Conflict, NodeEvent, Publish, Registered, RegistryUnavailable, Removed, Resync, Session,
+    SessionLost, Unpublish,
+)
+from .directory import Candidate, Outbox, order_candidates
+from .health import Breaker, Membership
+from .member import ClusterMember
+from .records import HolderRecord, NodeRecord, RecordError, rid_key
+from .registry import Registry
+from .url import RegistryURL, open_backend, parse_url
+
+__all__ = [
+    "Added", "Backend", "Breaker", "Candidate", "ClusterMember", "Conflict", "HolderRecord", "Membership",
+    "NodeEvent", "NodeRecord", "Outbox", "Publish", "RecordError", "Registered", "Registry", "RegistryURL",
+    "RegistryUnavailable", "Removed", "Resync", "Session", "SessionLost", "Unpublish", "open_backend",
+    "order_candidates", "parse_url", "rid_key",
+]

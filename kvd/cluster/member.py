@@ -1,0 +1,295 @@
+"""`ClusterMember`: one daemon's presence in the cluster registry. Runs in the daemon process's event loop.
+
+Owns three tasks: the session (open a lease, register, keep it alive, and after a loss re-register
+with the same incarnation), the writer (drains the outbox into the registry in batches, and re-publishes
+a store snapshot after every (re-)registration), and the node watch (the daemon's view of the cluster).
+The daemon gives it a `snapshot` callable and calls `publish` / `unpublish` from its entry events; both
+return at once and never fail. Nothing here ever raises into the daemon's startup or stops it: with
+the registry away the daemon runs on static peers (design R5, R6).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .backend import Added, Backend, Conflict, NodeEvent, RegistryUnavailable, Removed, Resync, Session, SessionLost
+from .directory import BATCH_OPS, OUTBOX_LIMIT, Candidate, Outbox, order_candidates
+from .health import Breaker, Membership
+from .records import HolderRecord, NodeRecord
+
+log = logging.getLogger(__name__)
+Snapshot = Callable[[], Iterable[HolderRecord]]
+
+
+class ClusterMember:
+    def __init__(self, backend: Backend, record: NodeRecord, *, ttl: float = 5.0, snapshot: Snapshot = tuple,
+                 breaker: Breaker | None = None, outbox_limit: int = OUTBOX_LIMIT, flush_interval: float = 0.005,
+                 resync_jitter: float = 2.0, on_node_event: Callable[[NodeEvent], None] | None = None) -> None:
+        self.backend, self.record, self.ttl = backend, record, ttl
+        self.snapshot = snapshot
+        self.breaker = breaker or Breaker()
+        self.membership = Membership(ttl)
+        self.outbox = Outbox(outbox_limit)
+        self.flush_interval = flush_interval
+        self.resync_jitter = resync_jitter  # spreads re-publication when a whole fleet reconnects at once
+        self.on_node_event = on_node_event
+        self.ops: Counter[tuple[str, str]] = Counter()  # (op, ok|error) for kvd_registry_ops_total
+        self.lookups: Counter[str] = Counter()  # hit | miss | stale | unavailable
+        self.conflict: NodeRecord | None = None
+        self._view: dict[str, NodeRecord] = {}
+        self._session: Session | None = None
+        self._work = asyncio.Event()
+        self._registered = asyncio.Event()
+        self._kick = asyncio.Event()  # wakes the session task early (the writer saw the session die)
+        self._tasks: list[asyncio.Task] = []
+        self._backoff = 0.05  # the writer's, after a failed batch
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        """Start the tasks and return at once; registration happens in the background."""
+        for name, coro in (("session", self._session_loop()), ("writer", self._writer_loop()),
+                           ("nodes", self._watch_loop())):
+            self._tasks.append(asyncio.create_task(coro, name=f"kvd-cluster-{name}"))
+
+    async def wait_registered(self, timeout: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                await self._registered.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        """Revoke the session: the node and its holder records leave the registry now."""
+        self.membership.close()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        await self.backend.close()
+
+    # ---- what the daemon calls ----
+    def publish(self, record: HolderRecord) -> None:
+        self.outbox.publish(record)
+        self._work.set()
+
+    def unpublish(self, rid: str, gen: int | None = None) -> None:
+        self.outbox.unpublish(rid, gen)
+        self._work.set()
+
+    def nodes(self, role: str | None = None) -> list[NodeRecord]:
+        """The cluster as this daemon's watch sees it (this node included once registered)."""
+        return sorted((n for n in self._view.values() if role is None or n.role in (role, "any")),
+                      key=lambda n: n.node_id)
+
+    def node(self, node_id: str) -> NodeRecord | None:
+        return self._view.get(node_id)
+
+    async def locate(self, rid: str, *, allow_streaming: bool = False, exclude: Iterable[str] = ()) -> list[Candidate]:
+        """Holders of rid other than us, best first; fails fast while the registry is known down."""
+        _, cands = await self._lookup(rid, allow_streaming, set(exclude))
+        return cands
+
+    async def find(self, rid: str, timeout: float, *, allow_streaming: bool = False,
+                   exclude: Iterable[str] = ()) -> list[Candidate]:
+        """Like locate, but waits up to `timeout` for a holder to be published (a get without a
+        source). Returns [] at the deadline (a miss); RegistryUnavailable if the registry is down."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        skip = set(exclude)
+        rev, cands = await self._lookup(rid, allow_streaming, skip, count=False)
+        while not cands:
+            left = deadline - loop.time()
+            if left <= 0:
+                self.lookups["miss"] += 1
+                return []
+            try:
+                rev, found = await self._guarded("wait_holders", self.backend.wait_holders(rid, rev, left))
+                cands = await self._candidates(found, allow_streaming, skip)
+            except RegistryUnavailable:
+                self.lookups["unavailable"] += 1
+                raise
+            if found and not cands:
+                await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))  # only ourselves, or streaming
+        self.lookups["hit"] += 1
+        return cands
+
+    def note_stale(self) -> None:
+        """The daemon tried a candidate and the holder said no (identity or generation changed)."""
+        self.lookups["stale"] += 1
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "state": self.membership.state, "registered": self.membership.registered, "up": self.breaker.up,
+            "breaker": self.breaker.state, "session": self._session.token if self._session else None,
+            "node_id": self.record.node_id, "incarnation": f"{self.record.incarnation:x}",
+            "nodes": len(self._view), "outbox": len(self.outbox), "published": len(self.outbox.published),
+            "resyncs": self.membership.resyncs, "outbox_overflows": self.outbox.overflows,
+            "conflict": None if self.conflict is None else {
+                "node_id": self.conflict.node_id, "incarnation": f"{self.conflict.incarnation:x}",
+                "endpoint": self.conflict.endpoint},
+            "ops": {f"{op}:{res}": n for (op, res), n in sorted(self.ops.items())},
+            "lookups": dict(self.lookups),
+        }
+
+    # ---- internals ----
+    async def _guarded(self, op: str, coro) -> Any:
+        """Run one registry call and feed its outcome to the breaker and the counters."""
+        try:
+            result = await coro
+        except RegistryUnavailable:
+            self.ops[(op, "error")] += 1
+            self.breaker.failure()
+            raise
+        self.ops[(op, "ok")] += 1
+        self.breaker.success()
+        return result
+
+    async def _lookup(self, rid: str, allow_streaming: bool, skip: set[str],
+                      count: bool = True) -> tuple[int, list[Candidate]]:
+        if not self.breaker.allow():
+            self.lookups["unavailable"] += 1
+            raise RegistryUnavailable("registry unavailable: lookups fail fast until it answers again")
+        try:
+            rev, found = await self._guarded("holders", self.backend.holders(rid))
+        except RegistryUnavailable:
+            self.lookups["unavailable"] += 1
+            raise
+        cands = await self._candidates(found, allow_streaming, skip)
+        if count:
+            self.lookups["hit" if cands else "miss"] += 1
+        return rev, cands
+
+    async def _candidates(self, found: list[HolderRecord], allow_streaming: bool, skip: set[str]) -> list[Candidate]:
+        if any(h.node_id not in self._view for h in found if h.node_id != self.record.node_id):
+            # a holder our watch has not shown us yet (it just joined): read the listing once
+            _, nodes = await self._guarded("list_nodes", self.backend.list_nodes())
+            self._view.update({n.node_id: n for n in nodes})
+        return order_candidates(found, self._view, self_id=self.record.node_id, now=time.time(), lost=skip,
+                                labels=self.record.labels, allow_streaming=allow_streaming)
+
+    async def _session_loop(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                if self._session is None:
+                    self._session = await self._guarded("open_session", self.backend.open_session(self.ttl))
+                if not self.membership.registered:
+                    await self._register()
+                    if not self.membership.registered:
+                        await self._sleep(min(self.ttl / 2, 1.0))
+                        continue
+                await self._sleep(self.ttl / 3)
+                session = self._session
+                if session is None or not self.membership.registered:
+                    continue  # the writer saw the session die meanwhile
+                async with asyncio.timeout(max(self.ttl / 2, 0.05)):  # the keepalive watchdog (R8)
+                    await self._guarded("keepalive", session.keepalive())
+                self.membership.on_refreshed()
+                backoff = 0.1
+            except SessionLost as e:
+                self.breaker.success()  # the server answered: it is up, only our session is gone
+                log.warning("registry session lost (%s): registering again as %s", e, self.record.node_id)
+                self._lost()
+            except (RegistryUnavailable, TimeoutError) as e:
+                if self.membership.on_refresh_failed():
+                    log.warning("registry unreachable for a whole TTL (%s): presuming the session lost", e)
+                    self._lost()
+                elif self._session is None or not self.membership.registered:
+                    log.debug("registry unavailable: %s", e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, max(self.ttl / 3, 0.1))
+            except Exception:  # a bug here must not end the daemon's membership for good
+                log.exception("registry session task failed; starting over")
+                self._lost()
+                await asyncio.sleep(1.0)
+
+    async def _register(self) -> None:
+        assert self._session is not None
+        res = await self._guarded("register", self.backend.register_node(self._session, self.record))
+        if isinstance(res, Conflict):
+            self.conflict = res.existing
+            if self.membership.on_conflict():
+                log.error("node id %r is held by another live daemon (incarnation %x at %s): staying out of "
+                          "the registry (static peers only) until it leaves", self.record.node_id,
+                          res.existing.incarnation, res.existing.endpoint)
+            return
+        self.conflict = None
+        first = self.membership.registrations == 0
+        self.membership.on_registered()
+        log.info("registered %s in the cluster registry (session %s)%s", self.record.node_id,
+                 self._session.token, "" if first else ", re-publishing entries")
+        self._registered.set()
+        self._work.set()
+
+    def _lost(self) -> None:
+        self.membership.on_session_lost()
+        self._registered.clear()
+        self._session = None  # a new lease; the old one is gone (or will be) with everything under it
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            async with asyncio.timeout(seconds):
+                await self._kick.wait()
+        except TimeoutError:
+            pass
+        self._kick.clear()
+
+    async def _writer_loop(self) -> None:
+        while True:
+            await self._work.wait()
+            await self._registered.wait()
+            await asyncio.sleep(self.flush_interval)  # let a burst of entry events coalesce
+            self._work.clear()
+            try:
+                await self._flush()
+            except Exception:  # e.g. the daemon's snapshot callable failed: keep the writer alive
+                log.exception("registry writer failed; retrying")
+                self.outbox.resync_needed = True
+                self._work.set()
+                await asyncio.sleep(1.0)
+
+    async def _flush(self) -> None:
+        if self.membership.resync_needed or self.outbox.resync_needed:
+            if self.membership.registrations > 1 and self.resync_jitter > 0:
+                await asyncio.sleep(random.uniform(0, self.resync_jitter))
+            self.outbox.resync(self.snapshot())
+            self.membership.on_resynced()
+        while self.membership.registered and (ops := self.outbox.take(BATCH_OPS)):
+            try:
+                await self._guarded("publish", self.backend.publish_batch(self._session, ops))
+            except SessionLost:
+                self.outbox.failed(ops)
+                self._lost()
+                self._kick.set()  # the session task re-registers now, not at its next keepalive
+            except RegistryUnavailable:
+                self.outbox.failed(ops)
+                self._work.set()
+                await asyncio.sleep(self._backoff)
+                self._backoff = min(self._backoff * 2, 1.0)
+                return
+            else:
+                self.outbox.done(ops)
+                self._backoff = 0.05
+
+    async def _watch_loop(self) -> None:
+        async for ev in self.backend.watch_nodes():
+            if isinstance(ev, Resync):
+                self._view = {n.node_id: n for n in ev.nodes}
+            elif isinstance(ev, Added):
+                self._view[ev.node.node_id] = ev.node
+            elif isinstance(ev, Removed):
+                self._view.pop(ev.node_id, None)
+            if self.on_node_event is not None:
+                try:
+                    self.on_node_event(ev)
+                except Exception:
+                    log.exception("cluster node event handler failed")

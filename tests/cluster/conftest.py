@@ -1,0 +1,135 @@
+"""Fixtures for the registry tests: real etcd and Redis servers (one of each per test session, every
+test in its own cluster prefix), an in-process memory server, and `reg`, one harness parametrized
+over the three.
+
+A missing server binary or redis-py skips the tests locally but fails them when CI=true, so a green
+CI cannot hide a missing install step (./dev test installs both).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import os
+import uuid
+
+import pytest
+
+from kvd.cluster.memory import MemoryBackend, MemoryServer
+
+from .servers import EtcdServer, RedisServer, Server, find_etcd, find_redis, start_server, stop_server
+
+TEST_TIMEOUT = 30.0
+
+
+def _missing(what: str) -> None:
+    msg = f"{what} is not installed (./dev test installs it)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def _loop_factory():
+    # the daemon runs on uvloop; KVD_TEST_LOOP=asyncio runs the same tests on the stock loop
+    if os.environ.get("KVD_TEST_LOOP", "uvloop") == "uvloop":
+        import uvloop
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def run(coro_fn):
+    """Run an async test in a fresh event loop, bounded (a hung registry must fail, not hang the suite)."""
+    @functools.wraps(coro_fn)
+    def wrapper(*args, **kwargs):
+        async def bounded():
+            async with asyncio.timeout(TEST_TIMEOUT):
+                return await coro_fn(*args, **kwargs)
+        with asyncio.Runner(loop_factory=_loop_factory) as runner:
+            return runner.run(bounded())
+    return wrapper
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    binary = find_etcd()
+    if binary is None:
+        _missing("etcd (Debian package etcd-server)")
+    server = start_server(EtcdServer, binary)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    binary = find_redis()
+    if binary is None:
+        _missing("redis-server (Debian package redis-server)")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        _missing("redis-py (pip install 'kvd[redis]')")
+    server = start_server(RedisServer, binary)
+    yield server
+    stop_server(server)
+
+
+_clusters = itertools.count()
+
+
+class Harness:
+    """One registry server of one kind, and clients of it ("daemons") in a cluster of their own."""
+
+    def __init__(self, kind: str, server: Server | MemoryServer) -> None:
+        self.kind, self.server = kind, server
+        self.cluster = f"t{next(_clusters)}-{uuid.uuid4().hex[:6]}"
+        self._backends: list = []
+
+    @property
+    def url(self) -> str:
+        assert not isinstance(self.server, MemoryServer)
+        return self.server.url
+
+    def backend(self, op_timeout: float = 0.5):
+        if self.kind == "memory":
+            b = MemoryBackend(self.server, op_timeout=op_timeout)
+        elif self.kind == "etcd":
+            from kvd.cluster.etcd import EtcdBackend
+            b = EtcdBackend([("127.0.0.1", self.server.client_port)], cluster=self.cluster, op_timeout=op_timeout)
+        else:
+            from kvd.cluster.redis import RedisBackend
+            b = RedisBackend("127.0.0.1", self.server.port, cluster=self.cluster, op_timeout=op_timeout, poll=0.05)
+        self._backends.append(b)
+        return b
+
+    async def close_all(self) -> None:
+        for b in self._backends:
+            await b.close()
+        self._backends.clear()
+
+    def pause(self) -> None:
+        self.server.pause()
+
+    def resume(self) -> None:
+        self.server.resume()
+
+    def restart_wiped(self) -> None:
+        if isinstance(self.server, MemoryServer):
+            self.server.wipe()
+        else:
+            self.server.restart(wipe=True)
+
+    def heal(self) -> None:
+        """Leave a shared server running and answering for the next test."""
+        self.server.resume()
+        if isinstance(self.server, Server) and not self.server.alive():
+            self.server.start()
+
+
+@pytest.fixture(params=["memory", "etcd", "redis"])
+def reg(request):
+    if request.param == "memory":
+        h = Harness("memory", MemoryServer())
+    else:
+        h = Harness(request.param, request.getfixturevalue(f"{request.param}_server"))
+    yield h
+    h.heal()
