@@ -127,7 +127,7 @@ def _worker(wid: int, sockets: dict[str, str], stop, seed: int, reports, pause, 
             layout = {n: (tuple(t.shape), t.dtype) for n, t in kv.items()}
             names = list(kv)
             # at least one tensor stays unwritten: a pushed stream aborted after its last write is
-            # delivered anyway (a known bug, see tests/test_stateful.py), which would read as a leak here
+            # delivered anyway (a known bug, see tests/system/test_stateful.py), which would read as a leak here
             written = names[:rng.randrange(len(names))]
             try:
                 with c.put_stream(rid, layout, dest=rng.choice([None, there])) as stream:

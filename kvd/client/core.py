@@ -52,7 +52,7 @@ class _ClientCore:
         self._mapping = None
         self._pool: torch.Tensor | None = None
         self.info: p.HelloOk | None = None
-        self._sock = None  # the connection (kvd.localsock)
+        self._sock = None  # the connection (kvd.client.connection)
         self._ipc_close = None  # closes a CUDA IPC mapping
         # blocks the daemon lent this connection for the next small put: (token, extents, blocks)
         self._scratch: tuple[int, list[Extent], int] | None = None

@@ -28,7 +28,7 @@ class Config:
     socket: str = field(default_factory=default_socket)  # local clients
     pool_size: int = 1 << 30
     block_size: int = 64 << 10
-    pool_path: str = ""  # empty: memfd (see kvd.device)
+    pool_path: str = ""  # empty: memfd (see kvd.memory.host)
     pool_prefault: bool = True
     scratch_max: int = 4 << 20  # puts up to this size take one round trip (blocks lent ahead); 0 = off
     device: str = "cpu"

@@ -44,7 +44,7 @@ class KVLayout:
     num_layers: int  # attention layers holding KV, whole model
     num_kv_heads: int  # KV heads per layer, whole model (before TP)
     head_dim: int
-    dtype: str  # a name from kvd.dtypes
+    dtype: str  # a name from kvd.wire.dtypes
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0

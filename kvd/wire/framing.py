@@ -3,7 +3,7 @@
 Peers talk ZeroMQ, which keeps message boundaries. Local clients talk to their daemon over a
 unix stream socket instead (one kernel hop each way; ZeroMQ adds an I/O thread on both ends,
 which costs 2-3x the latency of a small round trip), so each message — the same frames
-`kvd.protocol` encodes — is written as:
+`kvd.wire.protocol` encodes — is written as:
 
     u32 frame count, then for each frame: u32 length and the frame's bytes   (little-endian)
 

@@ -1,6 +1,6 @@
 """Wire protocol v1, sans I/O (both processes): message dataclasses and pure encode/decode.
 
-A message is a list of frames (ZeroMQ's between peers, `kvd.framing`'s on the local socket):
+A message is a list of frames (ZeroMQ's between peers, `kvd.wire.framing`'s on the local socket):
 frame 0 is a msgpack map (the header) with the protocol version "v", the message type "t",
 and the message's fields by name; any further frames are raw payload bytes, used only by CHUNK. Decoding is bounded (header size cap,
 msgpack length limits) and validates every field's type before returning a message.

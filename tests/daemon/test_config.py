@@ -1,4 +1,4 @@
-"""kvd.config and kvd.units: layer precedence, unit parsing, peers, and validation errors."""
+"""kvd.daemon.config and kvd.units: layer precedence, unit parsing, peers, and validation errors."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""kvd.layout: tensor specs, tensor offsets, logical-to-pool mapping, chunking."""
+"""kvd.wire.layout: tensor specs, tensor offsets, logical-to-pool mapping, chunking."""
 from __future__ import annotations
 
 import pytest

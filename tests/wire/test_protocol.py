@@ -1,4 +1,4 @@
-"""Wire protocol v1 (kvd.protocol), sans I/O: encode/decode round trips and bounded rejection."""
+"""Wire protocol v1 (kvd.wire.protocol), sans I/O: encode/decode round trips and bounded rejection."""
 from __future__ import annotations
 
 import dataclasses

@@ -92,7 +92,7 @@ class _AllowList:
 
 def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:
     """Run the ZAP handler that enforces the allow list; fail if it does not come up."""
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvd.auth.zap"))
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvd.daemon.peer.auth.zap"))
     auth.start()
     auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_AllowList(keys.allowed))
     if not auth.is_alive():

@@ -1,4 +1,4 @@
-"""kvd.transfer: the sender's window and the receiver's ledger, without sockets."""
+"""kvd.daemon.peer.window: the sender's window and the receiver's ledger, without sockets."""
 from __future__ import annotations
 
 import random

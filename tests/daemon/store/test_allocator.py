@@ -1,4 +1,4 @@
-"""BlockAllocator (kvd.pool): extents, best fit, fragmented fallback, coalescing, PoolFull."""
+"""BlockAllocator (kvd.daemon.store.allocator): extents, best fit, fragmented fallback, coalescing, PoolFull."""
 from __future__ import annotations
 
 import random

@@ -1,4 +1,4 @@
-"""kvd.store: entries, leases, expiry and block accounting, with a real BlockAllocator."""
+"""kvd.daemon.store.entries: entries, leases, expiry and block accounting, with a real BlockAllocator."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,4 @@
-"""kvd.intervals: disjoint byte intervals, checked against a set of bytes."""
+"""kvd.daemon.store.intervals: disjoint byte intervals, checked against a set of bytes."""
 from __future__ import annotations
 
 from hypothesis import given
