@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Sequence
 
-from .daemon.config import DEFAULT_METRICS_PORT, DEFAULT_PEER_PORT, load_config, parse_peers
+from .daemon.config import DEFAULT_METRICS_PORT, DEFAULT_PEER_PORT, load_config, parse_labels, parse_peers
 
 PRECEDENCE = "Precedence: command-line flags > KVD_* environment variables > --config file > defaults."
 
@@ -60,6 +60,19 @@ def _serve_parser(sub) -> None:
     add("--curve-secret-key", metavar="FILE",
         help="authenticate and encrypt peer traffic with this CURVE key pair (a .key_secret file from "
              "`kvd keygen`); needs --curve-allow")
+    add("--registry", metavar="URL",
+        help="cluster registry: etcd://HOST:PORT[,HOST:PORT...] or redis://HOST:PORT[/DB] (default: none, "
+             "static peers only)")
+    add("--cluster", metavar="NAME", help="scopes every registry key (default: kvd)")
+    add("--advertise", metavar="tcp://HOST:PORT",
+        help="the endpoint peers dial, as published in the registry (default: --listen, which must then not "
+             "be a wildcard address)")
+    add("--registry-ttl", metavar="DURATION", help="a dead node leaves the registry within ~2x this (default: 5s)")
+    add("--registry-publish", choices=["pullable", "all", "none"],
+        help="which entries the holder directory lists (default: pullable: local puts with no destination)")
+    add("--role", choices=["prefill", "decode", "any"], help="how routers see this node (default: any)")
+    add("--label", dest="labels", action="append", metavar="KEY=VALUE",
+        help="a label published with the node, e.g. zone=us-east-1a (repeatable)")
     add("--curve-allow", action="append", metavar="KEY|FILE|DIR",
         help="public keys allowed to connect (repeatable): a .key file, a directory of them, or a Z85 "
              "key; a file named PEER.key also gives the key used to dial peer PEER")
@@ -83,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     _client_parser(sub, "ls", "list the entries a running daemon holds")
     rm = _client_parser(sub, "rm", "delete an entry from a running daemon")
     rm.add_argument("request_id")
+    cluster = sub.add_parser("cluster", help="the cluster registry, as a running daemon sees it",
+                             description="The cluster registry, as the local daemon (started with --registry) sees it.")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", metavar="COMMAND", required=True)
+    for name, help_text in (("ls", "the nodes of the cluster"), ("locate", "which nodes hold a request (a hint)")):
+        command = cluster_sub.add_parser(name, help=help_text, description=help_text)
+        command.add_argument("--socket", metavar="ENDPOINT", help="daemon's client endpoint (default as for serve)")
+        command.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "locate":
+            command.add_argument("request_id")
     keygen = sub.add_parser("keygen", help="write a CURVE key pair for --curve-secret-key",
                             description="Write NAME.key (public: give it to the peers' --curve-allow) and "
                                         "NAME.key_secret (0600: this daemon's --curve-secret-key).")
@@ -109,6 +131,8 @@ def serve(args: argparse.Namespace) -> int:
     cli = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     if cli.get("peers"):
         cli["peers"] = parse_peers(cli["peers"])
+    if cli.get("labels"):
+        cli["labels"] = parse_labels(cli["labels"])
     try:
         config = load_config(cli, config_file=args.config)
     except (ValueError, OSError) as exc:
@@ -160,6 +184,12 @@ def client_command(args: argparse.Namespace) -> int:
                 state = "connected" if peer["connected"] else "not connected"
                 print(f"peer       {name} {peer['endpoint']} {state}")
             print(f"metrics    {stats['metrics'] or 'off'}")
+            registry = stats.get("registry")
+            if registry:
+                print(f"registry   {registry['url']} {registry['state']} ("
+                      f"{'registered' if registry['registered'] else 'NOT registered'}, "
+                      f"{'up' if registry['up'] else 'unreachable'}, {registry['nodes']} nodes seen, "
+                      f"{registry['listed']} entries listed)")
             print(f"counters   {stats['counters']}")
             for error in stats["recent_errors"][-5:]:
                 when = time.strftime("%H:%M:%S", time.localtime(error["time"]))
@@ -173,6 +203,22 @@ def client_command(args: argparse.Namespace) -> int:
             for e in entries:
                 print(f"{e['request_id']:40} {e['state']:10} {format_size(e['bytes']):>10} "
                       f"{e['tensors']:>7} {e['age_s']:>7.1f}s")
+        elif args.command == "cluster" and args.cluster_command == "ls":
+            nodes = ask(p.ClusterNodes(req=1), args.socket)
+            if args.json:
+                print(json.dumps(nodes, indent=2))
+                return 0
+            print(f"{'NODE':24} {'ROLE':8} {'ENDPOINT':28} {'POOL':>9}  LABELS")
+            for n in nodes:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items()))
+                print(f"{n['node_id']:24} {n['role']:8} {n['endpoint']:28} {format_size(n['pool_bytes']):>9}  {labels}")
+        elif args.command == "cluster":
+            holders = ask(p.ClusterLocate(req=1, request_id=args.request_id), args.socket)
+            if args.json:
+                print(json.dumps(holders, indent=2))
+            for h in [] if args.json else holders:
+                print(f"{h['node_id']:24} {h['endpoint']:28} {format_size(h['bytes']):>9} {h['state']}")
+            return 0 if holders else 1
         elif args.command == "rm":
             removed = bool(ask(p.Delete(req=1, request_id=args.request_id), args.socket))
             if args.json:

@@ -50,6 +50,14 @@ class Config:
     metrics_host: str = "127.0.0.1"
     curve_secret_key: str = ""  # our key pair (from `kvd keygen`); empty: no CURVE
     curve_allow: tuple[str, ...] = ()  # public keys allowed to connect: files, directories, Z85 strings
+    # the cluster registry (kvd.cluster); empty registry: no registry, static peers only
+    registry: str = ""  # etcd://HOST:PORT[,HOST:PORT...] | redis://HOST:PORT[/DB]
+    cluster: str = "kvd"  # scopes every key, so several clusters can share one registry
+    advertise: str = ""  # the endpoint peers dial, as published; empty: --listen (not a wildcard)
+    registry_ttl: float = 5.0  # a node that dies leaves the registry within about twice this
+    registry_publish: str = "pullable"  # pullable | all | none: which entries the holder directory lists
+    role: str = "any"  # prefill | decode | any, as routers see this node
+    labels: Mapping[str, str] = field(default_factory=dict)  # zone=..., host=...: free-form, published
 
     def __post_init__(self) -> None:
         problems = []
@@ -91,19 +99,56 @@ class Config:
             problems.append("curve_allow needs curve_secret_key (our own key pair)")
         if not 0 <= self.metrics_port < 65536:
             problems.append("metrics_port must be 0-65535")
+        problems += self._cluster_problems()
         if problems:
             raise ValueError("invalid configuration: " + "; ".join(problems))
+
+    def _cluster_problems(self) -> list[str]:
+        from kvd.cluster.records import ROLES, check_cluster
+        from kvd.cluster.url import parse_url
+
+        problems = []
+        if self.registry:
+            try:
+                parse_url(self.registry)
+            except ValueError as exc:
+                problems.append(str(exc))
+            if not self.advertise and _wildcard(self.listen):
+                problems.append(f"listen {self.listen} is a wildcard address, which peers cannot dial: set "
+                                "advertise (--advertise tcp://HOST:PORT) to the address they reach this node at")
+        if self.advertise and (not self.advertise.startswith("tcp://") or _wildcard(self.advertise)):
+            problems.append(f"advertise must be a tcp://HOST:PORT peers can dial, got {self.advertise!r}")
+        try:
+            check_cluster(self.cluster)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if self.registry_ttl < 1:
+            problems.append("registry_ttl must be at least 1s")
+        if self.registry_publish not in ("pullable", "all", "none"):
+            problems.append("registry_publish must be pullable, all or none")
+        if self.role not in ROLES:
+            problems.append(f"role must be one of {', '.join(ROLES)}")
+        for key, value in self.labels.items():
+            if not key or not isinstance(value, str):
+                problems.append(f"label {key!r} needs a string value")
+        return problems
+
+    @property
+    def advertised(self) -> str:
+        """The endpoint this node publishes for peers to dial."""
+        return self.advertise or self.listen
 
     def public(self) -> dict[str, Any]:
         """The effective configuration, for the start-up log line and `kvd status`."""
         values = dataclasses.asdict(self)
         values["peers"] = dict(self.peers)
+        values["labels"] = dict(self.labels)
         return values
 
 
 _SIZES = {"pool_size", "block_size", "chunk_size", "scratch_max"}
 _DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "heartbeat_interval",
-              "heartbeat_timeout", "drain_timeout"}
+              "heartbeat_timeout", "drain_timeout", "registry_ttl"}
 _INTS = {"window", "metrics_port", "io_threads"}
 _BOOLS = {"pool_prefault"}
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
@@ -120,6 +165,24 @@ def parse_peers(items: list[str] | str) -> dict[str, str]:
             raise ValueError(f"peer must be NAME=tcp://HOST:PORT, got {item!r}")
         peers[name.strip()] = endpoint.strip()
     return peers
+
+
+def parse_labels(items: list[str] | str) -> dict[str, str]:
+    """['zone=a', 'host=h1'] or 'zone=a,host=h1' -> {key: value}."""
+    if isinstance(items, str):
+        items = [part for part in items.split(",") if part.strip()]
+    labels: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"label must be KEY=VALUE, got {item!r}")
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+def _wildcard(endpoint: str) -> bool:
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return host in ("0.0.0.0", "::", "*", "")
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -139,6 +202,8 @@ def _coerce(name: str, value: Any) -> Any:
         return bool(value)
     if name == "peers":
         return parse_peers(value) if isinstance(value, (str, list)) else dict(value)
+    if name == "labels":
+        return parse_labels(value) if isinstance(value, (str, list)) else {str(k): str(v) for k, v in value.items()}
     if name == "curve_allow":
         items = value.split(",") if isinstance(value, str) else list(value)
         return tuple(item.strip() for item in items if item.strip())

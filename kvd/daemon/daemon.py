@@ -28,6 +28,7 @@ from kvd.units import format_size
 from kvd.wire.endpoints import unix_path
 
 from .config import Config
+from .directory import Directory
 from .handlers import HelloInfo, LocalHandlers
 from .http import HttpEndpoint
 from .lifecycle import Lifecycle
@@ -63,6 +64,7 @@ class Daemon:
         self._stop_requested = asyncio.Event()
         # built by start(), in this order; stop() closes whatever was built
         self.memory = self.store = self.ctx = self.authenticator = None
+        self.directory: Directory | None = None
         self.local: LocalServer | None = None
         self.peers: PeerSet | None = None
         self.transfers: Transfers | None = None
@@ -77,12 +79,15 @@ class Daemon:
         cfg, life = self.config, self.lifecycle
         keep_receive_buffers()
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
+        curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow)) if cfg.curve_secret_key else None
+        if cfg.registry:  # the holder directory hears of every entry the store publishes or removes
+            self.directory = Directory(cfg, life.incarnation, curve.public.decode() if curve else None)
         num_blocks = cfg.pool_size // cfg.block_size
-        self.store = Store(BlockAllocator(num_blocks), cfg.block_size, cfg.default_ttl or None)
+        self.store = Store(BlockAllocator(num_blocks), cfg.block_size, cfg.default_ttl or None,
+                           on_published=self.directory.entry_published if self.directory else None,
+                           on_removed=self.directory.entry_removed if self.directory else None)
         self.ctx = zmq.Context(io_threads=cfg.io_threads)
-        curve = None
-        if cfg.curve_secret_key:
-            curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow))
+        if curve is not None:
             self.authenticator = start_authenticator(self.ctx, curve)
         self._claim_socket_path(cfg.socket)  # before anything binds: a second daemon stops here
         if curve is None and not _is_loopback(cfg.listen):
@@ -91,24 +96,28 @@ class Daemon:
                         "firewall the port)", cfg.listen)
         self.local = LocalServer()
         watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
-        self.peers = PeerSet(cfg, self.ctx, life.incarnation, curve, self.metrics)
+        self.peers = PeerSet(cfg, self.ctx, life.incarnation, curve, self.metrics,
+                             resolve=self.directory.endpoint_of if self.directory else None)
         io = with_fault_injection(self.memory.io(cfg.chunk_size, cfg.window))
         self.transfers = Transfers(cfg, self.store, io, self.metrics, watch, self.peers)
         self.router = Router(cfg, self.ctx, curve, self.peers, self.metrics, life.incarnation)
         self.router.start(self.transfers.on_message)
         self.peers.start(self.transfers.on_link_message, self.transfers.on_lost)
         status = Status(cfg, life, self.store, self.transfers, self.peers, self.local, self.metrics,
-                        self.router.bound_endpoint, __version__)
+                        self.router.bound_endpoint, __version__, self.directory)
         self.metrics.registry.register(status)
         hello = HelloInfo(cfg.node_id, life.incarnation, self.memory.client_path, cfg.pool_size, cfg.block_size,
                           cfg.device, self.memory.ipc_handle)
         self.handlers = LocalHandlers(cfg, self.store, watch, self.transfers, self.metrics, self.local, life, hello,
-                                      status.snapshot)
+                                      status.snapshot, self.directory)
         self._sweeper = Sweeper(self.store, watch, self.handlers, self.metrics)
         if cfg.metrics_port:  # before the client socket: once a client is answered, /healthz answers too
-            self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: life.ready)
+            self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: life.ready,
+                                     self.directory)
             await self.http.start()
         await self.local.start(cfg.socket, self.handlers.on_local_message, self.handlers.on_client_gone)
+        if self.directory is not None:
+            await self.directory.start()  # registers in the background: a registry away never holds us up
         self._housekeeping = asyncio.get_running_loop().create_task(self._keep_house(), name="housekeeping")
         life.ready = True
         self.notifier.notify(f"READY=1\nSTATUS=serving {cfg.socket}, peers on {self.router.bound_endpoint}")
@@ -155,6 +164,11 @@ class Daemon:
         life.ready = False  # /readyz fails from the start of the drain: send no new work here
         self.notifier.notify("STOPPING=1")
         log.info("kvd %s shutting down (draining up to %gs)", self.config.node_id, self.config.drain_timeout)
+        if self.directory is not None:  # leave the registry first: nobody should pull from us any more
+            try:
+                await asyncio.wait_for(self.directory.stop(), 2.0)
+            except (asyncio.TimeoutError, Exception) as exc:  # (a registry away: our lease runs out by itself)
+                log.warning("leaving the cluster registry failed: %s", exc)
         deadline = time.monotonic() + self.config.drain_timeout
         while self.transfers is not None and self.transfers.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -19,6 +19,7 @@ from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec, blocks_needed
 
 from .config import Config
+from .directory import Directory
 from .holds import Hold, Holds
 from .lifecycle import Lifecycle
 from .local_server import LocalServer
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 MAX_WAIT = 3600.0  # longest get timeout we accept
 # what a draining daemon still takes: it finishes or undoes work already started (a stream's
 # next layers and its commit, a read's release, a delete), or only reads
-ALLOWED_WHILE_DRAINING = (p.PutPart, p.PutCommit, p.GetDone, p.Delete, p.Stats, p.Hello, p.ListEntries)
+ALLOWED_WHILE_DRAINING = (p.PutPart, p.PutCommit, p.GetDone, p.Delete, p.Stats, p.Hello, p.ListEntries,
+                          p.ClusterNodes, p.ClusterLocate)
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,10 @@ class HelloInfo:
 
 class LocalHandlers:
     def __init__(self, config: Config, store: Store, watch: EntryWatch, transfers: Transfers, metrics: Metrics,
-                 clients: LocalServer, lifecycle: Lifecycle, hello: HelloInfo, stats: Callable[[], dict]) -> None:
+                 clients: LocalServer, lifecycle: Lifecycle, hello: HelloInfo, stats: Callable[[], dict],
+                 directory: Directory | None = None) -> None:
         self.config = config
+        self.directory = directory  # the cluster registry's holder directory, with --registry
         self.store = store
         self.watch = watch
         self.transfers = transfers
@@ -180,6 +184,11 @@ class LocalHandlers:
                 return p.Ok(req=msg.req, value=True)
             case p.Stats():
                 return p.Ok(req=msg.req, value=self.stats())
+            case p.ClusterNodes():
+                return p.Ok(req=msg.req, value=self._directory().nodes())
+            case p.ClusterLocate():
+                self._later(rid, msg, self._locate(msg))
+                return None
             case p.ListEntries():
                 return p.Ok(req=msg.req, value=[e.describe() for e in self.store.entries.values()])
             case _:
@@ -418,9 +427,19 @@ class LocalHandlers:
                 entry = await self.pulls.join(rid, msg.source, msg.request_id, msg.timeout, msg.keep)
             if entry.state is not State.READY:  # taken by another reader in the meantime
                 entry = await self.watch.wait_ready(msg.request_id, deadline)
+        elif self.directory is not None and msg.request_id not in self.store.entries:
+            entry = await self.pulls.anywhere(rid, self.watch, self.directory, msg.request_id, msg.keep, deadline)
         else:
             entry = await self.watch.wait_ready(msg.request_id, deadline)
         return self._lease_for_client(msg, entry)
+
+    async def _locate(self, msg: p.ClusterLocate) -> p.Message:
+        return p.Ok(req=msg.req, value=await self._directory().locate(msg.request_id))
+
+    def _directory(self) -> Directory:
+        if self.directory is None:
+            raise BadRequest(f"daemon {self.config.node_id} has no cluster registry (start it with --registry)")
+        return self.directory
 
     async def _get_stream(self, rid: bytes, msg: p.GetStream) -> p.Message | None:
         """Lease an entry that may still be arriving; TensorsReady messages follow the slots."""

@@ -1,15 +1,24 @@
 """Pulls in flight for local gets (daemon process): one pull per (source, request id), shared by
 every get and get_stream of that entry; a pull nobody waits for any more is called off (the
-holder keeps its copy, readable by others, instead of it moving here unread)."""
+holder keeps its copy, readable by others, instead of it moving here unread). With a cluster
+registry, `from_holders` finds the holder of a get that names no source and pulls from it."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from .peer.transfers import Transfers
-from .store.entries import Entry
+from kvd.cluster import RegistryUnavailable
+from kvd.errors import NotFound, PeerUnavailable, Timeout
+
+from .directory import Directory
+from .peer.transfers import Expectation, Transfers
+from .store.entries import Entry, State
+from .watch import EntryWatch
 
 log = logging.getLogger(__name__)
+
+RETRY_LOOKUP = 0.2  # seconds between lookups of a get while the registry does not answer
 
 
 class SharedPulls:
@@ -18,13 +27,14 @@ class SharedPulls:
         self._pulls: dict[tuple[str, str], asyncio.Future] = {}  # (source, request id) -> pull in flight
         self._readers: dict[tuple[str, str], set[bytes]] = {}  # who waits on it: local connections
 
-    def start(self, conn: bytes, source: str, request_id: str, timeout: float, keep: bool) -> asyncio.Future:
+    def start(self, conn: bytes, source: str, request_id: str, timeout: float, keep: bool,
+              expect: Expectation | None = None, connect_within: float | None = None) -> asyncio.Future:
         """The pull of request_id from source, started or joined on behalf of connection conn."""
         key = (source, request_id)
         pull = self._pulls.get(key)
         if pull is None:
             # the pull's own deadline (timeout + transfer_timeout) bounds it
-            pull = self.transfers.pull(request_id, source, timeout, keep)
+            pull = self.transfers.pull(request_id, source, timeout, keep, expect, connect_within)
             self._pulls[key] = pull
             pull.add_done_callback(lambda _: self._pulls.pop(key, None))
             pull.add_done_callback(lambda _: self._readers.pop(key, None))
@@ -32,9 +42,10 @@ class SharedPulls:
         self._readers.setdefault(key, set()).add(conn)
         return pull
 
-    async def join(self, conn: bytes, source: str, request_id: str, timeout: float, keep: bool) -> Entry:
+    async def join(self, conn: bytes, source: str, request_id: str, timeout: float, keep: bool,
+                   expect: Expectation | None = None, connect_within: float | None = None) -> Entry:
         """Wait for the pull (a cancelled wait leaves the pull to the others)."""
-        pull = self.start(conn, source, request_id, timeout, keep)
+        pull = self.start(conn, source, request_id, timeout, keep, expect, connect_within)
         try:
             return await asyncio.shield(pull)
         finally:
@@ -49,3 +60,58 @@ class SharedPulls:
             if not readers and pull is not None and not pull.done():
                 log.info("nobody waits for %r from %s any more: pull called off", key[1], key[0])
                 pull.cancel()
+
+    async def from_holders(self, conn: bytes, directory: Directory, request_id: str, keep: bool,
+                           deadline: float) -> Entry:
+        """Pull request_id from whichever node the registry says holds it, best first, waiting for
+        one to be published until deadline. Each hint is checked by the holder (identity, then the
+        entry's generation): a stale one costs one attempt and the next is tried."""
+        tried: set[str] = set()
+        while True:
+            try:
+                holders = await directory.holders(request_id, max(0.0, deadline - time.monotonic()), tried)
+            except RegistryUnavailable:
+                # down, or just back (a stale connection): ask again while there is time; its breaker
+                # makes the asking cheap while it stays down
+                if deadline - time.monotonic() < RETRY_LOOKUP:
+                    raise
+                await asyncio.sleep(RETRY_LOOKUP)
+                continue
+            if not holders:
+                raise Timeout(f"no holder of {request_id!r} was published in the cluster registry in time")
+            for holder in holders:
+                tried.add(holder.node.node_id)
+                expect = Expectation(holder.node.node_id, holder.node.incarnation, holder.holder.gen)
+                left = deadline - time.monotonic()
+                try:  # timeout 0: the hint says it is complete there; if it is not, try the next
+                    return await self.join(conn, holder.node.node_id, request_id, 0.0, keep, expect, left)
+                except (NotFound, PeerUnavailable) as exc:
+                    directory.note_stale()
+                    log.info("holder %s of %r did not serve it (%s): trying the next", holder.node.node_id,
+                             request_id, exc)
+
+    async def anywhere(self, conn: bytes, watch: EntryWatch, directory: Directory, request_id: str, keep: bool,
+                       deadline: float) -> Entry:
+        """A get with no source of an entry not here: wait for it here (a push may bring it), and
+        meanwhile pull it from a holder the registry names. The first to succeed wins; when both
+        fail, the local wait's error ends the get, saying why the registry could not help."""
+        loop = asyncio.get_running_loop()
+        local = loop.create_task(watch.wait_ready(request_id, deadline))
+        remote = loop.create_task(self.from_holders(conn, directory, request_id, keep, deadline))
+        try:
+            pending = {local, remote}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if local in done and local.exception() is None:
+                    return local.result()
+                if remote in done and remote.exception() is None:
+                    if remote.result().state is State.READY:
+                        return remote.result()
+                    pending = {local}  # it arrived, and another reader took it first: wait for it here
+            error, why = local.exception(), remote.exception()
+            if why is None or isinstance(why, (Timeout, NotFound)):
+                raise error
+            raise type(error)(f"{error.message}; the cluster registry could not say who holds it: {why}") from None
+        finally:
+            for task in (local, remote):
+                task.cancel()

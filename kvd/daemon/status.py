@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from .config import Config
+from .directory import Directory
 from .lifecycle import Lifecycle
 from .local_server import LocalServer
 from .metrics import Metrics
@@ -23,8 +24,10 @@ from .store.entries import Store
 
 class Status(Collector):
     def __init__(self, config: Config, lifecycle: Lifecycle, store: Store, transfers: Transfers, peers: PeerSet,
-                 clients: LocalServer, metrics: Metrics, listen: str, version: str) -> None:
+                 clients: LocalServer, metrics: Metrics, listen: str, version: str,
+                 directory: Directory | None = None) -> None:
         self.config = config
+        self.directory = directory
         self.lifecycle = lifecycle
         self.store = store
         self.transfers = transfers
@@ -68,6 +71,7 @@ class Status(Collector):
             "recent_errors": list(self.metrics.recent_errors),
             "listen": self.listen,
             "metrics": f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None,
+            "registry": self.directory.status() if self.directory is not None else None,
         }
 
     def collect(self) -> Iterator:
@@ -100,6 +104,28 @@ class Status(Collector):
         yield GaugeMetricFamily("kvd_ready", "1 once the pool and listeners are up", value=1 if life.ready else 0)
         yield GaugeMetricFamily("kvd_local_clients", "Client connections open on the local socket",
                                 value=self.clients.connections)
+        if self.directory is not None:
+            yield from registry_metrics(self.directory.status())
+
+
+def registry_metrics(status: dict) -> Iterator:
+    """The cluster registry's gauges and counters, read from the member's status at scrape time."""
+    yield GaugeMetricFamily("kvd_registry_up", "1 while the cluster registry answers", value=1 if status["up"] else 0)
+    yield GaugeMetricFamily("kvd_registry_registered", "1 while this node is registered (0: away, or its id is "
+                            "held by another live daemon)", value=1 if status["registered"] else 0)
+    yield GaugeMetricFamily("kvd_registry_outbox_entries", "Holder records waiting to be written", value=status["outbox"])
+    yield GaugeMetricFamily("kvd_registry_listed_entries", "Entries this node lists in the holder directory",
+                            value=status["listed"])
+    yield GaugeMetricFamily("kvd_cluster_nodes", "Nodes of the cluster this daemon sees", value=status["nodes"])
+    ops = CounterMetricFamily("kvd_registry_ops", "Registry calls, by operation and result", labels=["op", "result"])
+    for key, count in status["ops"].items():
+        ops.add_metric(key.split(":", 1), count)
+    yield ops
+    lookups = CounterMetricFamily("kvd_directory_lookups", "Holder lookups, by result", labels=["result"])
+    for result in ("hit", "miss", "stale", "unavailable"):
+        lookups.add_metric([result], status["lookups"].get(result, 0))
+    yield lookups
+    yield CounterMetricFamily("kvd_registry_resyncs", "Re-registrations with a full re-publication", value=status["resyncs"])
 
 
 # the totals `kvd status` shows, in this order (recorded in Metrics.tally by handlers and transfers)

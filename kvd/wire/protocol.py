@@ -224,6 +224,23 @@ class ListEntries(Message):
 
 
 @dataclass(slots=True)
+class ClusterNodes(Message):
+    """Client -> daemon: the cluster's nodes as this daemon's registry view has them."""
+
+    TYPE: ClassVar[str] = "cluster_nodes"
+    req: int
+
+
+@dataclass(slots=True)
+class ClusterLocate(Message):
+    """Client -> daemon: which nodes the registry says hold request_id (a hint)."""
+
+    TYPE: ClassVar[str] = "cluster_locate"
+    req: int
+    request_id: str
+
+
+@dataclass(slots=True)
 class Ok(Message):
     """Reply carrying a plain result (bool, map, list or nothing)."""
 
@@ -343,6 +360,9 @@ class Pull(Message):
     request_id: str
     timeout: float
     keep: bool = False
+    # the entry's generation (the holder's reservation token) a registry record named: the holder
+    # answers not_found when its entry of that id is another one (a stale hint never serves bytes)
+    expect_gen: int | None = field(default=None, metadata=EXTENSION)
 
 
 @dataclass(slots=True)
@@ -361,7 +381,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, HelloOk, PutAlloc, PutSlots, Put, PutOk, PutPart, PutCommit, Get, GetStream, TensorsReady,
-        GetSlots, GetDone, Delete, Stats, ListEntries, Ok, Error,
+        GetSlots, GetDone, Delete, Stats, ListEntries, ClusterNodes, ClusterLocate, Ok, Error,
         PeerHello, PeerHelloOk, Offer, Seal, Accept, Chunk, ChunkAck, Done, Abort, Pull, Ping, Pong,
     )
 }

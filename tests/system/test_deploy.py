@@ -90,8 +90,8 @@ def test_example_config_is_exactly_the_defaults():
 def test_example_config_documents_every_option():
     text = EXAMPLE.read_text()
     for name in FIELD_NAMES:
-        if name == "peers":
-            assert re.search(r"^#\s*\[peers\]\s*$", text, re.M), "no commented [peers] example"
+        if name in ("peers", "labels"):
+            assert re.search(rf"^#\s*\[{name}\]\s*$", text, re.M), f"no commented [{name}] example"
         else:
             assert re.search(rf"^#?\s*{name}\s*=", text, re.M), f"{name} is not in {EXAMPLE.name}"
 

@@ -34,6 +34,8 @@ EXAMPLES: dict[str, p.Message] = {
     "delete": p.Delete(req=6, request_id="req-1"),
     "stats": p.Stats(req=7),
     "list": p.ListEntries(req=8),
+    "cluster_nodes": p.ClusterNodes(req=8),
+    "cluster_locate": p.ClusterLocate(req=8, request_id="req-1"),
     "ok": p.Ok(req=9, value={"pool": {"used_bytes": 0}, "entries": ["a", "b"], "flag": True}),
     "error": p.Error(req=10, code=3, message="pool full: need 4 blocks", origin="B"),
     "peer_hello": p.PeerHello(node_id="A", incarnation=123456789),
@@ -47,7 +49,7 @@ EXAMPLES: dict[str, p.Message] = {
     "chunk_ack": p.ChunkAck(xfer=11, seq=0),
     "done": p.Done(xfer=11),
     "abort": p.Abort(xfer=11, code=9, message="checksum mismatch on chunk 3"),
-    "pull": p.Pull(xfer=12, request_id="req-2", timeout=1.25, keep=True),
+    "pull": p.Pull(xfer=12, request_id="req-2", timeout=1.25, keep=True, expect_gen=41),
     "ping": p.Ping(nonce=42),
     "pong": p.Pong(nonce=42),
 }
@@ -104,6 +106,10 @@ def test_extension_fields_are_sent_only_when_set():
     assert "lend" not in plain and plain["token"] == 5
     assert header_of(p.encode(p.PutCommit(req=3, request_id="r", token=5, lend=True)))["lend"] is True
     assert "give_back" not in header_of(p.encode(p.PutAlloc(req=1, request_id="r", tensors=[])))
+    assert "token" not in header_of(p.encode(p.Delete(req=1, request_id="r")))
+    assert header_of(p.encode(p.Delete(req=1, request_id="r", token=7)))["token"] == 7
+    assert "expect_gen" not in header_of(p.encode(p.Pull(xfer=1, request_id="r", timeout=1.0)))
+    assert header_of(p.encode(p.Pull(xfer=1, request_id="r", timeout=1.0, expect_gen=3)))["expect_gen"] == 3
     # and a v1 peer's message, without them, decodes to the defaults
     assert p.decode([pack(plain)]) == p.PutCommit(req=3, request_id="r", token=5, lend=False)
 

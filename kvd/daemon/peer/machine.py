@@ -78,11 +78,14 @@ class Machine:
         self.transfers[out.xfer] = out
         return out, []
 
-    def start_pull(self, request_id: str, channel: Channel, timeout: float, keep: bool) -> tuple[Inbound, list]:
+    def start_pull(self, request_id: str, channel: Channel, timeout: float, keep: bool,
+                   expect_gen: int | None = None) -> tuple[Inbound, list]:
+        """Ask the holder on channel for request_id (expect_gen: only that generation of it)."""
         inbound = Inbound(self._new_xfer(), channel, request_id, R.PULLING, pulled=True,
                           deadline=self.clock() + timeout + self.limits.transfer_timeout)
         self.transfers[inbound.xfer] = inbound
-        return inbound, [Send(channel, p.Pull(xfer=inbound.xfer, request_id=request_id, timeout=timeout, keep=keep))]
+        return inbound, [Send(channel, p.Pull(xfer=inbound.xfer, request_id=request_id, timeout=timeout, keep=keep,
+                                              expect_gen=expect_gen))]
 
     def _new_xfer(self) -> int:
         while (xfer := random.getrandbits(63)) in self.transfers:
@@ -159,6 +162,8 @@ class Machine:
 
     def _entry_ready(self, out: Outbound, event: EntryReady) -> list:
         entry = event.entry
+        if out.pull.expect_gen is not None and entry.token != out.pull.expect_gen:
+            raise NotFound(f"{entry.request_id!r} on {self.node_id} is not the generation asked for (a stale hint)")
         out.lease_token = self.store.lease(entry, consume=not out.pull.keep, deadline=None).token
         out.entry = entry
         out.window = SendWindow.whole(entry.total_bytes, self.limits.chunk_size, self.limits.window)

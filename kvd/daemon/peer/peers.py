@@ -36,9 +36,12 @@ class PeerSet:
     """Built before the transfers (they find links here), and given their handlers at `start`."""
 
     def __init__(self, config: Config, ctx: zmq.Context, incarnation: int, curve: CurveKeys | None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, resolve: Callable[[str], str | None] | None = None) -> None:
         self.config = config
-        self.metrics = metrics or Metrics()  # node id, heartbeat and connect timings; the peer list is `set_peers`'
+        self.metrics = metrics or Metrics()
+        # a node id -> its published endpoint (the cluster registry), for names no --peer gives
+        self._resolve = resolve or (lambda name: None)
+        self._discovered: set[str] = set()  # links to nodes found through the registry  # node id, heartbeat and connect timings; the peer list is `set_peers`'
         self.ctx = ctx
         self.incarnation = incarnation
         self.curve = curve
@@ -70,25 +73,40 @@ class PeerSet:
         self._on_lost(link.channel.key, reason)
 
     def link_for(self, dest: str) -> PeerLink:
-        """A peer name from the config, or a tcp:// endpoint (linked on first use)."""
+        """A peer name from the config, a node of the cluster (found in the registry; a configured
+        name wins), or a tcp:// endpoint: linked on first use."""
         link = self.links.get(dest)
+        if link is not None and dest in self._discovered:
+            endpoint = self._resolve(dest)
+            if endpoint is not None and endpoint != link.endpoint:  # the node came back elsewhere
+                self._forget(dest)
+                link = None
         if link is None and dest.startswith("tcp://"):
             self.links[dest] = link = self._new_link(dest, dest)
+        elif link is None and (endpoint := self._resolve(dest)) is not None:
+            self.links[dest] = link = self._new_link(dest, endpoint)
+            self._discovered.add(dest)
         if link is not None:
             link.last_used = time.monotonic()
             return link
         known = ", ".join(sorted(n for n in self.links if not n.startswith("tcp://"))) or "none"
-        raise PeerUnavailable(f"unknown peer {dest!r} (configured peers: {known}; or give a tcp:// endpoint)")
+        raise PeerUnavailable(f"unknown peer {dest!r} (configured peers: {known}; or give a tcp:// endpoint, "
+                              "or the node id of a daemon registered in this daemon's cluster registry)")
+
+    def _forget(self, name: str) -> None:
+        self.links.pop(name).close()
+        self._discovered.discard(name)
 
     def set_peers(self, peers: dict[str, str]) -> None:
         """Apply a reloaded peer list: new names are linked, removed ones closed."""
-        for name in [n for n in self.links if not n.startswith("tcp://") and n not in peers]:
+        for name in [n for n in self.links if not n.startswith("tcp://") and n not in self._discovered
+                     and n not in peers]:
             self.links.pop(name).close()
             log.info("peer %s removed", name)
         for name, endpoint in peers.items():
             link = self.links.get(name)
-            if link is not None and link.endpoint != endpoint:
-                self.links.pop(name).close()
+            if link is not None and (link.endpoint != endpoint or name in self._discovered):
+                self._forget(name)  # (a configured name wins over a node found in the registry)
                 link = None
             if link is None:
                 self.links[name] = self._new_link(name, endpoint)
@@ -143,9 +161,11 @@ class PeerSet:
         unused for ADHOC_IDLE with no transfer on them (`busy`: channel keys in use) are closed."""
         cfg = self.config
         idle = max(ADHOC_IDLE, 2 * cfg.connect_timeout)  # never under a transfer still waiting for its hello
-        for name in [n for n, link in self.links.items() if n.startswith("tcp://")
+        # links to nodes found in the registry go idle the same way: a cluster of 100 nodes must not
+        # mean a full mesh of heartbeats (about 10k messages a second)
+        for name in [n for n, link in self.links.items() if (n.startswith("tcp://") or n in self._discovered)
                      and now - link.last_used > idle and link.channel.key not in busy]:
-            self.links.pop(name).close()
+            self._forget(name)
             log.info("closed the idle link to %s", name)
         if now - self._last_ping >= cfg.heartbeat_interval:
             self._last_ping = now

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvd.errors import KvdError, NotFound, PeerUnavailable
@@ -40,6 +41,15 @@ log = logging.getLogger(__name__)
 # a finished send whose frames ZeroMQ still holds is checked again after this, doubling up to the
 # housekeeping interval (its pyzmq trackers complete a few microseconds to milliseconds after done)
 DEFERRED_FIRST, DEFERRED_MAX = 0.002, 0.2
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a registry record says a holder is: the pull checks it (identity, then generation)."""
+
+    node_id: str
+    incarnation: int
+    gen: int
 
 
 class EntryEvents(Protocol):
@@ -102,9 +112,13 @@ class Transfers:
         """Resolves (to the received entry, for a pull) when the transfer has ended."""
         return transfer.outcome
 
-    def pull(self, request_id: str, source: str, timeout: float, keep: bool) -> asyncio.Future:
+    def pull(self, request_id: str, source: str, timeout: float, keep: bool,
+             expect: Expectation | None = None, connect_within: float | None = None) -> asyncio.Future:
         """Fetch request_id from source into our pool; the future resolves to the published entry.
-        Cancelling it (nobody waits any more) calls the pull off: the holder keeps its copy."""
+        Cancelling it (nobody waits any more) calls the pull off: the holder keeps its copy.
+        With `expect` (a registry's hint), only that node incarnation's entry of that generation
+        will do: anything else fails with NotFound before a byte moves. `connect_within` bounds the
+        link's handshake (a get's remaining time, when less than connect_timeout)."""
         link = self.peers.link_for(source)
         result = asyncio.get_running_loop().create_future()
         started: list[Inbound] = []
@@ -115,7 +129,14 @@ class Transfers:
             if ready.exception() is not None:
                 result.set_exception(ready.exception())
                 return
-            inbound, actions = self.machine.start_pull(request_id, link.channel, timeout, keep)
+            if expect is not None and (link.remote_node_id, link.remote_incarnation) != (expect.node_id,
+                                                                                       expect.incarnation):
+                result.set_exception(NotFound(
+                    f"stale hint: {source} at {link.endpoint} is node {link.remote_node_id} incarnation "
+                    f"{link.remote_incarnation or 0:x}, not {expect.node_id} incarnation {expect.incarnation:x}"))
+                return
+            inbound, actions = self.machine.start_pull(request_id, link.channel, timeout, keep,
+                                                       expect.gen if expect is not None else None)
             inbound.outcome = result
             started.append(inbound)
             self._run(actions)
@@ -124,7 +145,9 @@ class Transfers:
             if done.cancelled() and started:
                 self.abort(started[0], NotFound(f"no reader on {self.config.node_id} waits for {request_id!r} any more"))
 
-        link.ready(self.config.connect_timeout).add_done_callback(linked)
+        handshake = self.config.connect_timeout if connect_within is None else min(self.config.connect_timeout,
+                                                                                   max(0.05, connect_within))
+        link.ready(handshake).add_done_callback(linked)
         result.add_done_callback(called_off)
         return result
 

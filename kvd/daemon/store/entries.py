@@ -24,6 +24,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvd.errors import AlreadyExists, BadRequest, NotFound, PoolFull
 from kvd.wire.layout import (
@@ -155,7 +156,15 @@ def validate_request_id(request_id: str) -> None:
 
 
 class Store:
-    def __init__(self, allocator: BlockAllocator, block_size: int, default_ttl: float | None) -> None:
+    """`on_published(entry, received)` and `on_removed(entry)`, when given, hear of every entry that
+    becomes complete (received: it came from a peer) and of every one removed: the holder
+    directory lists and unlists entries from them."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, default_ttl: float | None,
+                 on_published: Callable[[Entry, bool], None] | None = None,
+                 on_removed: Callable[[Entry], None] | None = None) -> None:
+        self._on_published = on_published
+        self._on_removed = on_removed
         self.allocator = allocator
         self.block_size = block_size
         self.default_ttl = default_ttl
@@ -252,10 +261,13 @@ class Store:
     def publish(self, entry: Entry) -> None:
         """Complete: visible to readers, unless a consuming lease (a streaming push) already owns it.
         A local writer commits only after its last copy, so its pin ends here."""
+        received = entry.state is State.RECEIVING
         entry.state = State.CLAIMED if self._consumer_of(entry) else State.READY
         entry.write_deadline = None
         entry.writer = False
         entry.remaining = [0] * len(entry.remaining)
+        if self._on_published is not None:
+            self._on_published(entry, received)
 
     def release_writer(self, entry: Entry) -> None:
         """The local writer will copy nothing more into this entry (it hung up, or acknowledged
@@ -329,6 +341,8 @@ class Store:
             del self.entries[entry.request_id]
         self._zombies.add(entry)
         self._free_if_unused(entry)
+        if self._on_removed is not None:
+            self._on_removed(entry)
 
     def _free_if_unused(self, entry: Entry) -> None:
         if entry.removed and not entry.leases and not entry.writer and entry in self._zombies:

@@ -413,3 +413,23 @@ def test_a_done_before_every_chunk_was_sent_is_a_protocol_error():
     a.run(a.machine.handle(p.Done(xfer=out.xfer), b.channel))
     assert out.state is SenderState.FAILED and "done before every chunk was sent" in a.sent[-1].message
     assert entry.state is State.READY and not entry.removed  # a lying receiver does not consume it
+
+
+def test_a_pull_for_another_generation_of_the_entry_is_refused_before_a_byte_moves():
+    """A registry's hint names the entry's generation: a holder whose entry of that id is another
+    one (deleted and put again, the daemon restarted) answers not_found, never the wrong bytes."""
+    a, b, _ = pair()
+    entry = a.entry("g", data_of(CHUNK))
+    for gen, served in ((entry.token + 1, False), (entry.token, True)):
+        inbound, actions = b.machine.start_pull("g", a.channel, timeout=0.0, keep=True, expect_gen=gen)
+        b.run(actions)
+        deliver(a, b)
+        wait = next(e for e in reversed(a.events) if isinstance(e, WaitForEntry))
+        a.handle(EntryReady(wait.transfer.xfer, entry))
+        deliver(a, b)
+        if served:
+            assert inbound.state is ReceiverState.DONE and b.read(inbound.entry) == data_of(CHUNK)
+        else:
+            assert inbound.state is ReceiverState.FAILED and isinstance(b.finished()[-1].error, errors.NotFound)
+            assert "not the generation asked for" in b.finished()[-1].error.message
+            assert not any(isinstance(m, p.Chunk) for m in a.sent)

@@ -1,0 +1,100 @@
+"""The daemon's side of the cluster registry (daemon process): what this node says about itself
+and its entries, and where it asks who holds a request.
+
+Built only with `--registry`. It owns the `ClusterMember` (kvd.cluster: session, keepalive,
+re-publication, the node watch), lists the entries the publish policy names as they become
+complete and unlists them as they go (store hooks), and answers lookups. A registry answer is a
+hint: the holder checks who it is (node id and incarnation, at the link's handshake) and which
+entry it means (its generation, in the pull) before it serves a byte, so a stale record costs one
+failed attempt, never wrong bytes. Losing the registry never stops the daemon: it runs on its
+static peers meanwhile, and re-registers and re-publishes when the registry is back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from kvd.cluster import Candidate, ClusterMember, HolderRecord, NodeRecord, open_backend
+from kvd.errors import BadRequest
+from kvd.wire.protocol import PROTOCOL_VERSION
+
+from .config import Config
+from .store.entries import Entry, State
+
+log = logging.getLogger(__name__)
+
+
+class Directory:
+    def __init__(self, config: Config, incarnation: int, curve_public: str | None) -> None:
+        self.node_id = config.node_id
+        self.incarnation = incarnation
+        self.policy = config.registry_publish
+        self.url = config.registry
+        record = NodeRecord(
+            node_id=config.node_id, incarnation=incarnation, endpoint=config.advertised, role=config.role,
+            pool_bytes=config.pool_size, block_size=config.block_size, protocol=(PROTOCOL_VERSION, PROTOCOL_VERSION),
+            curve_public=curve_public, labels=dict(config.labels), started_at=time.time(), device=config.device)
+        try:
+            backend = open_backend(config.registry, cluster=config.cluster)
+        except ImportError as exc:
+            raise BadRequest(f"--registry {config.registry} needs {exc.name}: pip install 'kvd[redis]'") from None
+        self.member = ClusterMember(backend, record, ttl=config.registry_ttl, snapshot=self.snapshot)
+        self._listed: dict[str, HolderRecord] = {}  # request id -> the holder record we published
+
+    async def start(self) -> None:
+        await self.member.start()  # returns at once: registration goes on in the background
+
+    async def stop(self) -> None:
+        """Leave the registry now (the lease is revoked): our node and holder records go with it."""
+        await self.member.stop()
+
+    # --- the holder directory (store hooks) ---------------------------------------------------------
+
+    def entry_published(self, entry: Entry, received: bool) -> None:
+        """An entry is complete here. `pullable` lists local puts with no destination (the pull
+        mode's entries), never one a push already claims nor one received from a peer (its reader
+        is here): the push mode costs no registry write. `all` lists every complete entry."""
+        if self.policy == "none" or entry.state is not State.READY or (received and self.policy == "pullable"):
+            return
+        expires_at = None if entry.expires_at is None else time.time() + entry.expires_at - time.monotonic()
+        record = HolderRecord(entry.request_id, self.node_id, self.incarnation, gen=entry.token,
+                              nbytes=entry.total_bytes, state="complete", expires_at=expires_at)
+        self._listed[entry.request_id] = record
+        self.member.publish(record)
+
+    def entry_removed(self, entry: Entry) -> None:
+        record = self._listed.get(entry.request_id)
+        if record is not None and record.gen == entry.token:
+            del self._listed[entry.request_id]
+            self.member.unpublish(entry.request_id, gen=entry.token)
+
+    def snapshot(self) -> list[HolderRecord]:
+        """Everything we list now (re-published after the registry lost it)."""
+        return list(self._listed.values())
+
+    # --- lookups ----------------------------------------------------------------------------------
+
+    def endpoint_of(self, node_id: str) -> str | None:
+        """Where a cluster node listens, as it published it (peers by name)."""
+        node = self.member.node(node_id) if node_id != self.node_id else None
+        return node.endpoint if node is not None else None
+
+    async def holders(self, request_id: str, timeout: float, exclude: set[str]) -> list[Candidate]:
+        """Holders of request_id other than us, best first, waiting up to timeout for one to be
+        published; [] at the deadline. RegistryUnavailable (a PeerUnavailable) when it is down."""
+        return await self.member.find(request_id, timeout, exclude=exclude)
+
+    async def locate(self, request_id: str) -> list[dict]:
+        return [{"node_id": c.node.node_id, "endpoint": c.node.endpoint, "gen": c.holder.gen,
+                 "bytes": c.holder.nbytes, "state": c.holder.state} for c in await self.member.locate(request_id)]
+
+    def note_stale(self) -> None:
+        self.member.note_stale()
+
+    def nodes(self) -> list[dict]:
+        return [{"node_id": n.node_id, "endpoint": n.endpoint, "role": n.role, "incarnation": f"{n.incarnation:x}",
+                 "pool_bytes": n.pool_bytes, "device": n.device, "labels": dict(n.labels),
+                 "started_at": n.started_at} for n in self.member.nodes()]
+
+    def status(self) -> dict:
+        return {"url": self.url, "listed": len(self._listed), **self.member.status()}

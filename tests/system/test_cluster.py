@@ -1,0 +1,283 @@
+"""A kvd cluster on a real registry (etcd and Redis): daemons find each other by node id, a get
+with no source finds the request's holder, and losing the registry never loses data or a daemon.
+
+Real daemons, real registry servers (tests/cluster/servers.py) on free loopback ports, a cluster
+name of their own per test. The workload checker holds every get to one rule: it returns exactly
+the bytes that were put under its request id, or a KvdError; never anything else.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+import uuid
+
+import pytest
+import torch
+
+import kvd
+from kvd.client.connection import ask
+from kvd.testing import DaemonFactory, eventually, free_port
+from kvd.wire import protocol as p
+from tests.cluster.servers import EtcdServer, RedisServer, find_etcd, find_redis, start_server, stop_server
+
+TTL = 2.0  # seconds: a dead node leaves the listing within about twice this
+
+
+def _missing(what: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{what} is not installed (./dev test installs it)")
+    pytest.skip(f"{what} is not installed")
+
+
+@pytest.fixture(scope="module", params=["etcd", "redis"])
+def registry(request):
+    binary = find_etcd() if request.param == "etcd" else find_redis()
+    if binary is None:
+        _missing(request.param)
+    server = start_server(EtcdServer if request.param == "etcd" else RedisServer, binary)
+    yield server
+    stop_server(server)
+
+
+class Cluster:
+    """Daemons of one cluster (a name of their own) on one registry."""
+
+    def __init__(self, factory: DaemonFactory, registry) -> None:
+        self.factory, self.registry = factory, registry
+        self.name = f"c{uuid.uuid4().hex[:8]}"
+
+    def flags(self, *extra: str) -> list[str]:
+        return ["--registry", self.registry.url, "--cluster", self.name, "--registry-ttl", f"{TTL}s", *extra]
+
+    def start(self, node_id: str, *extra: str, port: int | None = None, wait: bool = True):
+        return self.factory.start(node_id, extra=self.flags(*extra), port=port, wait=wait)
+
+    def node_ids(self, daemon) -> set[str]:
+        return {n["node_id"] for n in ask(p.ClusterNodes(req=1), daemon.socket)}
+
+
+@pytest.fixture
+def cluster(daemons, registry):
+    return Cluster(daemons, registry)
+
+
+def kv_for(request_id: str, n: int = 4096) -> dict:
+    """Bytes that say which request they belong to: a get can check them without coordination."""
+    seed = int.from_bytes(request_id.encode()[-8:].rjust(8, b"\0"), "little") % (1 << 31)
+    k = torch.arange(n, dtype=torch.int64) + seed
+    return {"k": k, "v": k * 7}
+
+
+def exact(request_id: str, kv: dict) -> bool:
+    want = kv_for(request_id, len(kv["k"]))
+    return torch.equal(kv["k"], want["k"]) and torch.equal(kv["v"], want["v"])
+
+
+def wait_listed(cluster: Cluster, daemons, count: int, timeout: float = 10.0) -> None:
+    eventually(lambda: all(len(cluster.node_ids(d)) == count for d in daemons), timeout=timeout)
+
+
+def test_eight_daemons_find_each_other_and_serve_gets_by_request_id(cluster):
+    nodes = [cluster.start(f"d{i}") for i in range(8)]
+    wait_listed(cluster, nodes, 8)
+    clients = [n.client() for n in nodes]
+    try:
+        for i in range(8):  # pull mode: put with no destination, get elsewhere with no source
+            rid = f"pulled-{i}"
+            clients[i].put(rid, kv_for(rid))
+            reader = clients[(i + 3) % 8]
+            got = reader.get(rid, timeout=5)
+            assert exact(rid, got)
+            with pytest.raises(kvd.NotFound):
+                clients[i].get(rid, timeout=0)  # the holder's copy moved to its reader
+        time.sleep(0.3)  # the unpublish of the last pulled entry reaches the registry first
+        writes = [c.stats()["registry"]["ops"].get("publish:ok", 0) for c in clients]
+        clients[2].put("pushed", kv_for("pushed"), dest="d6")  # a peer by node id, no --peer given
+        assert exact("pushed", clients[6].get("pushed", timeout=2))
+        time.sleep(0.2)  # (the outbox flushes within milliseconds)
+        # the push mode (prefill pushes, decode reads locally) costs no registry write at all
+        assert [c.stats()["registry"]["ops"].get("publish:ok", 0) for c in clients] == writes
+        status = clients[0].stats()["registry"]
+        assert status["registered"] and status["nodes"] == 8 and status["lookups"].get("hit", 0) >= 1
+        for c in clients:  # the pull mode left nothing behind, and nothing is listed any more
+            eventually(lambda: c.stats()["pool"]["used_bytes"] == 0 and c.stats()["registry"]["listed"] == 0)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_get_with_no_source_waits_for_a_holder_to_appear(cluster):
+    a, b = cluster.start("A"), cluster.start("B")
+    wait_listed(cluster, [a, b], 2)
+    with a.client() as ca, b.client() as cb:
+        got = {}
+        reader = threading.Thread(target=lambda: got.update(kv=cb.get("later", timeout=10)))
+        reader.start()
+        time.sleep(0.5)
+        ca.put("later", kv_for("later"))
+        reader.join(10)
+        assert exact("later", got["kv"])
+
+
+def test_a_dead_node_leaves_the_listing_and_its_hints_cost_one_attempt(cluster):
+    a, b, c = cluster.start("A"), cluster.start("B"), cluster.start("C")
+    wait_listed(cluster, [a, b, c], 3)
+    with a.client() as ca:
+        ca.put("orphan", kv_for("orphan"))
+    with b.client() as cb:
+        eventually(lambda: ask(p.ClusterLocate(req=1, request_id="orphan"), b.socket) != [])
+    a.kill()
+    died = time.monotonic()
+    with b.client() as cb:  # the hint still names A for a moment: the get fails cleanly, no hang
+        started = time.monotonic()
+        with pytest.raises(kvd.KvdError):
+            cb.get("orphan", timeout=1.5)
+        assert time.monotonic() - started < 1.5 + 3
+    eventually(lambda: cluster.node_ids(b) == {"B", "C"}, timeout=2 * TTL + 3)
+    assert time.monotonic() - died < 2 * TTL + 3
+    assert ask(p.ClusterLocate(req=1, request_id="orphan"), c.socket) == []
+
+
+def test_a_restarted_holder_is_not_trusted_on_its_old_hints(cluster):
+    port = free_port()
+    a, b = cluster.start("A", port=port), cluster.start("B")
+    wait_listed(cluster, [a, b], 2)
+    with a.client() as ca:
+        ca.put("x", kv_for("x"))
+    eventually(lambda: ask(p.ClusterLocate(req=1, request_id="x"), b.socket) != [])
+    a.kill()  # kill -9: its records stay until its lease runs out
+    a2 = cluster.start("A", port=port)  # same id, same address, a new incarnation: not yet registered
+    with a2.client() as ca2:
+        ca2.put("x", {"k": torch.zeros(4096, dtype=torch.int64), "v": torch.zeros(4096, dtype=torch.int64)},
+                ttl=60)  # another entry under the same id, not what the old hint meant
+    with b.client() as cb:
+        try:
+            got = cb.get("x", timeout=2 * TTL + 4)
+        except kvd.KvdError:
+            got = None
+        # either the get failed, or it found the new A's own (newly published) entry: never the old
+        # hint served by the new incarnation, which the identity check refuses
+        assert got is None or torch.equal(got["k"], torch.zeros(4096, dtype=torch.int64))
+        assert cb.stats()["registry"]["lookups"].get("stale", 0) >= 1 or got is not None
+
+
+def test_a_duplicate_node_id_stays_out_and_the_first_is_unaffected(cluster):
+    first = cluster.start("same")
+    eventually(lambda: cluster.node_ids(first) == {"same"})
+    second = cluster.start("same")
+    time.sleep(2 * TTL + 1)
+    with second.client() as c2, first.client() as c1:
+        status = c2.stats()["registry"]
+        assert not status["registered"] and status["conflict"] is not None
+        assert c1.stats()["registry"]["registered"]
+        listing = ask(p.ClusterNodes(req=1), first.socket)
+        assert [n["incarnation"] for n in listing] == [f"{c1.stats()['incarnation']:x}"]
+    assert "is held by another live daemon" in second.log()
+
+
+def test_two_daemons_racing_for_one_id_leave_one_registered(cluster):
+    racers = [cluster.start("racer", wait=False) for _ in range(2)]
+    for racer in racers:
+        from kvd.testing import wait_ready
+        wait_ready(racer)
+    time.sleep(2 * TTL + 1)
+    registered = [ask(p.Stats(req=1), r.socket)["registry"]["registered"] for r in racers]
+    assert sorted(registered) == [False, True], registered
+    assert len(ask(p.ClusterNodes(req=1), racers[0].socket)) == 1
+
+
+def test_wildcard_listen_without_advertise_is_refused_with_a_registry(cluster, tmp_path):
+    d = cluster.factory.start("W", extra=cluster.flags("--listen", f"tcp://0.0.0.0:{free_port()}"), wait=False)
+    assert d.proc.wait(20) == 2
+    assert "set advertise (--advertise tcp://HOST:PORT)" in d.log()
+
+
+def test_routers_read_the_cluster_over_http(cluster):
+    port = free_port()
+    a = cluster.factory.start("A", extra=cluster.flags("--metrics-port", str(port)))
+    b = cluster.start("B")
+    wait_listed(cluster, [a, b], 2)
+    with b.client() as cb:
+        cb.put("where", kv_for("where"))
+    base = f"http://127.0.0.1:{port}"
+    nodes = json.load(urllib.request.urlopen(f"{base}/cluster/nodes", timeout=5))
+    assert sorted(n["node_id"] for n in nodes) == ["A", "B"]
+    eventually(lambda: json.load(urllib.request.urlopen(f"{base}/cluster/locate?rid=where", timeout=5)) != [])
+    holders = json.load(urllib.request.urlopen(f"{base}/cluster/locate?rid=where", timeout=5))
+    assert [h["node_id"] for h in holders] == ["B"]
+    metrics = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+    assert "kvd_registry_up 1.0" in metrics and "kvd_cluster_nodes 2.0" in metrics
+
+
+class Workload(threading.Thread):
+    """Puts on one daemon and gets (no source) on another, over and over, checking every byte."""
+
+    def __init__(self, writer, reader, tag: str) -> None:
+        super().__init__(daemon=True)
+        self.writer, self.reader, self.tag = writer, reader, tag
+        self.ok = self.errors = self.mismatches = 0
+        self.slowest = 0.0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        with self.writer.client() as cw, self.reader.client() as cr:
+            i = 0
+            while not self.halt.is_set():
+                rid = f"{self.tag}-{i}"
+                i += 1
+                started = time.monotonic()
+                try:
+                    cw.put(rid, kv_for(rid, 1024), ttl=30)
+                    got = cr.get(rid, timeout=1.0)
+                    if exact(rid, got):
+                        self.ok += 1
+                    else:
+                        self.mismatches += 1
+                except kvd.KvdError:
+                    self.errors += 1
+                self.slowest = max(self.slowest, time.monotonic() - started)
+
+
+@pytest.mark.timeout(180)
+def test_losing_the_registry_loses_no_data_and_no_daemon(cluster):
+    a, b = cluster.start("A", "--peer", "placeholder=tcp://127.0.0.1:1"), cluster.start("B")
+    wait_listed(cluster, [a, b], 2)
+    load = Workload(a, b, "w")
+    load.start()
+    try:
+        time.sleep(1.0)
+        assert load.ok > 0
+        cluster.registry.pause()  # a hung registry: every call must hit its deadline, never hang a get
+        time.sleep(2 * TTL)
+        before = load.ok + load.errors
+        time.sleep(1.0)
+        assert load.ok + load.errors > before  # gets still end (in errors, while nobody can say who holds what)
+        with a.client() as ca, b.client() as cb:
+            ca.put("static", kv_for("static"), dest="B")  # static and ad-hoc peers keep working
+            assert exact("static", cb.get("static", timeout=2))
+            started = time.monotonic()
+            with pytest.raises(kvd.KvdError):
+                ask(p.ClusterLocate(req=1, request_id="anything"), b.socket, timeout=5)
+            assert time.monotonic() - started < 1.5  # lookups fail fast once it is known down
+        cluster.registry.resume()
+        eventually(lambda: b.client().stats()["registry"]["up"], timeout=10)
+        with a.client() as ca:
+            ca.put("survivor", kv_for("survivor"), ttl=60)  # listed before the wipe
+        cluster.registry.restart(wipe=True)  # the registry comes back empty: re-registration, re-publication
+        wait_listed(cluster, [a, b], 2, timeout=20)
+        with b.client() as cb:
+            assert exact("survivor", cb.get("survivor", timeout=10))
+        healed = load.ok
+        time.sleep(1.0)
+        assert load.ok > healed  # the workload runs on after all of it
+    finally:
+        load.halt.set()
+        load.join(10)
+    assert load.mismatches == 0, "a get returned bytes that were not put under its id"
+    assert load.slowest < 1.0 + 3.0, f"a get took {load.slowest:.1f}s with a timeout of 1 s"
+    for d in (a, b):
+        assert d.proc.poll() is None  # nobody exited for the registry's sake
