@@ -36,7 +36,7 @@ from ..store.entries import Entry, State, Store
 from .channel import Channel
 from .states import (
     R, S, TRANSITIONS, ChannelLost, Commit, ConnectFailed, Connected, Deadline, Dropped, EntryMissing, EntryReady,
-    Event, Finished, Inbound, Outbound, Progress, Published, ReceiverState, Send, SendChunk, SenderState, Tick,
+    Event, Finished, Inbound, Outbound, Progress, Published, Send, SendChunk, Tick,
     Transfer, WaitForEntry, Written, Cancel,
 )
 from .window import ReceiveLedger, SendWindow
