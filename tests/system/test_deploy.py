@@ -341,3 +341,22 @@ def test_containerfile():
         for source in rest.split()[:-1]:
             if not source.startswith("--"):
                 assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+
+
+def test_the_registry_manifest_and_its_kvd_flags():
+    registry = DEPLOY / "k8s" / "registry.yaml"
+    text = registry.read_text()
+    assert "\t" not in text and "kind: StatefulSet" in text and "kind: Service" in text
+    assert "--auto-compaction-retention=1h" in text and "containerPort: 2379" in text
+    # the kvd args it tells you to add, with the pod's values filled in, make a valid configuration
+    flags = [line.split("- ", 1)[1].split("#")[0].strip() for line in text.splitlines()
+             if line.startswith("#     - --")]
+    flags = [f.replace("$(POD_NAME)", "prefill-0").replace("$(POD_IP)", "10.1.2.3").replace("$(NODE_ZONE)", "a")
+             for f in flags]
+    from kvd.daemon.config import parse_labels
+
+    args = {k: v for k, v in vars(parse_serve(flags)).items() if k not in ("command", "config")}
+    args["labels"] = parse_labels(args["labels"])
+    config = load_config(args, env={})  # raises on anything invalid (a wildcard listen needs advertise)
+    assert config.registry == "etcd://kvd-registry.default.svc.cluster.local:2379"
+    assert config.advertised == "tcp://10.1.2.3:7470" and config.role == "prefill" and config.labels == {"zone": "a"}
