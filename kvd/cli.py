@@ -60,6 +60,9 @@ def _serve_parser(sub) -> None:
     add("--curve-secret-key", metavar="FILE",
         help="authenticate and encrypt peer traffic with this CURVE key pair (a .key_secret file from "
              "`kvd keygen`); needs --curve-allow")
+    add("--max-clients", type=int, help="local client connections served at once (default: 1024)")
+    add("--max-peer-connections", type=int, help="peer connections to --listen at once (default: 1024)")
+    add("--max-entries", type=int, help="entries held at once; past it a put gets PoolFull (default: 65536)")
     add("--registry", metavar="URL",
         help="cluster registry: etcd://HOST:PORT[,HOST:PORT...] or redis://HOST:PORT[/DB] (default: none, "
              "static peers only)")

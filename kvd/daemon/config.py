@@ -50,6 +50,10 @@ class Config:
     metrics_host: str = "127.0.0.1"
     curve_secret_key: str = ""  # our key pair (from `kvd keygen`); empty: no CURVE
     curve_allow: tuple[str, ...] = ()  # public keys allowed to connect: files, directories, Z85 strings
+    # bounds: what one client, peer or scraper can make the daemon hold
+    max_clients: int = 1024  # local client connections; past it, a new one is answered with an error
+    max_peer_connections: int = 1024  # peer connections to our --listen; the newest past it are cut
+    max_entries: int = 65536  # entries held (any state); past it a put gets PoolFull
     # the cluster registry (kvd.cluster); empty registry: no registry, static peers only
     registry: str = ""  # etcd://HOST:PORT[,HOST:PORT...] | redis://HOST:PORT[/DB]
     cluster: str = "kvd"  # scopes every key, so several clusters can share one registry
@@ -99,6 +103,9 @@ class Config:
             problems.append("curve_allow needs curve_secret_key (our own key pair)")
         if not 0 <= self.metrics_port < 65536:
             problems.append("metrics_port must be 0-65535")
+        for name in ("max_clients", "max_peer_connections", "max_entries"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1")
         problems += self._cluster_problems()
         if problems:
             raise ValueError("invalid configuration: " + "; ".join(problems))
@@ -149,7 +156,7 @@ class Config:
 _SIZES = {"pool_size", "block_size", "chunk_size", "scratch_max"}
 _DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "heartbeat_interval",
               "heartbeat_timeout", "drain_timeout", "registry_ttl"}
-_INTS = {"window", "metrics_port", "io_threads"}
+_INTS = {"window", "metrics_port", "io_threads", "max_clients", "max_peer_connections", "max_entries"}
 _BOOLS = {"pool_prefault"}
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
 

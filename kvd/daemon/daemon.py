@@ -78,6 +78,7 @@ class Daemon:
     async def start(self) -> None:
         cfg, life = self.config, self.lifecycle
         keep_receive_buffers()
+        raise_open_file_limit(cfg.max_clients + cfg.max_peer_connections)
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
         curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow)) if cfg.curve_secret_key else None
         if cfg.registry:  # the holder directory hears of every entry the store publishes or removes
@@ -85,7 +86,8 @@ class Daemon:
         num_blocks = cfg.pool_size // cfg.block_size
         self.store = Store(BlockAllocator(num_blocks), cfg.block_size, cfg.default_ttl or None,
                            on_published=self.directory.entry_published if self.directory else None,
-                           on_removed=self.directory.entry_removed if self.directory else None)
+                           on_removed=self.directory.entry_removed if self.directory else None,
+                           max_entries=cfg.max_entries)
         self.ctx = zmq.Context(io_threads=cfg.io_threads)
         if curve is not None:
             self.authenticator = start_authenticator(self.ctx, curve)
@@ -94,13 +96,14 @@ class Daemon:
             log.warning("peers are not authenticated: %s is reachable beyond this host and CURVE is off, so any "
                         "host that reaches it can read and consume every entry (set --curve-secret-key, or "
                         "firewall the port)", cfg.listen)
-        self.local = LocalServer()
+        self.local = LocalServer(cfg.max_clients)
         watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
         self.peers = PeerSet(cfg, self.ctx, life.incarnation, curve, self.metrics,
                              resolve=self.directory.endpoint_of if self.directory else None)
         io = with_fault_injection(self.memory.io(cfg.chunk_size, cfg.window))
         self.transfers = Transfers(cfg, self.store, io, self.metrics, watch, self.peers)
-        self.router = Router(cfg, self.ctx, curve, self.peers, self.metrics, life.incarnation)
+        self.router = Router(cfg, self.ctx, curve, self.peers, self.metrics, life.incarnation,
+                             on_gone=self.transfers.on_lost)
         self.router.start(self.transfers.on_message)
         self.peers.start(self.transfers.on_link_message, self.transfers.on_lost)
         status = Status(cfg, life, self.store, self.transfers, self.peers, self.local, self.metrics,
@@ -239,6 +242,8 @@ class Daemon:
             self.metrics.lag(max(0.0, now - expected))
             expected = now + HOUSEKEEPING_INTERVAL
             self._sweeper.sweep(now)
+            self.local.enforce(now)
+            self.router.enforce(now)
             self.transfers.tick(now)
             self.peers.heartbeat(now, self.transfers.busy_channels())
             interval = self.notifier.watchdog_interval
@@ -286,6 +291,32 @@ def keep_receive_buffers() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3  # from malloc.h
     return bool(libc.mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
                 and libc.mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+
+
+# descriptors kept free beyond the connection caps: the pool, ZeroMQ's own, the metrics endpoint,
+# peer links, files a reload reads
+FD_HEADROOM = 512
+
+
+def raise_open_file_limit(connections: int) -> int:
+    """Raise the soft limit on open files to the hard limit: the default 1024 is exhausted by a few
+    hundred idle clients or peers, and then every client is refused. Returns the new limit; warns
+    when even the hard limit leaves no room for the configured connection caps."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    if soft < connections + FD_HEADROOM:
+        log.warning("the open-file limit (%d) is below max_clients + max_peer_connections + %d (%d): lower "
+                    "those, or raise LimitNOFILE / ulimit -n", soft, FD_HEADROOM, connections + FD_HEADROOM)
+    return soft
 
 
 def _is_loopback(endpoint: str) -> bool:

@@ -26,12 +26,14 @@ from .local_server import LocalServer
 from .metrics import Metrics
 from .peer.transfers import Outbound, Transfers
 from .pulls import SharedPulls
-from .store.entries import Entry, State, Store
+from .store.entries import Entry, State, Store, validate_request_id
 from .watch import EntryWatch, StreamReader
 
 log = logging.getLogger(__name__)
 
 MAX_WAIT = 3600.0  # longest get timeout we accept
+LIST_PAGE = 2000  # entries per list reply (~150 bytes each: far below a reply's 1 MiB header)
+MAX_NOTE = 512  # characters of a request id or error message kept for kvd status
 # what a draining daemon still takes: it finishes or undoes work already started (a stream's
 # next layers and its commit, a read's release, a delete), or only reads
 ALLOWED_WHILE_DRAINING = (p.PutPart, p.PutCommit, p.GetDone, p.Delete, p.Stats, p.Hello, p.ListEntries,
@@ -69,6 +71,7 @@ class LocalHandlers:
         self.pulls = SharedPulls(transfers)
         self._pushes: dict[int, Outbound] = {}  # entry token -> its push (to a peer), until committed
         self._tasks: set[asyncio.Task] = set()
+        self._reads: dict[bytes, set[asyncio.Task]] = {}  # connection -> its gets still waiting
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -90,6 +93,8 @@ class LocalHandlers:
         try:
             if self.lifecycle.draining and not isinstance(msg, ALLOWED_WHILE_DRAINING):
                 raise ShuttingDown(f"daemon {self.config.node_id} is shutting down")
+            if hasattr(msg, "request_id"):
+                validate_request_id(msg.request_id)
             reply = self._handle(rid, msg)
         except Exception as exc:
             reply = self._error(msg, exc)
@@ -113,13 +118,23 @@ class LocalHandlers:
             log.exception("internal error handling %s", kind, exc_info=exc)
         reply = p.error_reply(getattr(msg, "req", 0), exc, self.config.node_id)
         self.metrics.error(reply.code)
-        self.metrics.recent_errors.append({"time": round(time.time(), 3), "request": kind,
-                                           "request_id": getattr(msg, "request_id", None), "code": reply.code,
-                                           "message": reply.message})
+        request_id = getattr(msg, "request_id", None)
+        self.metrics.recent_errors.append({  # (bounded: kvd status must stay small whatever a client sent)
+            "time": round(time.time(), 3), "request": kind, "code": reply.code, "message": reply.message[:MAX_NOTE],
+            "request_id": request_id[:MAX_NOTE] if isinstance(request_id, str) else None})
         return reply
 
-    def _later(self, rid: bytes, msg: p.Message, coro) -> None:
-        """Run a handler that waits (on a peer, or for data) without holding up other clients."""
+    def _list_page(self, after: str | None, limit: int | None) -> list[dict]:
+        """Entries by request id after `after`, at most LIST_PAGE (one reply must fit a header:
+        the client library and `kvd ls` ask for the next page until one comes back short)."""
+        count = LIST_PAGE if limit is None else max(0, min(limit, LIST_PAGE))
+        ids = sorted(i for i in self.store.entries if after is None or i > after)[:count]
+        return [self.store.entries[i].describe() for i in ids]
+
+    def _later(self, rid: bytes, msg: p.Message, coro, waits: bool = False) -> None:
+        """Run a handler that waits (on a peer, or for data) without holding up other clients. A
+        waiting read (waits=True) ends with its client: nobody is left to answer (a get may wait an
+        hour, and a client that hangs up must not leave it behind)."""
         async def run() -> None:
             try:
                 reply = await coro
@@ -128,9 +143,18 @@ class LocalHandlers:
             if reply is not None:
                 self._reply(rid, reply)
 
-        task = asyncio.get_running_loop().create_task(run(), name=f"{msg.TYPE}-{getattr(msg, 'request_id', '')}")
+        task = asyncio.get_running_loop().create_task(run(), name=f"{msg.TYPE}-{getattr(msg, 'request_id', '')[:64]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if waits:
+            reads = self._reads.setdefault(rid, set())
+            reads.add(task)
+            self.metrics.waiting_reads += 1
+            task.add_done_callback(reads.discard)
+            task.add_done_callback(self._read_ended)
+
+    def _read_ended(self, task: asyncio.Task) -> None:
+        self.metrics.waiting_reads -= 1
 
     def _handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
         match msg:
@@ -154,7 +178,7 @@ class LocalHandlers:
             case p.Put():
                 return self._put_in_scratch(rid, msg)
             case p.GetStream():
-                self._later(rid, msg, self._get_stream(rid, msg))
+                self._later(rid, msg, self._get_stream(rid, msg), waits=True)
                 return None
             case p.Get():
                 if not 0 <= msg.timeout <= MAX_WAIT:
@@ -162,7 +186,7 @@ class LocalHandlers:
                 entry = self.store.ready(msg.request_id)
                 if entry is not None:
                     return self._lease_for_client(msg, entry)
-                self._later(rid, msg, self._get_later(rid, msg))
+                self._later(rid, msg, self._get_later(rid, msg), waits=True)
                 return None
             case p.GetDone():
                 return self._get_done(rid, msg)
@@ -190,7 +214,7 @@ class LocalHandlers:
                 self._later(rid, msg, self._locate(msg))
                 return None
             case p.ListEntries():
-                return p.Ok(req=msg.req, value=[e.describe() for e in self.store.entries.values()])
+                return p.Ok(req=msg.req, value=self._list_page(msg.after, msg.limit))
             case _:
                 raise BadRequest(f"{msg.TYPE} is not a client request")
 
@@ -221,8 +245,7 @@ class LocalHandlers:
         if push is None and self._is_remote(msg.dest):
             push = self._start_push(entry, msg.dest, sealed=True)
         self._written(entry, *entry.mark_rest())
-        if push is not None:
-            self.transfers.commit(push)
+        self.transfers.entry_committed(entry)
         return self._publish_put(rid, msg, entry, push)
 
     def _put_in_scratch(self, rid: bytes, msg: p.Put) -> p.PutOk | None:
@@ -268,9 +291,7 @@ class LocalHandlers:
     def _written(self, entry: Entry, ranges: list[tuple[int, int]], indices: list[int]) -> None:
         """A local producer wrote these tensors: tell stream readers, ship them to the peer."""
         self.watch.on_progress(entry, indices)
-        push = self._pushes.get(entry.token)
-        if push is not None:
-            self.transfers.written(push, ranges)
+        self.transfers.entry_written(entry, ranges)
 
     def _publish_put(self, rid: bytes, msg: p.PutCommit | p.Put, entry: Entry, push: Outbound | None) -> p.PutOk | None:
         """Every byte of a local put is written: publish it, or answer once the push is over."""
@@ -362,6 +383,8 @@ class LocalHandlers:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
         they would be at lease expiry; blocks parked for it are free at last."""
         self.pulls.leave_all(rid)
+        for task in list(self._reads.pop(rid, ())):
+            task.cancel()
         scratch, holds = self.holds.gone(rid)
         if scratch is not None:
             self.store.return_scratch(scratch)

@@ -18,6 +18,9 @@ from kvd.errors import KvdError
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 8192
+MAX_CONNECTIONS = 64  # scrapes at once; more are closed at once (a slowloris holds one fd, not all)
+BUSY = 4  # scrapes in flight from which a recent rendering is served again
+READ_DEADLINE = WRITE_DEADLINE = 5.0  # seconds: a scraper that never sends, or never reads, is dropped
 
 
 class ClusterView(Protocol):
@@ -26,11 +29,12 @@ class ClusterView(Protocol):
 
 
 class HttpEndpoint:
-    def __init__(self, host: str, port: int, metrics: Callable[[], bytes], ready: Callable[[], bool],
+    def __init__(self, host: str, port: int, metrics: Callable[[bool], bytes], ready: Callable[[], bool],
                  cluster: ClusterView | None = None) -> None:
         self.host, self.port = host, port
         self._metrics, self._ready, self._cluster = metrics, ready, cluster
         self._server: asyncio.base_events.Server | None = None
+        self._open = 0  # connections being served
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
@@ -42,8 +46,12 @@ class HttpEndpoint:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= MAX_CONNECTIONS:
+            writer.transport.abort()
+            return
+        self._open += 1
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_DEADLINE)
             if len(head) > MAX_REQUEST_BYTES:
                 raise ValueError("request too large")
             method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
@@ -51,7 +59,8 @@ class HttpEndpoint:
             if method not in ("GET", "HEAD"):
                 status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
             elif path == "/metrics":
-                status, ctype, body = "200 OK", "text/plain; version=0.0.4; charset=utf-8", self._metrics()
+                status, ctype, body = ("200 OK", "text/plain; version=0.0.4; charset=utf-8",
+                                       self._metrics(self._open > BUSY))
             elif path == "/healthz":
                 status, ctype, body = "200 OK", "text/plain", b"ok\n"
             elif path == "/readyz":
@@ -64,13 +73,14 @@ class HttpEndpoint:
                 status, ctype, body = "404 Not Found", "text/plain", b"try /metrics, /healthz or /readyz\n"
             writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                          f"Connection: close\r\n\r\n".encode() + (body if method == "GET" else b""))
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), WRITE_DEADLINE)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
                 ConnectionError):
-            pass
+            writer.transport.abort()  # (what it did not read goes with it)
         except Exception:
             log.exception("metrics endpoint failed")
         finally:
+            self._open -= 1
             writer.close()
 
 

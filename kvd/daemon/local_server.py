@@ -18,9 +18,10 @@ import itertools
 import logging
 import os
 import socket
+import time
 from typing import Callable
 
-from kvd.errors import ProtocolError
+from kvd.errors import BadRequest, ProtocolError
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import tcp_address, unix_path
 from kvd.wire.framing import MessageReader, encode_message
@@ -29,8 +30,13 @@ from .peer.tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
 log = logging.getLogger(__name__)
 
-# replies a client has not read yet; past this it is not reading at all and is cut off
-MAX_UNREAD_REPLIES_BYTES = 64 << 20
+# replies a client has not read yet; past this it is not reading at all and is cut off (a reply
+# is at most a few MiB: a client accepts 4 MiB messages)
+MAX_UNREAD_REPLIES_BYTES = 8 << 20
+# a message begun must be finished within this; a client that sends part of one and stops holds
+# up to 4 MiB of buffer, so both this and a budget over all connections bound what clients can pin
+PARTIAL_DEADLINE = 10.0  # seconds
+PARTIAL_BUDGET = 64 << 20  # bytes of unfinished messages over all connections
 # messages of one connection handled per turn of the event loop: one read can hold thousands of
 # pipelined requests, and other clients (and the peers) are served between batches
 BATCH = 64
@@ -41,7 +47,9 @@ class LocalServer:
 
     Built before the handlers (they send replies through it) and given them at `start`."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_clients: int = 1024) -> None:
+        self.max_clients = max_clients
+        self.refused = 0  # connections turned away at the cap
         self._on_message: Callable[[list], None] = lambda frames: None
         self._on_disconnect: Callable[[bytes], None] = lambda conn_id: None
         self._connections: dict[bytes, _ClientConnection] = {}
@@ -66,9 +74,24 @@ class LocalServer:
 
     def _new_connection(self) -> "_ClientConnection":
         conn_id = b"c%d" % next(self._ids)
-        conn = _ClientConnection(self, conn_id)
-        self._connections[conn_id] = conn
+        conn = _ClientConnection(self, conn_id, full=len(self._connections) >= self.max_clients)
+        if not conn.full:
+            self._connections[conn_id] = conn
         return conn
+
+    def enforce(self, now: float) -> None:
+        """Housekeeping: cut connections that began a message and did not finish it in time, and,
+        past the budget of unfinished bytes over all connections, the ones holding the most."""
+        partial = [c for c in self._connections.values() if c.partial_since is not None]
+        for conn in partial:
+            if now - conn.partial_since > PARTIAL_DEADLINE:
+                conn.cut(f"it began a message and did not finish it within {PARTIAL_DEADLINE:g}s")
+        held = sum(c.reader.buffered for c in partial)
+        for conn in sorted(partial, key=lambda c: c.reader.buffered, reverse=True):
+            if held <= PARTIAL_BUDGET:
+                break
+            held -= conn.reader.buffered
+            conn.cut(f"unfinished messages of all clients passed {PARTIAL_BUDGET >> 20} MiB")
 
     @property
     def connections(self) -> int:
@@ -106,16 +129,31 @@ class _ClientConnection(asyncio.Protocol):
     """One client; on a tcp:// socket, one from another user on loopback is turned away at once
     (a unix socket's 0600 mode does that for the default endpoint)."""
 
-    def __init__(self, server: LocalServer, conn_id: bytes) -> None:
+    def __init__(self, server: LocalServer, conn_id: bytes, full: bool = False) -> None:
         self.server = server
         self.conn_id = conn_id
+        self.full = full  # over the cap: answered with an error and closed
         self.reader = MessageReader()
         self.transport: asyncio.Transport | None = None
         self._backlog: collections.deque = collections.deque()  # decoded, not yet handled
         self._paused = False
+        self.partial_since: float | None = None  # when the message now buffered began
+
+    def cut(self, why: str) -> None:
+        log.warning("client %s: closing its connection: %s", self.conn_id.decode(), why)
+        self.transport.abort()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.full:
+            self.server.refused += 1
+            if self.server.refused & (self.server.refused - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
+                log.warning("refused a client connection: %d clients are connected (--max-clients); %d refused so "
+                            "far", self.server.max_clients, self.server.refused)
+            self.send(p.encode(p.error_reply(0, BadRequest(
+                f"the daemon serves at most {self.server.max_clients} client connections (--max-clients)"), None)))
+            self.transport.close()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family != socket.AF_UNIX:
             uid = foreign_user(TcpConnection.of_fd(sock.fileno()))
@@ -139,6 +177,10 @@ class _ClientConnection(asyncio.Protocol):
             self.transport.close()
             return
         self._backlog.extend(messages)
+        if not self.reader.buffered:
+            self.partial_since = None
+        elif messages or self.partial_since is None:  # (a new message began)
+            self.partial_since = time.monotonic()
         self._handle_batch()
 
     def _handle_batch(self) -> None:
@@ -166,4 +208,5 @@ class _ClientConnection(asyncio.Protocol):
             self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.server._gone(self.conn_id)
+        if not self.full:
+            self.server._gone(self.conn_id)

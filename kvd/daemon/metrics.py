@@ -21,6 +21,8 @@ DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
                     1.0, 2.5, 5.0, 10.0, 30.0)
 RECENT_ERRORS = 20  # kept for `kvd status`
 UNDECODABLE_LOG_INTERVAL = 10.0  # seconds: one log line per socket kind, however many arrive
+MAX_PEER_LABELS = 256  # distinct `peer` label values, then "other"
+RENDER_CACHE = 1.0  # seconds a rendered /metrics page is served again (many scrapers, one render)
 
 
 class Metrics:
@@ -50,15 +52,33 @@ class Metrics:
         # totals for `kvd status`: puts, gets, errors, sent/received bytes, pushes, pulls, failures
         self.tally: collections.Counter = collections.Counter()
         self.recent_errors: collections.deque = collections.deque(maxlen=RECENT_ERRORS)
+        self.waiting_reads = 0  # gets and get_streams waiting for their entry now
         self._undecodable_logged: dict[str, float] = {}
+        self._peer_labels: set[str] = set()
+        self._rendered: tuple[float, bytes] = (-RENDER_CACHE, b"")
 
     def error(self, code: int) -> None:
         self.errors.labels(ERROR_NAMES.get(code, str(code))).inc()
 
+    def peer(self, name: str) -> str:
+        """The `peer` label for a peer name: the first MAX_PEER_LABELS names seen, then "other" (a
+        peer may call itself anything; one label per claimed name would let it grow /metrics
+        without bound)."""
+        if name in self._peer_labels:
+            return name
+        if len(self._peer_labels) < MAX_PEER_LABELS:
+            self._peer_labels.add(name)
+            return name
+        return "other"
+
+    def transfer_bytes(self, peer: str, direction: str, nbytes: int) -> None:
+        self.bytes.labels(self.peer(peer), direction).inc(nbytes)
+
     def transfer_done(self, peer: str, direction: str, outcome: str, seconds: float | None) -> None:
-        self.transfers.labels(peer, direction, outcome).inc()
+        self.transfers.labels(self.peer(peer), direction, outcome).inc()
         if seconds is not None and outcome == "ok":
-            self.duration.labels("push" if direction == "sent" else "pull").observe(seconds)
+            # what this daemon did, whoever started it: a pull it serves is a send, a push to it a receive
+            self.duration.labels("send" if direction == "sent" else "receive").observe(seconds)
 
     def lag(self, seconds: float) -> None:
         self.loop_lag.set(seconds)
@@ -77,5 +97,11 @@ class Metrics:
             log.warning("undecodable message on the %s socket from %s: %.200s (further ones for %gs: counted in "
                         "kvd_undecodable_messages_total)", socket, source, error, UNDECODABLE_LOG_INTERVAL)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, busy: bool = False) -> bytes:
+        """The /metrics page. While many scrapes are in flight (busy), one rendered less than
+        RENDER_CACHE ago is served again: a thousand concurrent scrapes would otherwise each block
+        the event loop for a render, and the clients with it."""
+        now = time.monotonic()
+        if not busy or now - self._rendered[0] >= RENDER_CACHE:
+            self._rendered = (now, generate_latest(self.registry))
+        return self._rendered[1]

@@ -66,6 +66,7 @@ class Status(Collector):
             "expired_total": self.store.expired_total,
             "transfers_in_flight": sum(in_flight.values()),
             "local_clients": self.clients.connections,
+            "waiting_reads": self.metrics.waiting_reads,  # gets waiting for their entry
             "peers": self.peers.states(),
             "counters": {key: self.metrics.tally[key] for key in COUNTERS},
             "recent_errors": list(self.metrics.recent_errors),

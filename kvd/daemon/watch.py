@@ -88,6 +88,19 @@ class EntryWatch:
         """The READY entry for request_id, waiting for it to arrive until deadline."""
         return await self.wait_for(request_id, deadline, lambda: self.store.ready(request_id))
 
+    async def wait_pullable(self, request_id: str, deadline: float) -> Entry:
+        """An entry a peer's pull may be served from: complete, or a local put still being written
+        (the pull follows it), waiting for one until deadline."""
+        def find() -> Entry | None:
+            entry = self.store.entries.get(request_id)
+            if entry is None:
+                return None
+            if entry.state is State.READY or (entry.state is State.WRITING and not self.store.claimed(entry)):
+                return entry  # (a put being written that a push already owns is not ours to give away)
+            return None
+
+        return await self.wait_for(request_id, deadline, find)
+
     def streamable(self, request_id: str) -> Entry | None:
         """An entry a get_stream may lease: complete, or still being written or received."""
         entry = self.store.entries.get(request_id)

@@ -194,8 +194,12 @@ class Stats(Message):
 
 @dataclass(slots=True)
 class ListEntries(Message):
+    """Client -> daemon: entries by request id, a page at a time (a v1 client gets the first page)."""
+
     TYPE: ClassVar[str] = "list"
     req: int
+    after: str | None = field(default=None, metadata=EXTENSION)  # the last request id of the page before
+    limit: int | None = field(default=None, metadata=EXTENSION)  # at most this many (and at most LIST_PAGE)
 
 
 @dataclass(slots=True)

@@ -77,6 +77,11 @@ _EXTENSIONS = {
 _packer_options = dict(use_bin_type=True)
 
 
+def packed_size(value: Any) -> int:
+    """Bytes `value` takes in a header (what a daemon checks before it accepts what it must answer)."""
+    return len(msgpack.packb(value, **_packer_options))
+
+
 def encode(msg: Message) -> list[Frame]:
     """Message -> frames. Payload frames (CHUNK only) are passed through untouched."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": msg.TYPE}

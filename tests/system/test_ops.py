@@ -75,7 +75,7 @@ def test_metrics_move_by_the_right_amounts(daemons):
         metric(before_b, "kvd_transfer_bytes_total", peer="A", direction="received")
     assert sent == received == 2 * (3 << 20)
     assert metric(after_a, "kvd_transfers_total", peer="B", direction="sent", outcome="ok") == 2
-    assert metric(after_a, "kvd_operation_duration_seconds_count", operation="push") == 2
+    assert metric(after_a, "kvd_operation_duration_seconds_count", operation="send") == 2
     assert metric(after_a, "kvd_operation_duration_seconds_count", operation="local_put") == 1
     assert metric(after_b, "kvd_operation_duration_seconds_count", operation="local_get") == 1
     assert metric(after_a, "kvd_errors_total", code="not_found") == 1

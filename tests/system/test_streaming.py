@@ -196,3 +196,34 @@ def test_streamed_pull_hands_over_layers_as_they_land(daemons):
         assert ca.stats()["entries"] == 0 and cb.stats()["entries"] == 0
         with pytest.raises(kvd.NotFound):
             list(cb.get_stream("pull-missing", source="A", timeout=0))
+
+
+def test_pulling_a_stream_still_being_written_streams_too(daemons):
+    """The holder offers what is written and follows with the rest as it is written: the puller's
+    get_stream sees the first layers long before the writer commits."""
+    a, b = daemons.pair()
+    layout = {f"layer.{i}": ((1 << 16,), torch.float32) for i in range(6)}
+    with a.client() as ca, b.client() as cb:
+        stream = ca.put_stream("pulled-stream", layout)
+        stream.write({"layer.0": torch.full((1 << 16,), 0.0)})
+        arrivals = []
+        started = time.monotonic()
+
+        def read():
+            for group in cb.get_stream("pulled-stream", source="A", timeout=10):
+                arrivals.append((time.monotonic() - started, group))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        for i in range(1, 6):
+            time.sleep(0.3)
+            stream.write({f"layer.{i}": torch.full((1 << 16,), float(i))})
+        committed = time.monotonic() - started
+        stream.commit()
+        reader.join(10)
+        got = {name: t for _, group in arrivals for name, t in group.items()}
+        assert all(torch.equal(got[f"layer.{i}"], torch.full((1 << 16,), float(i))) for i in range(6))
+        assert arrivals[0][0] < committed - 1.0, arrivals  # the first layers came long before the commit
+        assert len(arrivals) >= 3
+        with pytest.raises(kvd.NotFound):
+            ca.get("pulled-stream", timeout=0)  # the holder's copy moved to the puller

@@ -32,11 +32,14 @@ COPY_BELOW = (1 << 20) + 1  # bytes; frames up to 1 MiB are copied into ZeroMQ
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 REDIAL_INTERVAL = 2.0  # seconds between new attempts on a link whose handshake the peer refused
+PEER_SNDHWM = 10_000  # messages queued for one peer connection
 
 
 def tune_peer_socket(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 500)  # let Abort messages out at shutdown, but not forever
-    sock.setsockopt(zmq.SNDHWM, 0)  # flow control is the transfer window, not the HWM
+    # flow control is the transfer window, not the HWM; the HWM only bounds what a peer that stops
+    # reading can make us queue for it (chunks in flight are at most a few windows' worth)
+    sock.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings keep dead TCP connections from lingering
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)

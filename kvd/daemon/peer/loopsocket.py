@@ -24,11 +24,18 @@ MAX_BATCH = 256  # messages handled per wake-up before yielding to other work
 # a send ZeroMQ cannot take yet (no connected peer) is retried, backing off: the descriptor
 # fires when a connection comes up anyway, and an unreachable peer must not cost a busy loop
 RETRY_FIRST, RETRY_MAX = 0.001, 0.5  # seconds
+MAX_PENDING = 10_000  # sends waiting for a socket that takes none: past this they fail
 
 
 class LoopSocket:
-    def __init__(self, sock: zmq.Socket, on_message: Callable[[list], None], copy: bool = True) -> None:
+    def __init__(self, sock: zmq.Socket, on_message: Callable[[list], None], copy: bool = True,
+                 fail_when_full: bool = False, max_pending: int = MAX_PENDING) -> None:
+        """fail_when_full: a send ZeroMQ cannot take fails at once (a ROUTER whose peer's queue is
+        full: waiting would hold up every other peer behind it); else it waits its turn, up to
+        max_pending sends (a link that is not up yet)."""
         self.sock = sock
+        self._fail_when_full = fail_when_full
+        self._max_pending = max_pending
         self._on_message = on_message
         self._copy = copy
         self._loop = asyncio.get_running_loop()
@@ -84,7 +91,9 @@ class LoopSocket:
         if self._closed:
             future.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "socket closed"))
             return future
-        if self._pending:
+        if len(self._pending) >= self._max_pending:
+            future.set_exception(zmq.Again(zmq.EAGAIN, f"{len(self._pending)} sends already wait for this socket"))
+        elif self._pending:
             self._pending.append((frames, copy, track, future))
         else:
             self._try_send(frames, copy, track, future)
@@ -104,7 +113,10 @@ class LoopSocket:
     def _try_send(self, frames: list, copy: bool, track: bool, future: asyncio.Future) -> bool:
         try:
             result = self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
-        except zmq.Again:
+        except zmq.Again as exc:
+            if self._fail_when_full:
+                future.set_exception(exc)
+                return True
             self._pending.appendleft((frames, copy, track, future))
             if not self._retry_scheduled:
                 self._retry_scheduled = True

@@ -161,12 +161,22 @@ class Machine:
         return [WaitForEntry(out, self.clock() + msg.timeout)]
 
     def _entry_ready(self, out: Outbound, event: EntryReady) -> list:
+        """The pulled entry is here: complete, or a local stream still being written, which the
+        pull then follows (what is written goes now, the rest as it is written, and the seal at
+        its commit), so that a pulled stream streams too."""
         entry = event.entry
         if out.pull.expect_gen is not None and entry.token != out.pull.expect_gen:
             raise NotFound(f"{entry.request_id!r} on {self.node_id} is not the generation asked for (a stale hint)")
-        out.lease_token = self.store.lease(entry, consume=not out.pull.keep, deadline=None).token
+        writing = entry.state is State.WRITING
+        out.lease_token = self.store.lease(entry, consume=not out.pull.keep, deadline=None, incomplete=writing).token
         out.entry = entry
-        out.window = SendWindow.whole(entry.total_bytes, self.limits.chunk_size, self.limits.window)
+        if writing:
+            out.window = SendWindow(entry.total_bytes, self.limits.chunk_size, self.limits.window)
+            for lo, hi in entry.written.spans():
+                out.window.add_range(lo, hi - lo)
+            out.sealed = False
+        else:
+            out.window = SendWindow.whole(entry.total_bytes, self.limits.chunk_size, self.limits.window)
         return self._offer(out)
 
     def _entry_missing(self, out: Outbound, event: EntryMissing) -> list:
@@ -240,7 +250,7 @@ class Machine:
                             digest=digest(self.limits.checksum, pieces), payload=pieces)
             actions.append(SendChunk(out, chunk, hold))
             self.metrics.tally["sent_bytes"] += length
-            self.metrics.bytes.labels(out.channel.peer_name, "sent").inc(length)
+            self.metrics.transfer_bytes(out.channel.peer_name, "sent", length)
         return actions
 
     # --- receiving --------------------------------------------------------------------------------
@@ -290,7 +300,7 @@ class Machine:
             raise ChecksumMismatch(f"chunk {msg.seq} of {entry.request_id!r} failed its {inbound.checksum} check")
         ledger.mark(msg.seq, msg.offset, length)
         self.metrics.tally["received_bytes"] += length
-        self.metrics.bytes.labels(inbound.channel.peer_name, "received").inc(length)
+        self.metrics.transfer_bytes(inbound.channel.peer_name, "received", length)
         completed = entry.mark_range(msg.offset, length)
         inbound.deadline = self.clock() + self.limits.transfer_timeout
         if ledger.complete and inbound.sealed:

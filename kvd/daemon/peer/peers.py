@@ -82,7 +82,11 @@ class PeerSet:
                 self._forget(dest)
                 link = None
         if link is None and dest.startswith("tcp://"):
-            self.links[dest] = link = self._new_link(dest, dest)
+            # the endpoint of a configured peer (or of a cluster node) is that peer: one link, and
+            # under CURVE the key of its name
+            link = self._named_link_at(dest)
+            if link is None:
+                self.links[dest] = link = self._new_link(dest, dest)
         elif link is None and (endpoint := self._resolve(dest)) is not None:
             self.links[dest] = link = self._new_link(dest, endpoint)
             self._discovered.add(dest)
@@ -92,6 +96,10 @@ class PeerSet:
         known = ", ".join(sorted(n for n in self.links if not n.startswith("tcp://"))) or "none"
         raise PeerUnavailable(f"unknown peer {dest!r} (configured peers: {known}; or give a tcp:// endpoint, "
                               "or the node id of a daemon registered in this daemon's cluster registry)")
+
+    def _named_link_at(self, endpoint: str) -> PeerLink | None:
+        return next((link for name, link in self.links.items()
+                     if link.endpoint == endpoint and not name.startswith("tcp://")), None)
 
     def _forget(self, name: str) -> None:
         self.links.pop(name).close()
@@ -147,6 +155,13 @@ class PeerSet:
         self._router_channels[rid] = channel
         if conn is not None:
             self._router_conns[rid] = conn
+
+    def router_forget(self, rid: bytes) -> bool:
+        """A peer's connection to our ROUTER closed: forget it (False if it was not known)."""
+        self._router_seen.pop(rid, None)
+        self._router_conns.pop(rid, None)
+        self._router_channels.pop(rid, None)
+        return self._router_peers.pop(rid, None) is not None
 
     def cut_router(self, rid: bytes) -> bool:
         """Cut the TCP connection of a peer connected to our ROUTER (ZeroMQ then drops it and the

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvd.errors import KvdError, ProtocolError
 from kvd.wire import protocol as p
@@ -31,9 +33,18 @@ REFUSED_CUT_DELAY = 0.1  # seconds: let the refusal's abort leave before the con
 
 
 class Router:
+    """Bounded: at most max_peer_connections connections, each of which must say hello within
+    connect_timeout; a peer whose send queue is full (it stopped reading) is cut. The socket
+    monitor also says when a connection closes, so a peer that left is forgotten at once, not
+    reported lost at the heartbeat timeout."""
+
     def __init__(self, config: Config, ctx: zmq.Context, curve: CurveKeys | None, peers: PeerSet,
-                 metrics: Metrics, incarnation: int) -> None:
+                 metrics: Metrics, incarnation: int, on_gone: Callable[[tuple, str], None] | None = None) -> None:
         self.config = config
+        self._on_gone = on_gone or (lambda key, reason: None)
+        self._accepted: dict[int, float] = {}  # fd of a connection not yet known by hello -> when accepted
+        self._by_fd: dict[int, bytes] = {}  # fd -> routing id, once it said hello
+        self._monitor: LoopSocket | None = None
         self.ctx = ctx
         self.curve = curve
         self.peers = peers
@@ -53,15 +64,60 @@ class Router:
             make_server(router, self.curve)
         router.bind(self.config.listen)
         self.bound_endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.socket = LoopSocket(router, self._on_frames, copy=False)
+        self._monitor = LoopSocket(router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED),
+                                   self._on_socket_event)
+        self.socket = LoopSocket(router, self._on_frames, copy=False, fail_when_full=True)
 
     def close(self) -> None:
         if self.socket is not None:
+            self.socket.sock.disable_monitor()
+            self._monitor.close(linger=0)
             self.socket.close()
 
     def _channel(self, rid: bytes) -> Channel:
-        return Channel(("router", rid), self.peers.router_name(rid), lambda frames, track: self.socket.send(
-            [rid, *frames], copy=False, track=track), lambda: self.peers.cut_router(rid))
+        def send(frames: list, track: bool):
+            sent = self.socket.send([rid, *frames], copy=False, track=track)
+            sent.add_done_callback(lambda f: self._check_sent(rid, f))
+            return sent
+
+        return Channel(("router", rid), self.peers.router_name(rid), send, lambda: self.peers.cut_router(rid))
+
+    def _check_sent(self, rid: bytes, sent) -> None:
+        if not sent.cancelled() and isinstance(sent.exception(), zmq.Again) and self.peers.cut_router(rid):
+            log.warning("peer %s does not read what we send (its queue is full): connection closed",
+                        self.peers.router_name(rid))
+
+    # --- connections ------------------------------------------------------------------------------
+
+    def _on_socket_event(self, frames: list) -> None:
+        event = parse_monitor_message(frames)
+        fd = event["value"]
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            if fd in self._by_fd:
+                return  # its hello came first (the monitor is another socket: no order between them)
+            self._accepted[fd] = time.monotonic()
+            if len(self._accepted) + len(self._by_fd) > self.config.max_peer_connections:
+                self._cut_fd(fd, f"more than {self.config.max_peer_connections} peer connections (--max-peer-connections)")
+            return
+        self._accepted.pop(fd, None)
+        rid = self._by_fd.pop(fd, None)
+        if rid is not None:  # a known peer closed its connection: its transfers end now
+            name = self.peers.router_name(rid)
+            if self.peers.router_forget(rid):
+                log.info("peer %s (connected to us) disconnected", name)
+                self._on_gone(("router", rid), f"peer {name} disconnected")
+
+    def enforce(self, now: float) -> None:
+        """Housekeeping: cut connections that did not say hello within connect_timeout."""
+        for fd, accepted in list(self._accepted.items()):
+            if now - accepted > self.config.connect_timeout:
+                del self._accepted[fd]
+                self._cut_fd(fd, f"no peer_hello within {self.config.connect_timeout:g}s")
+
+    def _cut_fd(self, fd: int, why: str) -> None:
+        conn = TcpConnection.of_fd(fd)
+        if conn is not None and conn.cut():
+            log.info("closed a peer connection from %s:%d: %s", *conn.remote, why)
 
     def _on_frames(self, frames: list) -> None:
         rid = frames[0].bytes
@@ -93,5 +149,8 @@ class Router:
             return
         channel = self.peers.router_channel(rid) or self._channel(rid)
         self.peers.router_hello(rid, msg, conn, channel)
+        if conn is not None:
+            self._accepted.pop(conn.fd, None)
+            self._by_fd[conn.fd] = rid
         channel.peer_name = msg.node_id
         channel.send(p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation))

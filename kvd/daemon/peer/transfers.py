@@ -56,6 +56,7 @@ class EntryEvents(Protocol):
     """What the transfers tell the rest of the daemon about entries, and wait on (the entry watch)."""
 
     async def wait_ready(self, request_id: str, deadline: float) -> Entry: ...
+    async def wait_pullable(self, request_id: str, deadline: float) -> Entry: ...  # complete, or written here
     def on_progress(self, entry: Entry, indices: list[int]) -> None: ...  # tensors completed
     def on_published(self, entry: Entry) -> None: ...
     def on_dropped(self, entry: Entry, error: KvdError) -> None: ...  # failed, removed
@@ -99,14 +100,22 @@ class Transfers:
         error = ready.exception()
         self._run(self.machine.handle(ConnectFailed(out.xfer, error) if error else Connected(out.xfer)))
 
-    def written(self, out: Outbound, ranges: list[tuple[int, int]]) -> None:
-        """Bytes of a push's entry are ready to go (each byte exactly once over the transfer)."""
+    def entry_written(self, entry: Entry, ranges: list[tuple[int, int]]) -> None:
+        """A local producer wrote these bytes of an entry: they go to every transfer sending it
+        while it is written (its push, pulls following the stream), each byte once per transfer."""
         if ranges:
-            self._run(self.machine.handle(Written(out.xfer, ranges)))
+            for out in self._sending(entry):
+                if out.window.queued_bytes < out.window.total_bytes:  # (a pull of it complete has it all)
+                    self._run(self.machine.handle(Written(out.xfer, ranges)))
 
-    def commit(self, out: Outbound) -> None:
-        """A streamed push's producer committed: the receiver may publish once every byte is in."""
-        self._run(self.machine.handle(Commit(out.xfer)))
+    def entry_committed(self, entry: Entry) -> None:
+        """The producer committed: each receiver may publish once every byte is in."""
+        for out in self._sending(entry):
+            if not out.sealed:
+                self._run(self.machine.handle(Commit(out.xfer)))
+
+    def _sending(self, entry: Entry) -> list[Outbound]:
+        return [t for t in self.machine.carrying(entry) if isinstance(t, Outbound) and t.window is not None]
 
     def outcome(self, transfer: Transfer) -> asyncio.Future:
         """Resolves (to the received entry, for a pull) when the transfer has ended."""
@@ -224,7 +233,7 @@ class Transfers:
 
     async def _wait_for_entry(self, out: Outbound, deadline: float) -> None:
         try:
-            entry = await self.events.wait_ready(out.request_id, deadline)
+            entry = await self.events.wait_pullable(out.request_id, deadline)
         except KvdError as exc:
             self._waiting.pop(out.xfer, None)
             self._run(self.machine.handle(EntryMissing(out.xfer, exc)))

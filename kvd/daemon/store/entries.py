@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvd.errors import AlreadyExists, BadRequest, NotFound, PoolFull
+from kvd.wire.protocol import MAX_HEADER_BYTES, packed_size
 from kvd.wire.layout import (
     Extent, TensorSpec, blocks_needed, physical_segments, split_extents, tensor_offsets, validate_specs,
 )
@@ -34,6 +35,14 @@ from .allocator import BlockAllocator
 from .intervals import Intervals
 
 MAX_REQUEST_ID_LEN = 256
+# what one entry, and all of them, may carry beside their bytes: a layout description is ~1 KiB,
+# and a daemon must not grow without bound on entries of zero bytes with a large meta
+MAX_META_BYTES = 64 << 10
+MAX_META_TOTAL = 256 << 20
+DEFAULT_MAX_ENTRIES = 65536
+# a reader's get_slots names every tensor, its pool segments and the meta in one header; an
+# entry whose description could not fit in one is refused at its put, not found unreadable later
+ANSWERABLE_HEADER = MAX_HEADER_BYTES - 4096
 
 
 class State(enum.Enum):
@@ -69,6 +78,7 @@ class Entry:
     write_deadline: float | None = None  # WRITING/RECEIVING must finish by then
     leases: dict[int, Lease] = field(default_factory=dict)
     writer: bool = False  # a local client may still be copying into the blocks (WRITING, not committed)
+    meta_bytes: int = 0  # what meta takes encoded (counted against the store's meta budget)
     removed: bool = False
     created: float = field(default_factory=time.time)
     remaining: list[int] = field(default_factory=list)  # per tensor: bytes (of its range) still missing
@@ -162,7 +172,9 @@ class Store:
 
     def __init__(self, allocator: BlockAllocator, block_size: int, default_ttl: float | None,
                  on_published: Callable[[Entry, bool], None] | None = None,
-                 on_removed: Callable[[Entry], None] | None = None) -> None:
+                 on_removed: Callable[[Entry], None] | None = None, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self.meta_bytes = 0  # of all entries, live or parked
         self._on_published = on_published
         self._on_removed = on_removed
         self.allocator = allocator
@@ -181,7 +193,7 @@ class Store:
         self, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict | None,
         state: State, write_deadline: float | None,
     ) -> Entry:
-        offsets, total = self._check_new(request_id, specs, ttl)
+        offsets, total = self._check_new(request_id, specs, ttl, meta)
         try:
             extents = self.allocator.allocate(blocks_needed(total, self.block_size))
         except PoolFull as exc:
@@ -189,11 +201,17 @@ class Store:
                 raise PoolFull(f"{exc.message}; {self.scratch_blocks} blocks are lent to connected clients "
                                "for their next put") from None
             raise
+        try:
+            self._check_answerable(request_id, specs, offsets, extents, meta)
+        except BaseException:
+            self.allocator.free(extents)
+            raise
         entry = self._add(request_id, specs, offsets, total, extents, ttl, meta, state, write_deadline)
         entry.writer = state is State.WRITING  # the client copies in after this returns
         return entry
 
-    def _check_new(self, request_id: str, specs: list[TensorSpec], ttl: float | None) -> tuple[list[int], int]:
+    def _check_new(self, request_id: str, specs: list[TensorSpec], ttl: float | None,
+                   meta: dict | None) -> tuple[list[int], int]:
         """Validate a new entry; returns its tensor offsets and total size."""
         validate_request_id(request_id)
         validate_specs(specs)
@@ -201,7 +219,30 @@ class Store:
             raise AlreadyExists(f"request {request_id!r} is already held by this daemon")
         if ttl is not None and (not math.isfinite(ttl) or ttl < 0):
             raise BadRequest(f"ttl must be a non-negative number of seconds, got {ttl!r}")
+        if len(self.entries) >= self.max_entries:
+            raise PoolFull(f"this daemon holds {len(self.entries)} entries, its limit (--max-entries)")
+        meta_bytes = packed_size(meta) if meta is not None else 0
+        if meta_bytes > MAX_META_BYTES:
+            raise BadRequest(f"meta of {request_id!r} takes {meta_bytes} bytes; at most {MAX_META_BYTES}")
+        if self.meta_bytes + meta_bytes > MAX_META_TOTAL:
+            raise PoolFull(f"the meta of all entries would pass {MAX_META_TOTAL >> 20} MiB")
         return tensor_offsets(specs)
+
+    def _check_answerable(self, request_id: str, specs: list[TensorSpec], offsets: list[int],
+                          extents: list[Extent], meta: dict | None) -> None:
+        """Refuse an entry whose get_slots would not fit in a header (a bound first, the exact
+        size only when the bound is near: most entries are far from it)."""
+        bound = sum(len(s.name.encode()) + 16 + 10 * len(s.shape) for s in specs) \
+            + 20 * len(specs) * len(extents) + (packed_size(meta) if meta is not None else 0)
+        if bound <= ANSWERABLE_HEADER // 2:
+            return
+        segments = [physical_segments(extents, self.block_size, offset, spec.nbytes)
+                    for spec, offset in zip(specs, offsets)]
+        size = packed_size([[s.to_wire() for s in specs], segments, meta])
+        if size > ANSWERABLE_HEADER:
+            raise BadRequest(f"{request_id!r} would be described in {size} bytes (tensor names, pool segments and "
+                             f"meta), more than a reply can carry ({ANSWERABLE_HEADER}): fewer or shorter names, "
+                             "a smaller meta")
 
     def _add(self, request_id: str, specs: list[TensorSpec], offsets: list[int], total: int,
              extents: list[Extent], ttl: float | None, meta: dict | None, state: State,
@@ -210,6 +251,8 @@ class Store:
         expires = time.monotonic() + ttl if ttl else None
         entry = Entry(request_id, next(self._tokens), specs, offsets, total, extents, meta, state,
                       expires, write_deadline)
+        entry.meta_bytes = packed_size(meta) if meta is not None else 0
+        self.meta_bytes += entry.meta_bytes
         self.entries[request_id] = entry
         return entry
 
@@ -239,7 +282,7 @@ class Store:
         if extents is None:
             raise NotFound(f"no scratch blocks {token} lent to this connection")
         try:
-            offsets, total = self._check_new(request_id, specs, ttl)
+            offsets, total = self._check_new(request_id, specs, ttl, meta)
             needed = blocks_needed(total, self.block_size)
             have = sum(count for _, count in extents)
             if needed > have:
@@ -249,6 +292,11 @@ class Store:
             raise
         del self._scratch[token]
         used, spare = split_extents(extents, needed)
+        try:
+            self._check_answerable(request_id, specs, offsets, used, meta)
+        except BaseException:
+            self.allocator.free(extents)
+            raise
         self.allocator.free(spare)
         return self._add(request_id, specs, offsets, total, used, ttl, meta, state, write_deadline)
 
@@ -274,6 +322,10 @@ class Store:
         that its put is over): a removed entry's parked blocks can go."""
         entry.writer = False
         self._free_if_unused(entry)
+
+    def claimed(self, entry: Entry) -> bool:
+        """A consuming lease (a reader, a push) owns the entry already, or will once it is complete."""
+        return self._consumer_of(entry) is not None
 
     @staticmethod
     def _consumer_of(entry: Entry) -> Lease | None:
@@ -349,6 +401,8 @@ class Store:
             self._zombies.discard(entry)
             self.allocator.free(entry.extents)
             entry.extents = []
+            self.meta_bytes -= entry.meta_bytes
+            entry.meta_bytes = 0
 
     def sweep(self, now: float) -> tuple[list[Entry], list[Entry], list[Lease]]:
         """Expire what ran out of time: (ttl-expired entries, abandoned writes, stale leases).

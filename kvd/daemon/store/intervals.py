@@ -37,6 +37,10 @@ class Intervals:
         self._starts.insert(index, lo)
         self._ends.insert(index, hi)
 
+    def spans(self) -> list[tuple[int, int]]:
+        """What was added, in order, as (start, end)."""
+        return list(zip(self._starts, self._ends))
+
     def gaps(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """The parts of [lo, hi) not yet added, in order, as (start, end)."""
         gaps = []

@@ -1,0 +1,224 @@
+"""Bounded under abuse: what one client, peer or scraper can make a daemon hold is capped, and a
+daemon answers whatever it accepted. Real daemons; the abuse is done over real sockets."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+import pytest
+import torch
+import zmq
+
+import kvd
+from kvd.client.connection import ask
+from kvd.testing import eventually, free_port, raw_connection
+from kvd.wire import protocol as p
+from kvd.wire.endpoints import unix_path
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def served(daemon) -> bool:
+    try:
+        with daemon.client() as c:
+            c.put("still-served", {"x": torch.arange(100)})
+            return torch.equal(c.get("still-served")["x"], torch.arange(100))
+    except kvd.KvdError:  # (refused while the cap is reached)
+        return False
+
+
+def test_the_open_file_limit_is_raised_and_clients_past_the_cap_are_told_why(daemons):
+    d = daemons.start("A", extra=["--max-clients", "20"])
+    with open(f"/proc/{d.pid}/limits") as limits:
+        soft, hard = next(line.split()[3:5] for line in limits if line.startswith("Max open files"))
+    assert soft == hard
+    idle = [socket.socket(socket.AF_UNIX) for _ in range(20)]
+    for s in idle:
+        s.connect(unix_path(d.socket))
+    time.sleep(0.2)
+    extra = raw_connection(d.socket)  # one too many
+    reply = p.decode(extra.receive(5))
+    assert isinstance(reply, p.Error) and "--max-clients" in reply.message
+    extra.close()
+    for s in idle[:5]:
+        s.close()
+    eventually(lambda: served(d), timeout=5)  # room again once some leave
+    for s in idle[5:]:
+        s.close()
+
+
+def test_a_message_begun_and_never_finished_is_cut_and_pins_nothing(daemons):
+    d = daemons.start("A")
+    before = rss_mb(d.pid)
+    hangers = []
+    frame = struct.pack("<I", 1) + struct.pack("<I", 3 << 20)  # one frame of 3 MiB is announced...
+    for _ in range(30):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(unix_path(d.socket))
+        s.sendall(frame + b"\0" * ((3 << 20) - 1))  # ...and one byte of it never comes
+        hangers.append(s)
+    time.sleep(0.5)
+    # past the budget of unfinished bytes (64 MiB over all clients) the largest are cut at once
+    assert rss_mb(d.pid) - before < 64 + 48
+    time.sleep(10.5)  # and every one of them at the deadline (10 s)
+    closed = 0
+    for s in hangers:
+        s.settimeout(1)
+        try:
+            closed += s.recv(1) == b""
+        except (ConnectionResetError, BrokenPipeError):
+            closed += 1
+        except socket.timeout:
+            pass
+        s.close()
+    assert closed == 30
+    assert served(d)
+
+
+def test_gets_of_clients_that_hung_up_are_let_go(daemons):
+    d = daemons.start("A")
+    for i in range(3):
+        conn = raw_connection(d.socket)
+        conn.send(p.encode(p.Get(req=1, request_id=f"never-{i}", timeout=3600.0)))
+        time.sleep(0.1)
+        assert ask(p.Stats(req=1), d.socket)["waiting_reads"] >= 1
+        conn.close()
+    eventually(lambda: ask(p.Stats(req=1), d.socket)["waiting_reads"] == 0)
+
+
+def test_entries_and_their_meta_are_capped(daemons):
+    d = daemons.start("A", extra=["--max-entries", "50"])
+    with d.client() as c:
+        for i in range(50):
+            c.put(f"empty-{i}", {"x": torch.empty(0)}, ttl=0, meta={"i": i})
+        with pytest.raises(kvd.PoolFull, match="--max-entries"):
+            c.put("one-too-many", {"x": torch.empty(0)})
+        for i in range(50):
+            c.delete(f"empty-{i}")
+        with pytest.raises(kvd.BadRequest, match="meta"):
+            c.put("big-meta", {"x": torch.ones(1)}, meta={"blob": ["x" * 1000] * 70})
+        c.put("small-meta", {"x": torch.ones(1)}, meta={"blob": "x" * (60 << 10)})
+        assert c.get("small-meta", with_meta=True)[1]["blob"] == "x" * (60 << 10)
+
+
+def test_what_the_daemon_accepts_it_can_answer(daemons):
+    d = daemons.start("A")
+    conn = raw_connection(d.socket)
+    # a header just under the 1 MiB limit: thousands of tensors with long names
+    tensors = [[f"{'n' * 200}-{i}", "uint8", [1]] for i in range(4000)]
+    conn.send(p.encode(p.PutAlloc(req=1, request_id="huge-header", tensors=tensors)))
+    reply = p.decode(conn.receive(10))
+    if isinstance(reply, p.PutSlots):  # accepted: then it must be readable
+        conn.send(p.encode(p.PutCommit(req=2, request_id="huge-header", token=reply.token)))
+        assert isinstance(p.decode(conn.receive(10)), (p.Ok, p.PutOk))
+        with d.client() as c:
+            assert len(c.get("huge-header", timeout=5)) == 4000
+    else:
+        assert isinstance(reply, p.Error) and "more than a reply can carry" in reply.message, reply
+    conn.close()
+    # an id of 64 KiB is refused at once, and kvd status keeps working for everyone
+    conn = raw_connection(d.socket)
+    conn.send(p.encode(p.Get(req=3, request_id="x" * (64 << 10), timeout=0.0)))
+    assert p.decode(conn.receive(5)).code == kvd.BadRequest.code
+    conn.close()
+    stats = ask(p.Stats(req=1), d.socket)
+    assert len(p.encode(p.Ok(req=1, value=stats))[0]) < 64 << 10
+    # many entries: list answers a page at a time
+    with d.client() as c:
+        for i in range(2500):
+            c.put(f"e{i:05d}", {"x": torch.empty(0)})
+    page = ask(p.ListEntries(req=1), d.socket)
+    assert len(page) == 2000 and page[0]["request_id"] == "e00000"
+    rest = ask(p.ListEntries(req=1, after=page[-1]["request_id"]), d.socket)
+    assert [e["request_id"] for e in rest] == [f"e{i:05d}" for i in range(2000, 2500)]
+
+
+def test_scrapers_cannot_exhaust_or_stall_the_daemon(daemons):
+    port = free_port()
+    d = daemons.start("A", extra=["--metrics-port", str(port)])
+    before, fds = rss_mb(d.pid), len(os.listdir(f"/proc/{d.pid}/fd"))
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]  # never send a request
+    readers = []
+    for _ in range(400):  # send a request and never read the answer
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        readers.append(s)
+    worst = 0.0
+    with d.client() as c:
+        for _ in range(50):  # the clients are served meanwhile
+            started = time.monotonic()
+            c.put("during", {"x": torch.ones(1000)})
+            c.get("during")
+            worst = max(worst, time.monotonic() - started)
+    assert worst < 1.0, worst
+    # at most 64 scrapes are served at once; the others are closed at once, not kept
+    assert len(os.listdir(f"/proc/{d.pid}/fd")) - fds < 64 + 16
+    time.sleep(5.5)  # read and write deadlines: every one of them is gone
+    for s in silent + readers:
+        s.close()
+    assert rss_mb(d.pid) - before < 64
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 200")
+
+
+def test_peer_connections_are_capped_and_silent_ones_cut(daemons):
+    a = daemons.start("A", extra=["--max-peer-connections", "8", "--connect-timeout", "1s"])
+    host, port = a.listen.removeprefix("tcp://").rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port))) for _ in range(30)]  # TCP only: no hello, ever
+    time.sleep(2.5)  # past the cap at once, the rest at connect_timeout
+    gone = 0
+    for s in idle:
+        s.settimeout(0.5)
+        try:
+            gone += s.recv(100) == b"" or True
+        except (ConnectionResetError, socket.timeout):
+            gone += 1
+        s.close()
+    b = daemons.start("B", peers={"A": a.listen})
+    with b.client() as cb, a.client() as ca:  # a real peer is served
+        cb.put("through", {"x": torch.arange(1000)}, dest="A")
+        assert torch.equal(ca.get("through")["x"], torch.arange(1000))
+
+
+def test_a_peer_that_never_reads_its_replies_is_cut(daemons):
+    a = daemons.start("A")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(a.listen)
+    sock.send_multipart(p.encode(p.PeerHello(node_id="deaf", incarnation=1)))
+    before = rss_mb(a.pid)
+    for i in range(200_000):  # pings whose pongs are never read
+        sock.send_multipart(p.encode(p.Ping(nonce=i)))
+    eventually(lambda: "does not read what we send" in a.log(), timeout=20)
+    assert rss_mb(a.pid) - before < 100
+    sock.close()
+    assert served(a)
+
+
+def test_a_peer_cannot_grow_metrics_by_claiming_names(daemons):
+    port = free_port()
+    a = daemons.start("A", extra=["--metrics-port", str(port)])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(a.listen)
+    for i in range(600):  # a new name each time, and a zero-byte transfer under it
+        sock.send_multipart(p.encode(p.PeerHello(node_id=f"n{i}", incarnation=i)))
+        sock.send_multipart(p.encode(p.Offer(xfer=i + 1, request_id=f"z{i}", tensors=[["x", "uint8", [0]]],
+                                             total_bytes=0, chunk_size=1 << 20, checksum="none")))
+    eventually(lambda: ask(p.Stats(req=1), a.socket)["entries"] == 600, timeout=20)
+    sock.close()
+    import urllib.request
+
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    peers = {line.split('peer="')[1].split('"')[0] for line in page.splitlines()
+             if line.startswith("kvd_transfers_total{")}
+    assert len(peers) <= 257 and "other" in peers
