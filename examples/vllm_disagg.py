@@ -19,10 +19,16 @@ entry is replaced by random values of the same shape: a negative control, the ou
 proving the transferred KV is what decode attends to) and lost (push, then the entries are
 deleted: decode waits kvd_load_timeout, reports the blocks as failed, and vLLM recomputes the
 prompt: the output must still match). The model is a small Llama built from a config with a
-fixed seed (no downloads; prompts are token ids).
+fixed seed (no downloads; prompts are token ids): 4 layers, 4 query heads, 2 KV heads.
+
+The two engines may run different parallel layouts (`--prefill-tp 2 --decode-tp 1`,
+`--prefill-pp 2`, ...): each decode worker then rebuilds its own slice of the KV from the
+prefill's shards, and the reference is the decode engine, in its own layout, computing alone.
 
     python examples/vllm_disagg.py                  # push, pull, noise and lost, 4 prompts each
     python examples/vllm_disagg.py push --prompts 6 --dtype bfloat16 --tp 2
+    python examples/vllm_disagg.py --prefill-tp 2 --decode-tp 1
+    python examples/vllm_disagg.py push pull --prefill-pp 2 --decode-tp 2
 """
 from __future__ import annotations
 
@@ -76,19 +82,26 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def engine_main(conn, model: str, kv_transfer_config: dict[str, Any], dtype: str, tp: int = 1,
-                rpc_dir: str = "") -> None:
+                rpc_dir: str = "", pp: int = 1) -> None:
     """One vLLM engine in its own process, answering generate requests from the proxy."""
     if rpc_dir:  # vLLM's internal ipc sockets, which it leaves behind: in our workdir, not all over /tmp
         os.environ.setdefault("VLLM_RPC_BASE_PATH", rpc_dir)
-    if tp > 1:  # the CPU backend binds each TP worker's threads to cores; on one NUMA node, say which
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(tp)))
+    if tp * pp > 1:  # the CPU backend binds each worker's threads to cores; on one NUMA node, say which
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                              "|".join(str(i % os.cpu_count()) for i in range(tp * pp)))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     try:
         llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, block_size=BLOCK_SIZE, max_model_len=1024,
-                  enforce_eager=True, gpu_memory_utilization=0.2, enable_prefix_caching=False, max_num_seqs=16, seed=0, tensor_parallel_size=tp,
+                  enforce_eager=True, gpu_memory_utilization=0.2, enable_prefix_caching=False, max_num_seqs=16, seed=0,
+                  tensor_parallel_size=tp, pipeline_parallel_size=pp,
                   kv_transfer_config=KVTransferConfig(**kv_transfer_config))
+        if pp > 1:
+            # vllm-cpu 0.32 with enforce_eager never runs a dummy batch, so a later pipeline stage
+            # has no buffer for the activations it receives (AssertionError in the first step):
+            # run one on every worker, as the warm-up of a compiled model would
+            llm.collective_rpc("execute_dummy_batch")
     except BaseException as exc:
         conn.send(("error", repr(exc)))
         raise
@@ -113,14 +126,15 @@ def engine_main(conn, model: str, kv_transfer_config: dict[str, Any], dtype: str
 class Engine:
     """The proxy's handle on an engine process."""
 
-    def __init__(self, name: str, model: str, kvd_socket: str, dtype: str, tp: int = 1, rpc_dir: str = "") -> None:
+    def __init__(self, name: str, model: str, kvd_socket: str, dtype: str, tp: int = 1, rpc_dir: str = "",
+                 pp: int = 1) -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
         config = {"kv_connector": "KVDConnector", "kv_connector_module_path": "kvd.integrations.vllm",
                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                   "kv_connector_extra_config": {"kvd_socket": kvd_socket, "kvd_load_timeout": LOAD_TIMEOUT}}
-        self.proc = ctx.Process(target=engine_main, args=(child, model, config, dtype, tp, rpc_dir),
+        self.proc = ctx.Process(target=engine_main, args=(child, model, config, dtype, tp, rpc_dir, pp),
                                 name=f"engine-{name}")
         self.proc.start()
 
@@ -149,6 +163,29 @@ class Engine:
             self.proc.join(10)
 
 
+def shard_entries(kvd_socket: str, request_keys: list[str]) -> list[str]:
+    """The entries a daemon holds for these requests: one per prefill rank that saved a shard."""
+    import kvd
+
+    with kvd.Client(kvd_socket) as client:
+        held = [e["request_id"] for e in client.list()]
+    return sorted(k for k in held if any(k.startswith(f"{r}@") for r in request_keys))
+
+
+def wait_empty(daemons, timeout: float = 10.0) -> dict[str, int]:
+    """Entries each daemon holds once the releases that follow a decode have landed (the decode
+    engine releases shared shards from a background thread, a moment after its loads finish)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {}
+        for name, daemon in daemons.items():
+            with daemon.client() as client:
+                left[name] = client.stats()["entries"]
+        if not any(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
 def replace_with_noise(kvd_socket: str, keys: list[str]) -> None:
     """Negative control: overwrite each entry with random values of the same shapes and meta."""
     import torch
@@ -169,8 +206,10 @@ LOAD_TIMEOUT = 5.0  # seconds decode waits for an entry before recomputing the p
 
 
 def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: str = "float32", tp: int = 1,
-        workdir: Path | None = None) -> dict[str, Any]:
-    """Start two daemons and two engines once, then run each scenario on fresh prompts."""
+        workdir: Path | None = None, prefill: tuple[int, int] | None = None,
+        decode: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Start two daemons and two engines once, then run each scenario on fresh prompts.
+    `prefill` and `decode` are (TP, PP) of each engine (default: (tp, 1) for both)."""
     from kvd.testing import DaemonFactory
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvd-vllm-"))
@@ -181,17 +220,19 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
         daemon_p, daemon_d = daemons.pair(pool_size="256MiB")
         rpc_dir = workdir / "rpc"
         rpc_dir.mkdir(exist_ok=True)
-        prefill = Engine("prefill", model, daemon_p.socket, dtype, tp, str(rpc_dir))
-        decode = Engine("decode", model, daemon_d.socket, dtype, tp, str(rpc_dir))
-        engines = [prefill, decode]
+        (p_tp, p_pp), (d_tp, d_pp) = prefill or (tp, 1), decode or (tp, 1)
+        engine_p = Engine("prefill", model, daemon_p.socket, dtype, p_tp, str(rpc_dir), p_pp)
+        engine_d = Engine("decode", model, daemon_d.socket, dtype, d_tp, str(rpc_dir), d_pp)
+        engines = [engine_p, engine_d]
         started = time.monotonic()
-        prefill.wait_ready()
-        decode.wait_ready()
-        result: dict[str, Any] = {"engine_startup_s": round(time.monotonic() - started, 1), "dtype": dtype, "tp": tp}
+        engine_p.wait_ready()
+        engine_d.wait_ready()
+        result: dict[str, Any] = {"engine_startup_s": round(time.monotonic() - started, 1), "dtype": dtype,
+                                  "prefill": {"tp": p_tp, "pp": p_pp}, "decode": {"tp": d_tp, "pp": d_pp}}
         for index, name in enumerate(scenarios):
             pull, fault = SCENARIOS[name]
-            result[name] = handoff(prefill, decode, daemon_p, daemon_d, default_prompts(prompts, seed=index),
-                                   max_tokens=max_tokens, pull=pull, fault=fault, tp=tp)
+            result[name] = handoff(engine_p, engine_d, daemon_p, daemon_d, default_prompts(prompts, seed=index),
+                                   max_tokens=max_tokens, pull=pull, fault=fault)
         return result
     finally:
         for engine in engines:
@@ -200,18 +241,16 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
 
 
 def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[list[int]], *, max_tokens: int,
-            pull: bool, fault: str | None = None, tp: int = 1) -> dict[str, Any]:
+            pull: bool, fault: str | None = None) -> dict[str, Any]:
     """The proxy's work for a batch of prompts, and the comparison with decode computing them itself."""
-    from kvd.integrations.paged_kv import entry_key
-
     t0 = time.monotonic()
     first = [{"do_remote_decode": True} if pull else {"do_remote_decode": True, "kvd_dest": daemon_d.listen}
              for _ in prompts]
     prefilled = prefill.generate(prompts, 1, first)
     t1 = time.monotonic()
     params = [out["kv_transfer_params"] for out in prefilled]
-    keys = [entry_key(p["kvd_request_id"], rank) for p in params for rank in range(tp)]
     store = daemon_p.socket if pull else daemon_d.socket
+    keys = shard_entries(store, [p["kvd_request_id"] for p in params])
     if fault == "noise":
         replace_with_noise(store, keys)
     elif fault == "lost":  # e.g. expired, or the decode daemon restarted: decode must recompute
@@ -225,13 +264,14 @@ def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[l
     decoded = decode.generate(prompts, max_tokens, params)
     t3 = time.monotonic()
     reference = decode.generate(prompts, max_tokens, [None] * len(prompts))
-    with daemon_p.client() as client_p, daemon_d.client() as client_d:
+    left = wait_empty({"prefill_daemon": daemon_p, "decode_daemon": daemon_d})
+    with daemon_d.client() as client_d:
         stats_d = client_d.stats()
-        left = {"prefill_daemon": client_p.stats()["entries"], "decode_daemon": stats_d["entries"]}
     return {
         "prompt_tokens": [len(p) for p in prompts], "mode": "pull" if pull else "push", "fault": fault,
         "prefill_s": round(t1 - t0, 3), "decode_s": round(t3 - t2, 3),
         "kv_transfer_params": params,
+        "shard_entries": keys,
         "decode_daemon_counters": {k: stats_d["counters"].get(k, 0) - gets_before.get(k, 0)
                                    for k in stats_d["counters"]},
         "tokens_equal": [out["tokens"] == ref["tokens"] for out, ref in zip(decoded, reference)],
@@ -261,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of both engines")
+    parser.add_argument("--prefill-tp", type=int, help="the prefill engine's TP size (default: --tp)")
+    parser.add_argument("--prefill-pp", type=int, default=1, help="the prefill engine's PP size")
+    parser.add_argument("--decode-tp", type=int, help="the decode engine's TP size (default: --tp)")
+    parser.add_argument("--decode-pp", type=int, default=1, help="the decode engine's PP size")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save-model", metavar="DIR", help="only write the model (and a tokenizer) to DIR, e.g. "
                                                             "for vllm serve")
@@ -269,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         print(make_tiny_llama(Path(args.save_model)))
         return 0
     args.scenarios = args.scenarios or ["push", "pull", "noise", "lost"]
-    result = run(args.scenarios, prompts=args.prompts, max_tokens=args.max_tokens, dtype=args.dtype, tp=args.tp)
+    prefill, decode = (args.prefill_tp or args.tp, args.prefill_pp), (args.decode_tp or args.tp, args.decode_pp)
+    result = run(args.scenarios, prompts=args.prompts, max_tokens=args.max_tokens, dtype=args.dtype,
+                 prefill=prefill, decode=decode)
     if args.json:
         print(json.dumps(result))
     ok = True
@@ -282,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"max |logprob diff| {outcome['max_logprob_diff']:.2e}, prefill {outcome['prefill_s']}s, "
                   f"decode {outcome['decode_s']}s, entries left {outcome['entries_left']}")
     if not args.json:
-        print(f"engines (TP={args.tp}, {args.dtype}) started in {result['engine_startup_s']}s; {'OK' if ok else 'FAILED'}")
+        print(f"engines (prefill TP={prefill[0]} PP={prefill[1]}, decode TP={decode[0]} PP={decode[1]}, "
+              f"{args.dtype}) started in {result['engine_startup_s']}s; {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 

@@ -14,12 +14,18 @@ A decode rank plans with `plan_reshard`, fetches only the source shards its slic
 (`keep=True`: other decode ranks read the same shards), checks every fingerprint before
 moving bulk bytes and every tensor before assembling, then copies its slice out with
 `assemble`. Layer and head rules (vLLM's) live in `kvd.parallel.sharding`.
+
+`scatter_shards` is the paged form, for engine connectors (`kvd.integrations.paged_kv`): it
+leases several shards at once, lets the caller check each one's meta and tensors before any
+byte moves, then copies head slices of their rows straight from the pool into the caller's
+paged caches (one index_copy_ per slice, no temporary when the tensor is contiguous in the pool).
 """
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +33,12 @@ import torch
 from kvd.errors import AlreadyExists, BadRequest, LayoutMismatch
 from kvd.parallel.sharding import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
 
-from .tensors import DTYPE_NAMES, TORCH_DTYPES, as_tensor
+from kvd.wire import protocol as proto
+from kvd.wire.layout import TensorSpec
+
+from .ops import NO_REPLY, Operation, Receive
+from .paged import block_index, scatter_rows
+from .tensors import DTYPE_NAMES, TORCH_DTYPES, as_tensor, copy_out
 
 if TYPE_CHECKING:
     from .sync import Client
@@ -37,7 +48,8 @@ LAYOUT_TENSOR = "kv_layout"
 MAX_LAYOUT_BYTES = 4096  # a to_wire() dict is ~200 bytes; anything bigger is not ours
 KINDS = ("k", "v")
 
-__all__ = ["LAYOUT_SUFFIX", "check_shard", "get_shard", "put_shard", "release_shards", "shard_key", "shard_names"]
+__all__ = ["LAYOUT_SUFFIX", "HeadSlice", "ShardFetch", "check_shard", "get_shard", "put_shard", "release_shards",
+           "scatter_shards", "shard_key", "shard_names"]
 
 
 def shard_key(request_id: str, tp_rank: int, pp_rank: int) -> str:
@@ -217,3 +229,132 @@ def _target_shapes(pieces: list[ShardPiece], held: Mapping[tuple[int, int], Mapp
                     raise LayoutMismatch(f"{name}: source tp{p.src_tp_rank}.pp{p.src_pp_rank} gives shape {shape} "
                                          f"(with {heads} heads), expected {shapes[name]}")
     return shapes
+
+
+# --- paged shards, straight from the pool into an engine's blocks ----------------------------------
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """Rows of one tensor of a shard entry, narrowed to some KV heads, into a paged cache.
+
+    The entry's tensor is [n_rows, ...] and `cache` is [num_blocks, ...]; both carry the heads on
+    `head_axis` (an axis of the full tensor). heads=None copies whole rows (no head axis, e.g. an
+    MLA latent that every rank holds)."""
+
+    name: str
+    cache: torch.Tensor
+    src_head: int = 0
+    dst_head: int = 0
+    heads: int | None = None
+
+
+@dataclass(frozen=True)
+class ShardFetch:
+    """One shard entry to read. `plan(meta, specs)` checks it (raise LayoutMismatch to refuse:
+    nothing of any shard of the call is copied then) and returns its slices.
+
+    consume: this reader is the entry's last: it goes (with a source, the holder drops its copy).
+    move (with a source, consume=False): the holder drops its copy once it has arrived here, and
+    this daemon keeps it for the other readers; else the holder keeps its copy too."""
+
+    key: str
+    plan: Callable[[Any, Mapping[str, TensorSpec]], Sequence[HeadSlice]]
+    consume: bool = True
+    move: bool = False
+
+
+def scatter_shards(client: Client, fetches: Sequence[ShardFetch], block_ids: Sequence[int], *,
+                   rows: tuple[int, int], source: str | None = None, timeout: float = 30.0,
+                   head_axis: int = 1) -> int:
+    """Copy rows [rows[0], rows[1]) of each fetched shard's slices into `block_ids` of the caches.
+
+    Every shard is leased (in the order given: callers sharing shards give them in one order,
+    so nobody waits in a circle) and checked by its plan as soon as it is leased; only when all
+    are held and checked is anything copied. A refusal or error copies nothing and gives every
+    lease back. Returns the bytes copied."""
+    if rows[1] - rows[0] != len(block_ids) or rows[0] < 0:
+        raise BadRequest(f"rows {rows} do not match {len(block_ids)} block ids")
+    client.connect()
+    return client._drive(_scatter_op(client, list(fetches), list(block_ids), rows, source, timeout, head_axis))
+
+
+def _scatter_op(core, fetches: list[ShardFetch], block_ids: list[int], rows: tuple[int, int], source: str | None,
+                timeout: float, head_axis: int) -> Operation:
+    generation = core._generation
+    deadline = time.monotonic() + timeout
+    held: list[tuple[ShardFetch, proto.GetSlots]] = []
+    delivered = False
+    try:
+        work = []  # (slice, its entry's spec and segments): every check before the first copy
+        for fetch in fetches:
+            wait = max(0.0, deadline - time.monotonic())
+            # a stream's lease never hides the entry from the other readers (a get's consuming lease
+            # would, until its release); whether this read consumes is said at its release
+            req = next(core._reqs)
+            slots = yield proto.GetStream(req=req, request_id=fetch.key, timeout=wait, source=source,
+                                      keep=not (fetch.consume or fetch.move)), wait
+            held.append((fetch, slots))
+            # checked as soon as it is leased: a refusal need not wait for the other shards
+            specs = {spec.name: (spec, segments) for spec, segments in
+                     zip((TensorSpec.from_wire(t) for t in slots.tensors), slots.segments)}
+            for piece in fetch.plan(slots.meta, {name: spec for name, (spec, _) in specs.items()}):
+                if piece.name not in specs:
+                    raise LayoutMismatch(f"{fetch.key} holds no tensor {piece.name!r}")
+                spec, segments = specs[piece.name]
+                _check_slice(fetch.key, piece, spec, rows, head_axis)
+                work.append((piece, spec, segments))
+            complete = False
+            while not complete:  # (checked before its bytes are here: a refusal costs no transfer)
+                ready = yield Receive(req, max(1.0, deadline - time.monotonic()))
+                complete = ready.complete
+        pool = core._pool_of(generation)
+        ids = {}
+        copied = 0
+        for piece, spec, segments in work:
+            if id(piece.cache) not in ids:
+                ids[id(piece.cache)] = block_index(piece.name, block_ids, piece.cache)
+            src = _pool_rows(pool, spec, segments)[rows[0]:rows[1]]
+            dst = piece.cache
+            if piece.heads is not None:
+                src = src.narrow(head_axis, piece.src_head, piece.heads)
+                dst = dst.narrow(head_axis, piece.dst_head, piece.heads)
+            scatter_rows(dst, ids[id(piece.cache)], src)
+            copied += src.numel() * src.element_size()
+        core._sync_device()
+        delivered = True
+        return copied
+    finally:
+        for fetch, slots in held:  # consume only what was delivered; else give it back
+            yield proto.GetDone(req=next(core._reqs), request_id=fetch.key, token=slots.token,
+                            consume=delivered and fetch.consume, reply=False), NO_REPLY
+
+
+def _check_slice(key: str, piece: HeadSlice, spec: TensorSpec, rows: tuple[int, int], head_axis: int) -> None:
+    """The slice must fit both ends exactly: copy_ would broadcast, index_copy_ would cast."""
+    cache = piece.cache
+    where = f"{key}: {piece.name}"
+    if DTYPE_NAMES.get(cache.dtype) != spec.dtype:
+        raise LayoutMismatch(f"{where} dtype {spec.dtype} != cache dtype {DTYPE_NAMES.get(cache.dtype, cache.dtype)}")
+    if len(spec.shape) != cache.dim() or spec.shape[0] < rows[1]:
+        raise LayoutMismatch(f"{where} of shape {list(spec.shape)} lacks rows {rows} for a cache "
+                             f"of shape {list(cache.shape)}")
+    src, dst = list(spec.shape[1:]), list(cache.shape[1:])
+    if piece.heads is not None:
+        axis = head_axis % cache.dim() - 1
+        if not (0 <= axis < len(src) and piece.heads > 0 and 0 <= piece.src_head
+                and piece.src_head + piece.heads <= src[axis] and 0 <= piece.dst_head
+                and piece.dst_head + piece.heads <= dst[axis]):
+            raise LayoutMismatch(f"{where}: heads [{piece.src_head}, +{piece.heads}) -> [{piece.dst_head}, "
+                                 f"+{piece.heads}) do not fit {src} -> {dst} on axis {head_axis}")
+        src[axis] = dst[axis] = piece.heads
+    if src != dst:
+        raise LayoutMismatch(f"{where}: a block of shape {list(spec.shape[1:])} does not fit the cache's "
+                             f"{list(cache.shape[1:])}")
+
+
+def _pool_rows(pool: torch.Tensor, spec: TensorSpec, segments: list) -> torch.Tensor:
+    """The entry's tensor as a view of the pool when it lies in one piece there, else a copy."""
+    if len(segments) == 1:
+        offset, length = segments[0]
+        return pool[offset:offset + length].view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+    return copy_out(pool, spec, segments, None)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .paged_kv import SaveSpec
+from .paged_layout import SourceDeployment
 
 OPTIONS = {"kvd_socket", "kvd_endpoint", "kvd_push_to", "kvd_ttl", "kvd_load_timeout", "kvd_load_threads"}
 
@@ -38,9 +39,19 @@ class ConnectorSettings:
         return settings
 
 
-def params_for_decode(params: dict[str, Any] | None) -> tuple[str, int, str | None] | None:
-    """(request key, tokens, source or None) from a decode request's kv_transfer_params, or None
-    when they do not ask for a kvd load. Raises ValueError on malformed kvd params."""
+@dataclass(frozen=True)
+class RemoteKV:
+    """What a decode request's kv_transfer_params say about its prompt's KV."""
+
+    request_key: str  # the producer's entries are shard_key(request_key, tp, pp)
+    num_tokens: int
+    source: str | None  # pull from this daemon; None: pushed here
+    src: SourceDeployment  # the producer's TP/PP layout
+
+
+def params_for_decode(params: dict[str, Any] | None) -> RemoteKV | None:
+    """The KV a decode request's kv_transfer_params point at, or None when they do not ask for a kvd
+    load. Raises ValueError on malformed kvd params."""
     if not params or not params.get("do_remote_prefill") or "kvd_request_id" not in params:
         return None
     key, num_tokens = params["kvd_request_id"], params.get("kvd_num_tokens")
@@ -49,7 +60,9 @@ def params_for_decode(params: dict[str, Any] | None) -> tuple[str, int, str | No
     source = None if params.get("kvd_pushed") else params.get("kvd_source")
     if source is not None and not isinstance(source, str):
         raise ValueError(f"kvd_source must be an endpoint string, got {source!r}")
-    return key, num_tokens, source
+    if "kvd_layout" not in params:
+        raise ValueError("kvd_layout (the prefill's TP/PP layout) is missing from kv_transfer_params")
+    return RemoteKV(key, num_tokens, source, SourceDeployment.from_params(params["kvd_layout"]))
 
 
 def dest_for_prefill(params: dict[str, Any] | None, default: str | None) -> str | None:
@@ -61,9 +74,11 @@ def dest_for_prefill(params: dict[str, Any] | None, default: str | None) -> str 
     return dest
 
 
-def params_for_decoder(spec: SaveSpec, source: str | None, engine_id: str | None) -> dict[str, Any]:
+def params_for_decoder(spec: SaveSpec, source: str | None, engine_id: str | None,
+                       deployment: SourceDeployment | None = None) -> dict[str, Any]:
     """What a finished prefill request returns: the decode request carries it to find the KV."""
     return {
+        "kvd_layout": (deployment or SourceDeployment()).to_params(),
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "kvd_request_id": spec.request_key,

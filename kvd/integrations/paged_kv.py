@@ -1,25 +1,25 @@
 """Handing a request's blocks of a paged KV cache to kvd and back, in an inference engine's worker
-processes.
+processes, between instances of any TP x PP layout.
 
 Engine-agnostic (no vLLM import): the vLLM connector (`kvd.integrations.vllm`) is a thin adapter
-over this module, and the tests drive it with real daemons and real paged tensors.
+over this module, and the tests drive it with real daemons and real paged tensors. What an entry
+holds and which entries a rank reads is in `kvd.integrations.paged_layout` (pure).
 
-The mapping between a paged cache and a kvd entry:
-
-- One entry per request per tensor-parallel rank, key `f"{request_key}@tp{tp_rank}"`.
-- One tensor per attention layer, named by the engine's layer name. A layer's paged cache is a
-  tensor whose dim 0 is the block id (`[num_blocks, *block_shape]`; vLLM's CPU backend:
-  `[num_blocks, kv_heads, block_size, 2*head_size]`); the entry holds the request's blocks of it, in the
-  request's order: `[n_blocks, *block_shape]`, same dtype. Block j holds tokens
-  `[j*block_size, (j+1)*block_size)`; slots of the last block past `num_tokens` are unspecified.
-- The entry's meta: `{"paged_kv": PagedKVLayout.to_wire(), "num_tokens": n}`. A consumer whose own
-  layout differs (model, layers, block shape, dtype, block size, TP size) refuses the entry with a
-  LayoutMismatch that lists every difference, and never writes a byte of it into its cache.
-- Producer: layers are streamed (`Client.put_stream`): the entry is opened at the request's first
-  layer, each layer is gathered (one index_select) and written the moment the engine has computed
-  it (with a destination, the daemon is already sending it), and committed at the end of the step.
-- Consumer: a background thread fetches the entry (from the local daemon, or pulled from the
-  producer's), checks it, and scatters it into the engine's blocks (one index_copy_ per layer).
+- Producer: each rank that is the first holder of its KV heads (replicas of the same heads, and
+  every rank but 0 of an MLA-style cache, save nothing) streams one entry per request,
+  `shard_key(request_key, tp_rank, pp_rank)` = `"{request_key}@tp{t}.pp{p}"`: one tensor per
+  attention layer of its stage, named by the engine's layer name, `[n_blocks, *block_shape]`
+  (vLLM's CPU backend: `[n, kv_heads, block_size, 2*head_size]`), the request's blocks in order;
+  slots of the last block past `num_tokens` are unspecified. Each layer is gathered (one
+  index_select) into the stream the moment the engine has computed it (with a destination, the
+  daemon is already sending it); the step commits. Meta: `{"paged_kv": PagedKVLayout.to_wire(),
+  "num_tokens": n}`.
+- Consumer: a background thread plans the source shards its rank needs (`plan_loads`, from the
+  producer's deployment), leases them all, checks each one's layout (a LayoutMismatch naming the
+  field refuses the load before a byte is written) and scatters exactly its head slice of each
+  layer into the engine's blocks (one index_copy_ per slice, straight from the pool). A shard only
+  this rank reads is consumed by the read; one that several ranks read stays (pulled ones move
+  here) until the engine reports every rank done and the connector releases it (`release_keys`).
 """
 from __future__ import annotations
 
@@ -35,13 +35,16 @@ from typing import Any
 import torch
 
 from ..client import Client, PutStream
+from ..client.paged import Rows
+from ..client.sharded import HeadSlice, ShardFetch, scatter_shards, shard_key
 from ..errors import BadRequest, KvdError, LayoutMismatch, PoolFull
-from ..client.paged import Rows, scatter_rows
-from ..client.tensors import DTYPE_NAMES
+from ..parallel.readers import is_primary
+from .paged_layout import PagedKVLayout, ShardRead, SourceDeployment, check_source, plan_loads
 
 log = logging.getLogger("kvd.paged_kv")
 
 META_KEY = "paged_kv"
+__all__ = ["LoadSpec", "PagedKVLayout", "PagedKVWorker", "SaveSpec", "SourceDeployment", "blocks_for", "entry_key"]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -59,67 +62,9 @@ def _discard(client: Client | None) -> None:
     return None
 
 
-def entry_key(request_key: str, tp_rank: int) -> str:
-    return f"{request_key}@tp{tp_rank}"
-
-
-@dataclass(frozen=True)
-class PagedKVLayout:
-    """What a consumer must agree on with the producer for the bytes to mean the same attention."""
-
-    model: str  # architecture signature, e.g. "LlamaForCausalLM:layers=32:kv_heads=8:head=128"
-    layers: tuple[tuple[str, tuple[int, ...], str], ...]  # (layer name, one block's shape, dtype)
-    block_size: int
-    tp_size: int = 1
-    tp_rank: int = 0
-
-    @classmethod
-    def from_caches(cls, caches: Mapping[str, torch.Tensor], *, model: str, block_size: int,
-                    tp_size: int = 1, tp_rank: int = 0) -> "PagedKVLayout":
-        layers = []
-        for name, cache in caches.items():
-            if not isinstance(cache, torch.Tensor) or cache.dim() < 2:
-                raise BadRequest(f"{name!r}: a paged cache is a tensor [num_blocks, ...]")
-            if cache.dtype not in DTYPE_NAMES:
-                raise BadRequest(f"{name!r}: dtype {cache.dtype} is not supported")
-            layers.append((name, tuple(cache.shape[1:]), DTYPE_NAMES[cache.dtype]))
-        if not layers:
-            raise BadRequest("no paged caches registered")
-        return cls(model, tuple(layers), block_size, tp_size, tp_rank)
-
-    def to_wire(self) -> dict:
-        return {"model": self.model, "block_size": self.block_size, "tp_size": self.tp_size,
-                "tp_rank": self.tp_rank,
-                "layers": [[name, list(shape), dtype] for name, shape, dtype in self.layers]}
-
-    @classmethod
-    def from_wire(cls, wire: Any) -> "PagedKVLayout":
-        try:
-            layers = tuple((str(name), tuple(int(d) for d in shape), str(dtype))
-                           for name, shape, dtype in wire["layers"])
-            return cls(str(wire["model"]), layers, int(wire["block_size"]), int(wire["tp_size"]),
-                       int(wire["tp_rank"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BadRequest(f"not a paged KV layout: {exc!r}") from None
-
-    def differences(self, producer: "PagedKVLayout") -> list[str]:
-        """Every way the producer's layout differs from ours (empty: compatible)."""
-        diffs = []
-        for what in ("model", "block_size", "tp_size", "tp_rank"):
-            mine, theirs = getattr(self, what), getattr(producer, what)
-            if mine != theirs:
-                diffs.append(f"{what}: producer {theirs!r}, consumer {mine!r}")
-        if self.layers != producer.layers:
-            mine, theirs = dict((n, (s, d)) for n, s, d in self.layers), dict((n, (s, d)) for n, s, d in producer.layers)
-            if mine.keys() != theirs.keys():
-                diffs.append(f"layers: producer has {len(theirs)} ({', '.join(sorted(set(theirs) - set(mine))[:3]) or '-'} "
-                             f"not here), consumer {len(mine)} ({', '.join(sorted(set(mine) - set(theirs))[:3]) or '-'} "
-                             f"not there)")
-            for name in sorted(mine.keys() & theirs.keys()):
-                if mine[name] != theirs[name]:
-                    diffs.append(f"layer {name}: producer block {theirs[name]}, consumer block {mine[name]}")
-                    break
-        return diffs
+def entry_key(request_key: str, tp_rank: int, pp_rank: int = 0) -> str:
+    """The entry of one producer rank's shard of a request."""
+    return shard_key(request_key, tp_rank, pp_rank)
 
 
 @dataclass
@@ -144,6 +89,7 @@ class LoadSpec:
     num_tokens: int
     first_block: int = 0
     source: str | None = None
+    src: SourceDeployment = field(default_factory=SourceDeployment)  # the producer's TP/PP
 
 
 @dataclass
@@ -170,7 +116,7 @@ class TransferStats:
 
 
 class PagedKVWorker:
-    """One engine worker's (one TP rank's) side: streams saves, runs loads in the background."""
+    """One engine worker's (one TP x PP rank's) side: streams saves, runs loads in the background."""
 
     def __init__(self, caches: Mapping[str, torch.Tensor], layout: PagedKVLayout, *,
                  connect: Callable[[], Client], ttl: float = 300.0, load_timeout: float = 30.0,
@@ -191,6 +137,8 @@ class PagedKVWorker:
         self._local = threading.local()  # one client per load thread
         self._load_clients: list[Client] = []  # the same, for close()
         self._layer_names = [name for name, _, _ in layout.layers]
+        # a replica of heads another rank holds (and ranks > 0 of an MLA-style cache) saves nothing
+        self.saves_shard = is_primary(layout.kv)
         self._stats = TransferStats()
         self._stats_lock = threading.Lock()  # loads finish on their own threads
 
@@ -202,6 +150,8 @@ class PagedKVWorker:
 
     def save_layer(self, specs: list[SaveSpec], layer_name: str, kv_layer: torch.Tensor) -> None:
         """Gather this layer's blocks of each request and write them into its stream now."""
+        if not self.saves_shard:
+            return
         for spec in specs:
             if spec.req_id in self._failed_saves:
                 continue
@@ -223,7 +173,7 @@ class PagedKVWorker:
                              f"{self.layout.block_size}")
         shapes = {name: ((n, *shape), self.caches[name].dtype) for name, shape, _ in self.layout.layers}
         stream = self._save_client().put_stream(
-            entry_key(spec.request_key, self.layout.tp_rank), shapes, dest=spec.dest, ttl=self.ttl,
+            entry_key(spec.request_key, self.layout.kv.tp_rank, self.layout.kv.pp_rank), shapes, dest=spec.dest, ttl=self.ttl,
             meta={META_KEY: self.layout.to_wire(), "num_tokens": spec.num_tokens})
         self._streams[spec.req_id] = (stream, set())
         return self._streams[spec.req_id]
@@ -284,39 +234,40 @@ class PagedKVWorker:
 
     def _load(self, spec: LoadSpec) -> None:
         started = time.monotonic()
-        key = entry_key(spec.request_key, self.layout.tp_rank)
+        reads = plan_loads(self.layout, spec.src)  # LayoutMismatch before anything is fetched
+        fetches = [ShardFetch(entry_key(spec.request_key, r.src.tp_rank, r.src.pp_rank),
+                              self._planner(r, spec), consume=r.readers == 1, move=True) for r in reads]
         try:
-            tensors, meta = self._load_client().get(key, source=spec.source, timeout=self.load_timeout,
-                                                    with_meta=True)
+            loaded = scatter_shards(self._load_client(), fetches, spec.block_ids[spec.first_block:],
+                                    rows=(spec.first_block, len(spec.block_ids)), source=spec.source,
+                                    timeout=self.load_timeout, head_axis=1 + (self.layout.head_axis or 0))
+        except LayoutMismatch:
+            raise  # (the connection is fine: the leases were given back)
         except Exception:
             self._drop_load_client()  # the connection is in an unknown state: start afresh
             raise
-        self.check_entry(key, tensors, meta, spec)
-        ids = torch.as_tensor(spec.block_ids[spec.first_block:], dtype=torch.long)
-        loaded = 0
-        for name, cache in self.caches.items():
-            rows = tensors[name][spec.first_block:len(spec.block_ids)]
-            scatter_rows(cache, ids.to(cache.device), rows)
-            loaded += rows.numel() * rows.element_size()
         with self._stats_lock:
             self._stats.loads += 1
             self._stats.loaded_bytes += loaded
             self._stats.load_seconds.append(time.monotonic() - started)
 
-    def check_entry(self, key: str, tensors: Mapping[str, torch.Tensor], meta: Any, spec: LoadSpec) -> None:
-        """Raise LayoutMismatch unless the entry is exactly what this worker's blocks can take."""
-        if not isinstance(meta, dict) or META_KEY not in meta:
-            raise LayoutMismatch(f"{key}: not a paged KV entry (no {META_KEY!r} in its meta)")
-        diffs = self.layout.differences(PagedKVLayout.from_wire(meta[META_KEY]))
-        if diffs:
-            raise LayoutMismatch(f"{key}: the producer's KV layout differs: " + "; ".join(diffs))
-        have = int(meta.get("num_tokens", -1))
-        if have < spec.num_tokens or len(spec.block_ids) > blocks_for(have, self.layout.block_size):
-            raise LayoutMismatch(f"{key}: holds {have} tokens, {spec.num_tokens} were expected")
-        for name, cache in self.caches.items():
-            tensor = tensors.get(name)
-            if tensor is None or tuple(tensor.shape[1:]) != tuple(cache.shape[1:]) or tensor.dtype != cache.dtype:
-                raise LayoutMismatch(f"{key}: layer {name} does not fit the paged cache")
+    def _planner(self, read: ShardRead, spec: LoadSpec) -> Callable[[Any, Any], list[HeadSlice]]:
+        """The check of one source entry, run once its lease is held and before any copy."""
+        def plan(meta: Any, specs: Any) -> list[HeadSlice]:
+            key = entry_key(spec.request_key, read.src.tp_rank, read.src.pp_rank)
+            if not isinstance(meta, dict) or META_KEY not in meta:
+                raise LayoutMismatch(f"{key}: not a paged KV entry (no {META_KEY!r} in its meta)")
+            try:
+                check_source(self.layout, PagedKVLayout.from_wire(meta[META_KEY]), read)
+            except (LayoutMismatch, BadRequest) as exc:
+                raise LayoutMismatch(f"{key}: {exc.message}") from None
+            have = meta.get("num_tokens")
+            if not isinstance(have, int) or have < spec.num_tokens or \
+                    len(spec.block_ids) > blocks_for(have, self.layout.block_size):
+                raise LayoutMismatch(f"{key}: holds {have} tokens, {spec.num_tokens} were expected")
+            return [HeadSlice(name, self.caches[name], src_head, dst_head, heads or None)
+                    for name, src_head, dst_head, heads in read.copies]
+        return plan
 
     def poll(self) -> TransferResults:
         """Loads that ended since the last poll: finished ones, and which of them failed (their
@@ -331,7 +282,7 @@ class PagedKVWorker:
             if exc is not None:
                 with self._stats_lock:
                     self._stats.load_failures += 1
-                log.error("kvd: loading the KV of request %s failed: %s", req_id, exc)
+                log.error("kvd: loading the KV of request %s failed: %s: %s", req_id, type(exc).__name__, exc)
                 results.failed_loads.add(req_id)
                 results.failed_blocks.update(spec.block_ids[spec.first_block:])
         return results

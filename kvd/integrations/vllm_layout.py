@@ -1,0 +1,65 @@
+"""The KV layout of a vLLM instance, read from its config (vLLM's scheduler and worker processes).
+
+- `model_signature`: what must match between producer and consumer beyond the cache shapes.
+- `deployment`: this instance's TP/PP sizes and layer partition (vLLM's own `get_pp_indices`,
+  so VLLM_PP_LAYER_PARTITION is honoured), as the handshake carries it to the consumer.
+- `model_kv_layout`: the model's KV geometry and one rank's shard of it as a `KVLayout`. An MLA
+  cache (one latent every TP rank holds) is modelled as one KV head: each rank then holds the
+  same "head", only rank 0 saves it and every consumer rank reads that one shard.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..parallel.sharding import KVLayout
+from .paged_layout import SourceDeployment
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def model_signature(vllm_config: "VllmConfig") -> str:
+    """What must match between producer and consumer beyond the cache shapes."""
+    model_config = vllm_config.model_config
+    hf = getattr(model_config, "hf_config", None)
+    arch = ",".join(getattr(hf, "architectures", None) or [type(hf).__name__])
+    parts = [arch]
+    for attr in ("num_hidden_layers", "hidden_size", "num_key_value_heads", "head_dim", "vocab_size"):
+        value = getattr(hf, attr, None)
+        if value is not None:
+            parts.append(f"{attr}={value}")
+    parts.append(f"kv_dtype={vllm_config.cache_config.cache_dtype}")
+    return ":".join(parts)
+
+
+def deployment(vllm_config: "VllmConfig") -> SourceDeployment:
+    """This instance's TP size, PP size and layer partition."""
+    from vllm.distributed.utils import get_pp_indices
+
+    parallel = vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    layers = vllm_config.model_config.get_total_num_hidden_layers()
+    partition = None
+    if pp > 1:
+        partition = ",".join(str(b - a) for a, b in (get_pp_indices(layers, r, pp) for r in range(pp)))
+    return SourceDeployment(tp, pp, partition)
+
+
+def model_kv_layout(vllm_config: "VllmConfig", dtype: str, tp_rank: int = 0, pp_rank: int = 0) -> KVLayout:
+    """The model's KV geometry and the shard of rank (tp_rank, pp_rank) of this instance."""
+    model_config = vllm_config.model_config
+    where = deployment(vllm_config)
+    heads = 1 if model_config.use_mla else model_config.get_total_num_kv_heads()
+    return KVLayout(num_layers=model_config.get_total_num_hidden_layers(), num_kv_heads=heads,
+                    head_dim=model_config.get_head_size(), dtype=dtype, tp_rank=tp_rank, tp_size=where.tp_size,
+                    pp_rank=pp_rank, pp_size=where.pp_size, pp_partition=where.pp_partition)
+
+
+def worker_ranks() -> tuple[int, int]:
+    """(tp_rank, pp_rank) of this worker process; (0, 0) without parallel state."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+    except (AssertionError, RuntimeError):  # no parallel state (a single process)
+        return 0, 0

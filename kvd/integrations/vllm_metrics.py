@@ -1,0 +1,79 @@
+"""The KVDConnector's transfer statistics for vLLM: the "KV Transfer metrics" log line and the
+per-engine Prometheus metrics on vLLM's own /metrics (vLLM's worker and logger processes).
+
+Workers report `KVDConnectorStats` each step; vLLM aggregates them across workers, logs their
+reduction every interval and hands the aggregated data to `KVDPromMetrics.observe`. The daemons'
+own /metrics still count every byte on the node; these say what one engine moved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+COUNTERS = ("saves", "save_failures", "saved_bytes", "loads", "load_failures", "loaded_bytes")
+# seconds a load takes, from 1 ms (a local read) to 30 s (kvd_load_timeout's default)
+LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class KVDConnectorStats(KVConnectorStats):
+    """Workers -> vLLM's stats logger ("KV Transfer metrics: ..." every logging interval)."""
+
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.data.setdefault(name, 0)
+        self.data.setdefault("load_seconds", [])
+
+    def reset(self) -> None:
+        self.data = {}
+        self.__post_init__()
+
+    def aggregate(self, other: KVConnectorStats) -> "KVDConnectorStats":
+        for name in COUNTERS:
+            self.data[name] += other.data.get(name, 0)
+        self.data["load_seconds"] = self.data["load_seconds"] + list(other.data.get("load_seconds", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        summary: dict[str, int | float] = {name: self.data[name] for name in COUNTERS}
+        times = sorted(self.data["load_seconds"])
+        if times:
+            summary["load_ms_avg"] = round(sum(times) / len(times) * 1e3, 2)
+            summary["load_ms_p90"] = round(times[min(len(times) - 1, int(len(times) * 0.9))] * 1e3, 2)
+        return summary
+
+    def is_empty(self) -> bool:
+        return not any(self.data[name] for name in COUNTERS)
+
+
+class KVDPromMetrics(KVConnectorPromMetrics):
+    """`vllm:kvd_*` counters and the load-time histogram, one child per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        helps = {"saves": "Requests whose KV this engine handed to kvd",
+                 "save_failures": "Hand-offs to kvd that failed (decode recomputes those prompts)",
+                 "saved_bytes": "KV bytes this engine wrote to kvd",
+                 "loads": "Requests whose KV this engine loaded from kvd",
+                 "load_failures": "Loads from kvd that failed (the prompt is recomputed)",
+                 "loaded_bytes": "KV bytes this engine scattered into its cache from kvd"}
+        self.counters = {
+            name: create_metric_per_engine(self._counter_cls(
+                name=f"vllm:kvd_{name}" if name.endswith("bytes") else f"vllm:kvd_{name}_total",
+                documentation=helps[name], labelnames=labelnames), per_engine_labelvalues)
+            for name in COUNTERS}
+        self.load_seconds = create_metric_per_engine(self._histogram_cls(
+            name="vllm:kvd_load_seconds", documentation="Time from a load's start until its KV is in the cache",
+            buckets=list(LOAD_BUCKETS), labelnames=labelnames), per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name in COUNTERS:
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                self.counters[name][engine_idx].inc(value)
+        for seconds in transfer_stats_data.get("load_seconds", ()):
+            self.load_seconds[engine_idx].observe(seconds)
