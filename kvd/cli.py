@@ -110,9 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("request_id")
     keygen = sub.add_parser("keygen", help="write a CURVE key pair for --curve-secret-key",
                             description="Write NAME.key (public: give it to the peers' --curve-allow) and "
-                                        "NAME.key_secret (0600: this daemon's --curve-secret-key).")
+                                        "NAME.key_secret (0600: this daemon's --curve-secret-key). An existing "
+                                        "pair is kept (the peers allow its public key) unless --force.")
     keygen.add_argument("name", help="usually the node id")
     keygen.add_argument("--dir", default=".", help="where to write the files (default: .)")
+    keygen.add_argument("--force", action="store_true",
+                        help="replace an existing pair (peers that allow the old key will refuse this node)")
     return parser
 
 
@@ -198,7 +201,12 @@ def client_command(args: argparse.Namespace) -> int:
                 when = time.strftime("%H:%M:%S", time.localtime(error["time"]))
                 print(f"error      {when} {error['request']} {error['request_id'] or ''}: {error['message']}")
         elif args.command == "ls":
-            entries = ask(p.ListEntries(req=1), args.socket)
+            entries, after = [], None
+            while True:  # a page at a time
+                page = ask(p.ListEntries(req=1, after=after, limit=p.LIST_PAGE), args.socket)
+                entries += page
+                if (after := p.next_page_after(page, after)) is None:
+                    break
             if args.json:
                 print(json.dumps(entries, indent=2))
                 return 0
@@ -245,8 +253,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args)
     if args.command == "keygen":
         from .daemon.peer.auth import keygen
+        from .errors import KvdError
 
-        public_file, secret_file = keygen(args.dir, args.name)
+        try:
+            public_file, secret_file = keygen(args.dir, args.name, force=args.force)
+        except (KvdError, OSError) as exc:
+            print(f"kvd: {exc}", file=sys.stderr)
+            return 1
         print(f"public key: {public_file}\nsecret key: {secret_file} (keep it private)")
         return 0
     return client_command(args)

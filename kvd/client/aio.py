@@ -225,7 +225,7 @@ class AsyncClient(_ClientCore):
 
     async def list(self) -> list[dict]:
         await self.connect()
-        return await self._drive(self._simple(p.ListEntries(req=next(self._reqs))))
+        return await self._drive(self._list())
 
     async def close(self) -> None:
         for fut in self._pending.values():

@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any, Callable, Mapping
 
+import msgpack
 import torch
 
 from kvd.errors import BadRequest, KvdError, ProtocolError, error_from_code
@@ -139,6 +140,30 @@ class _ClientCore:
             return False
         return True
 
+    # --- checks before anything is sent: what the daemon could not decode would come back as a
+    # ProtocolError (and a warning in its log), what msgpack cannot encode as a bare TypeError
+
+    @staticmethod
+    def _check_request_id(request_id: Any) -> None:
+        """A str, not empty (the daemon checks the rest, such as its length)."""
+        if not isinstance(request_id, str) or not request_id:
+            got = "an empty str" if isinstance(request_id, str) else type(request_id).__name__
+            raise BadRequest(f"a request id must be a non-empty str, got {got}")
+
+    @staticmethod
+    def _check_meta(meta: Any) -> None:
+        """None, or a dict that goes through msgpack both ways within the limits the daemon decodes with."""
+        if meta is None:
+            return
+        if not isinstance(meta, dict):
+            raise BadRequest(f"meta must be a dict or None, got {type(meta).__name__}")
+        try:
+            packed = msgpack.packb(meta, use_bin_type=True)
+            msgpack.unpackb(packed, raw=False, strict_map_key=True, **p.UNPACK_LIMITS)
+        except Exception as exc:  # msgpack raises TypeError, ValueError, OverflowError and its own
+            raise BadRequest(f"meta cannot be sent: {exc} (msgpack only: dicts with str keys, lists, str, "
+                             f"int, float, bool, None, bytes up to {p.UNPACK_LIMITS['max_bin_len']})") from None
+
     def _raise_if_error(self, reply: p.Message) -> p.Message:
         if isinstance(reply, p.Error):
             raise error_from_code(reply.code, reply.message, remote=reply.origin)
@@ -187,6 +212,8 @@ class _ClientCore:
                   dest: str | None, ttl: float | None, meta: dict | None) -> Operation:
         """A put whose bytes `write(segments of each tensor)` copies into the pool: into the
         blocks lent after the last put when it fits (one round trip), else reserve, write, commit."""
+        self._check_request_id(request_id)
+        self._check_meta(meta)
         wire_specs = [s.to_wire() for s in specs]
         wait = WAIT_FOREVER if dest else 0.0
         offsets, total = tensor_offsets(specs)
@@ -231,6 +258,7 @@ class _ClientCore:
 
     def _get(self, request_id: str, source: str | None, timeout: float, out: Mapping[str, torch.Tensor] | None,
              keep: bool, with_meta: bool = False) -> Operation:
+        self._check_request_id(request_id)
         generation = self._generation
         slots = yield p.Get(req=next(self._reqs), request_id=request_id, timeout=float(timeout),
                             source=source, keep=keep), float(timeout)
@@ -258,7 +286,20 @@ class _ClientCore:
                             consume=consume, reply=False), NO_REPLY
         return (result, slots.meta) if with_meta else result
 
+    def _list(self) -> Operation:
+        """Every entry, a page at a time (the daemon answers at most LIST_PAGE per request)."""
+        entries: list[dict] = []
+        after = None
+        while True:
+            reply = yield p.ListEntries(req=next(self._reqs), after=after, limit=p.LIST_PAGE), 0.0
+            entries += reply.value
+            after = p.next_page_after(reply.value, after)
+            if after is None:
+                return entries
+
     def _simple(self, msg: p.Message) -> Operation:
+        if hasattr(msg, "request_id"):  # (delete)
+            self._check_request_id(msg.request_id)
         reply = yield msg, 0.0
         return reply.value
 

@@ -107,6 +107,7 @@ def put_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_
 
 def get_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_ids, source: str | None,
                timeout: float, keep: bool):
+    core._check_request_id(request_id)
     generation = core._generation
     slots = yield p.Get(req=next(core._reqs), request_id=request_id, timeout=float(timeout), source=source,
                         keep=keep), float(timeout)

@@ -65,6 +65,8 @@ def _give_up(core, state: StreamState):
 
 
 def open_stream(core, state: StreamState, ttl: float | None, meta: dict | None):
+    core._check_request_id(state.request_id)
+    core._check_meta(meta)
     state.generation = core._generation
     state.req = next(core._reqs)
     slots = yield p.PutAlloc(req=state.req, request_id=state.request_id,
@@ -133,6 +135,7 @@ def abort_stream(core, state: StreamState):
 def read_stream(core, request_id: str, timeout: float, out: Mapping[str, torch.Tensor] | None, keep: bool,
                 source: str | None = None):
     """Yields Emit({name: tensor}) for each group of tensors as it becomes complete."""
+    core._check_request_id(request_id)
     req = next(core._reqs)
     generation = core._generation
     slots = yield p.GetStream(req=req, request_id=request_id, timeout=float(timeout), source=source,

@@ -231,7 +231,7 @@ class Client(_ClientCore):
 
     def list(self) -> list[dict]:
         self.connect()
-        return self._drive(self._simple(p.ListEntries(req=next(self._reqs))))
+        return self._drive(self._list())
 
     def close(self) -> None:
         with self._lock:

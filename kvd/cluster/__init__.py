@@ -3,7 +3,7 @@ process and in routers' processes.
 
 Runs in the daemon (`ClusterMember`: registration, publishing, lookups) and in routers and proxies
 (`Registry`: a read-only view). Imports only the standard library and kvd.errors; the Redis backend
-imports redis-py when it is opened (`pip install 'kvd[redis]'`); the etcd backend needs nothing
+imports redis-py when it is opened (`pip install redis`); the etcd backend needs nothing
 extra (it speaks etcd's JSON gateway). See proto/REGISTRY.md for the key schema and the semantics.
 
 Modules: records (records, JSON, keys), backend (the interface), directory (outbox, candidate

@@ -1,6 +1,6 @@
 """The Redis backend: the registry contract on Redis (or Valkey) with redis-py's asyncio client.
 
-Runs in the daemon and in routers; imports redis-py only when constructed (`pip install 'kvd[redis]'`).
+Runs in the daemon and in routers; imports redis-py only when constructed (`pip install redis`).
 Key schema: records.RedisKeys. Redis has no leases, so the contract is emulated (design §3.1, the
 Mooncake Redis coordinator pattern): the node key carries a PX TTL that this process refreshes with an
 owner-checked Lua script; registration is a create-if-absent Lua script; holders live in one HASH per
@@ -130,7 +130,7 @@ class RedisBackend:
             from redis.backoff import NoBackoff
             from redis.retry import Retry
         except ImportError:
-            raise RuntimeError("the Redis registry needs redis-py: pip install 'kvd[redis]'") from None
+            raise RuntimeError("the Redis registry needs redis-py: pip install redis") from None
         self.keys = RedisKeys(cluster)
         self.op_timeout = op_timeout
         self.poll = poll  # how often watch_nodes re-lists: Redis has no reliable change stream

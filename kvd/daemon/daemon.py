@@ -51,7 +51,7 @@ HOUSEKEEPING_INTERVAL = 0.2  # seconds between expiry/deadline sweeps
 # freed heap instead of returning it to the kernel after every chunk (see keep_receive_buffers)
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value
 MALLOC_TRIM_THRESHOLD = 64 << 20
-RELOADABLE = {"peers", "log_level"}  # what SIGHUP can change without a restart
+RELOADABLE = {"peers", "log_level", "curve_allow"}  # what SIGHUP can change without a restart
 
 
 class Daemon:
@@ -65,6 +65,7 @@ class Daemon:
         # built by start(), in this order; stop() closes whatever was built
         self.memory = self.store = self.ctx = self.authenticator = None
         self.directory: Directory | None = None
+        self.curve = None  # our CURVE keys and allow list, when CURVE is on
         self.local: LocalServer | None = None
         self.peers: PeerSet | None = None
         self.transfers: Transfers | None = None
@@ -80,7 +81,7 @@ class Daemon:
         keep_receive_buffers()
         raise_open_file_limit(cfg.max_clients + cfg.max_peer_connections)
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
-        curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow)) if cfg.curve_secret_key else None
+        curve = self.curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow)) if cfg.curve_secret_key else None
         if cfg.registry:  # the holder directory hears of every entry the store publishes or removes
             self.directory = Directory(cfg, life.incarnation, curve.public.decode() if curve else None)
         num_blocks = cfg.pool_size // cfg.block_size
@@ -104,7 +105,11 @@ class Daemon:
         self.transfers = Transfers(cfg, self.store, io, self.metrics, watch, self.peers)
         self.router = Router(cfg, self.ctx, curve, self.peers, self.metrics, life.incarnation,
                              on_gone=self.transfers.on_lost)
-        self.router.start(self.transfers.on_message)
+        try:
+            self.router.start(self.transfers.on_message)
+        except zmq.ZMQError as exc:
+            raise BadRequest(f"cannot listen for peers on {cfg.listen} ({exc}): another kvd on this host? Give each "
+                             "its own --listen port (and --socket, --metrics-port)") from None
         self.peers.start(self.transfers.on_link_message, self.transfers.on_lost)
         status = Status(cfg, life, self.store, self.transfers, self.peers, self.local, self.metrics,
                         self.router.bound_endpoint, __version__, self.directory)
@@ -117,7 +122,11 @@ class Daemon:
         if cfg.metrics_port:  # before the client socket: once a client is answered, /healthz answers too
             self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: life.ready,
                                      self.directory)
-            await self.http.start()
+            try:
+                await self.http.start()
+            except OSError as exc:
+                raise BadRequest(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port} ({exc.strerror}): "
+                                 "another kvd on this host? Give each its own --metrics-port (0 turns it off)") from None
         await self.local.start(cfg.socket, self.handlers.on_local_message, self.handlers.on_client_gone)
         if self.directory is not None:
             await self.directory.start()  # registers in the background: a registry away never holds us up
@@ -224,12 +233,38 @@ class Daemon:
         fixed = sorted(changed - RELOADABLE)
         if fixed:
             log.warning("SIGHUP: %s cannot change while running; restart kvd to apply", ", ".join(fixed))
-        self.config = dataclasses.replace(old, peers=dict(new.peers), log_level=new.log_level)
+        self.config = dataclasses.replace(old, peers=dict(new.peers), log_level=new.log_level,
+                                          curve_allow=new.curve_allow)
         if "log_level" in changed:
             logging.getLogger().setLevel(new.log_level.upper())
-        if "peers" in changed and self.peers is not None:
-            self.peers.set_peers(self.config.peers)
+        keys_changed = self._reload_curve() if self.curve is not None else set()
+        if keys_changed:
+            changed.add("curve_allow")
+        if ("peers" in changed or keys_changed) and self.peers is not None:
+            self.peers.set_peers(self.config.peers, rekey=keys_changed)
         log.info("SIGHUP: configuration reloaded (%s)", ", ".join(sorted(changed & RELOADABLE)) or "no changes")
+
+    def _reload_curve(self) -> set[str]:
+        """Re-read the CURVE allow list (files and directories: a node added or a key rotated needs
+        no restart). The ZAP handler checks the same set, changed in place (first the new keys
+        are added, then the old ones dropped: no key allowed before and after is ever missing).
+        Returns the peer names whose key changed: their links are dialled again."""
+        try:
+            fresh = load_keys(self.config.curve_secret_key, list(self.config.curve_allow))
+        except BadRequest as exc:
+            log.error("SIGHUP: CURVE allow list not reloaded: %s", exc)
+            return set()
+        added, removed = fresh.allowed - self.curve.allowed, self.curve.allowed - fresh.allowed
+        self.curve.allowed.update(fresh.allowed)
+        self.curve.allowed.intersection_update(fresh.allowed)
+        rekeyed = {name for name in set(self.curve.peer_keys) | set(fresh.peer_keys)
+                   if self.curve.peer_keys.get(name) != fresh.peer_keys.get(name)}
+        self.curve.peer_keys.clear()
+        self.curve.peer_keys.update(fresh.peer_keys)
+        if added or removed or rekeyed:
+            log.info("SIGHUP: CURVE allow list reloaded: %d key(s) added, %d removed; peer keys changed for %s",
+                     len(added), len(removed), ", ".join(sorted(rekeyed)) or "none")
+        return rekeyed | ({"*"} if added or removed else set())
 
     # --- housekeeping ------------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ class Directory:
         try:
             backend = open_backend(config.registry, cluster=config.cluster)
         except ImportError as exc:
-            raise BadRequest(f"--registry {config.registry} needs {exc.name}: pip install 'kvd[redis]'") from None
+            raise BadRequest(f"--registry {config.registry} needs {exc.name}: pip install redis") from None
         self.member = ClusterMember(backend, record, ttl=config.registry_ttl, snapshot=self.snapshot)
         self._listed: dict[str, HolderRecord] = {}  # request id -> the holder record we published
 

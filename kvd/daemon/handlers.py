@@ -32,7 +32,6 @@ from .watch import EntryWatch, StreamReader
 log = logging.getLogger(__name__)
 
 MAX_WAIT = 3600.0  # longest get timeout we accept
-LIST_PAGE = 2000  # entries per list reply (~150 bytes each: far below a reply's 1 MiB header)
 MAX_NOTE = 512  # characters of a request id or error message kept for kvd status
 # what a draining daemon still takes: it finishes or undoes work already started (a stream's
 # next layers and its commit, a read's release, a delete), or only reads
@@ -127,7 +126,7 @@ class LocalHandlers:
     def _list_page(self, after: str | None, limit: int | None) -> list[dict]:
         """Entries by request id after `after`, at most LIST_PAGE (one reply must fit a header:
         the client library and `kvd ls` ask for the next page until one comes back short)."""
-        count = LIST_PAGE if limit is None else max(0, min(limit, LIST_PAGE))
+        count = p.LIST_PAGE if limit is None else max(0, min(limit, p.LIST_PAGE))
         ids = sorted(i for i in self.store.entries if after is None or i > after)[:count]
         return [self.store.entries[i].describe() for i in ids]
 
@@ -425,6 +424,8 @@ class LocalHandlers:
             self.watch.drop_reader(msg.token)
             if msg.consume:
                 self.store.remove(entry)
+        if claiming and not msg.consume and entry is not None and not entry.removed:
+            self.watch.wake(entry.request_id)  # a claim given back: the next reader may have it now
         self.metrics.tally["gets"] += 1
         return p.Ok(req=msg.req) if msg.reply else None
 

@@ -11,7 +11,7 @@ pinned bounce buffers to the network.
   the copy of chunk k+1 overlaps the network send of chunk k. Inbound frames are copied
   host-to-device through a pinned buffer on the same side stream.
 
-Needs torch built with CUDA and cupy (`pip install kvd[cuda]`). Nothing here runs without a GPU;
+Needs torch built with CUDA and cupy (`pip install cupy-cuda12x`, or `'.[cuda]'` from kvd's checkout). Nothing here runs without a GPU;
 tests marked `cuda` exercise it on one.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _cupy():
     try:
         import cupy
     except ImportError:
-        raise BadRequest("the CUDA pool needs cupy: pip install 'kvd[cuda]' (cupy-cuda12x)") from None
+        raise BadRequest("the CUDA pool needs cupy: pip install cupy-cuda12x") from None
     return cupy
 
 

@@ -202,6 +202,18 @@ class ListEntries(Message):
     limit: int | None = field(default=None, metadata=EXTENSION)  # at most this many (and at most LIST_PAGE)
 
 
+LIST_PAGE = 2000  # entries per list reply at most (~150 bytes each: far below a reply's 1 MiB header)
+
+
+def next_page_after(page: list[dict], after: str | None) -> str | None:
+    """Where the list after `page` starts, or None when `page` was the last: a short page is the
+    last, and so is one that does not start after `after` (a daemon that knows no paging sends
+    everything, every time)."""
+    if len(page) < LIST_PAGE or (after is not None and page[0]["request_id"] <= after):
+        return None
+    return page[-1]["request_id"]
+
+
 @dataclass(slots=True)
 class ClusterNodes(Message):
     """Client -> daemon: the cluster's nodes as this daemon's registry view has them."""
@@ -365,4 +377,4 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     )
 }
 
-__all__ = ['EXTENSION', 'MESSAGE_TYPES', 'Hello', 'HelloOk', 'PutAlloc', 'PutSlots', 'PutCommit', 'Put', 'PutOk', 'PutPart', 'GetStream', 'TensorsReady', 'Get', 'GetSlots', 'GetDone', 'Delete', 'Stats', 'ListEntries', 'ClusterNodes', 'ClusterLocate', 'Ok', 'Error', 'PeerHello', 'PeerHelloOk', 'Offer', 'Seal', 'Accept', 'Chunk', 'ChunkAck', 'Done', 'Abort', 'Pull', 'Ping', 'Pong']
+__all__ = ['EXTENSION', 'MESSAGE_TYPES', 'Hello', 'HelloOk', 'PutAlloc', 'PutSlots', 'PutCommit', 'Put', 'PutOk', 'PutPart', 'GetStream', 'TensorsReady', 'Get', 'GetSlots', 'GetDone', 'Delete', 'Stats', 'ListEntries', 'ClusterNodes', 'ClusterLocate', 'Ok', 'Error', 'PeerHello', 'PeerHelloOk', 'Offer', 'Seal', 'Accept', 'Chunk', 'ChunkAck', 'Done', 'Abort', 'Pull', 'Ping', 'Pong', 'LIST_PAGE', 'next_page_after']

@@ -67,7 +67,7 @@ def redis_server():
     try:
         import redis  # noqa: F401
     except ImportError:
-        _missing("redis-py (pip install 'kvd[redis]')")
+        _missing("redis-py (pip install redis)")
     server = start_server(RedisServer, binary)
     yield server
     stop_server(server)

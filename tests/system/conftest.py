@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
             import cupy  # noqa: F401
             return
         except ImportError:
-            reason = "cupy is not installed (pip install 'kvd[cuda]')"
+            reason = "cupy is not installed (pip install cupy-cuda12x)"
     else:
         reason = "no CUDA GPU on this machine"
     skip = pytest.mark.skip(reason=reason)

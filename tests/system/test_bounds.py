@@ -2,9 +2,13 @@
 daemon answers whatever it accepted. Real daemons; the abuse is done over real sockets."""
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import socket
 import struct
+import subprocess
+import sys
 import time
 
 import pytest
@@ -136,6 +140,19 @@ def test_what_the_daemon_accepts_it_can_answer(daemons):
     assert len(page) == 2000 and page[0]["request_id"] == "e00000"
     rest = ask(p.ListEntries(req=1, after=page[-1]["request_id"]), d.socket)
     assert [e["request_id"] for e in rest] == [f"e{i:05d}" for i in range(2000, 2500)]
+    # the client, the async client and kvd ls follow the pages to the end
+    everything = [f"e{i:05d}" for i in range(2500)]
+    with d.client() as c:
+        assert [e["request_id"] for e in c.list()] == everything
+    assert [e["request_id"] for e in asyncio.run(_list_async(d.socket))] == everything
+    listed = subprocess.run([sys.executable, "-m", "kvd", "ls", "--json", "--socket", d.socket],
+                            capture_output=True, text=True, timeout=60, check=True)
+    assert [e["request_id"] for e in json.loads(listed.stdout)] == everything
+
+
+async def _list_async(socket: str) -> list[dict]:
+    async with kvd.AsyncClient(socket) as c:
+        return await c.list()
 
 
 def test_scrapers_cannot_exhaust_or_stall_the_daemon(daemons):
@@ -222,3 +239,14 @@ def test_a_peer_cannot_grow_metrics_by_claiming_names(daemons):
     peers = {line.split('peer="')[1].split('"')[0] for line in page.splitlines()
              if line.startswith("kvd_transfers_total{")}
     assert len(peers) <= 257 and "other" in peers
+
+
+def test_a_second_daemon_on_the_same_ports_says_which_flag_to_change(daemons):
+    metrics = free_port()
+    a = daemons.start("A", extra=["--metrics-port", str(metrics)])
+    second = daemons.start("B", extra=["--metrics-port", str(metrics)], wait=False)
+    assert second.proc.wait(20) != 0
+    assert "--metrics-port" in second.log()
+    clash = daemons.start("C", port=int(a.listen.rsplit(":", 1)[1]), wait=False)
+    assert clash.proc.wait(20) != 0
+    assert "its own --listen port" in clash.log()

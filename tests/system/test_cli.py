@@ -1,9 +1,12 @@
-"""The kvd command line against a real daemon."""
+"""The kvd command line against a real daemon, and what ./dev test hands pytest."""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -70,3 +73,32 @@ def test_config_file_env_and_flags_combine(daemons, tmp_path):
     assert stats["pool"]["capacity_bytes"] == 64 << 20  # --pool-size flag beats env and file
     d2 = daemons.start("B", extra=["--config", str(config)], env={"KVD_DEFAULT_TTL": "5s"})
     assert '"default_ttl": 5.0' in d2.log()
+
+
+def test_dev_test_adds_q_only_when_no_verbosity_is_asked_for(tmp_path):
+    # ./dev test always added -q: `./dev test -q` became -qq, which hides pytest's summary line.
+    # A set-up venv whose python prints the arguments it gets, and a pip that must not run.
+    root = pathlib.Path(__file__).resolve().parents[2]
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for name, body in (("python", 'printf "%s\\n" "$@"'), ("pip", 'echo "pip ran: $*" >&2; exit 1')):
+        (venv / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (venv / "bin" / name).chmod(0o755)
+    later = time.time() + 3600  # newer than pyproject.toml and requirements/: nothing to install
+    for stamp in (".kvd-installed", ".kvd-vllm-installed"):
+        (venv / stamp).touch()
+        os.utime(venv / stamp, (later, later))
+    env = {**os.environ, "KVD_VENV": str(venv), "KVD_ETCD_BIN": "/bin/true", "KVD_REDIS_BIN": "/bin/true"}
+
+    def pytest_args(*args: str) -> list[str]:
+        run = subprocess.run([str(root / "dev"), "test", *args], capture_output=True, text=True, timeout=60, env=env)
+        assert run.returncode == 0, run.stderr
+        lines = run.stdout.splitlines()
+        assert lines[:2] == ["-m", "pytest"]
+        return lines[2:]
+
+    assert pytest_args() == ["-q"]
+    assert pytest_args("-x", "tests/test_layering.py") == ["-q", "-x", "tests/test_layering.py"]
+    assert pytest_args("-rs", "-k", "v") == ["-q", "-rs", "-k", "v"]  # -r takes a value; "v" is one
+    for asked in (["-q"], ["-qq"], ["-v"], ["-vv", "-x"], ["-xq"], ["--quiet"], ["--verbose"], ["--verbosity=2"]):
+        assert pytest_args(*asked) == asked

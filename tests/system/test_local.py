@@ -457,3 +457,115 @@ def test_a_request_over_the_header_limits_gets_its_error_at_once(client):
     assert time.monotonic() - started < 5
     client.put("fine", {"x": torch.ones(1)})
     assert client.get("fine")["x"].item() == 1
+
+
+# requests the daemon could not decode, and meta msgpack cannot carry: refused in the client, as
+# BadRequest, before anything is sent (they used to come back as a ProtocolError, with a warning
+# in the daemon's log, or escape as a bare TypeError)
+BAD_REQUEST_IDS = [7, None, b"req", ("req",), ""]
+BAD_METAS = [
+    {"dtype": torch.float16},        # msgpack cannot encode it: TypeError
+    {"scale": np.float32(0.5)},      # nor this
+    {"n": 1 << 64},                  # OverflowError
+    {1: "an int key"},               # encodes, but the daemon decodes with str keys only
+    {"blob": b"x" * 2048},           # encodes, over the daemon's bytes limit
+    ["not", "a", "dict"],            # encodes, but meta is a dict
+]
+
+
+def _calls_with_a_request_id(rid, meta=None):
+    """Every call that names a request id (the puts with meta), as f(client) -> result."""
+    cache = torch.zeros(4, 2)
+    return {
+        "put": lambda c: c.put(rid, {"x": torch.ones(2)}, meta=meta),
+        "put_blocks": lambda c: c.put_blocks(rid, {"x": cache}, [0, 1], meta=meta),
+        "put_stream": lambda c: c.put_stream(rid, {"x": ((2,), torch.float32)}, meta=meta),
+        "get": lambda c: c.get(rid, timeout=0),
+        "get_blocks": lambda c: c.get_blocks(rid, {"x": cache}, [0, 1], timeout=0),
+        "get_stream": lambda c: c.get_stream(rid, timeout=0),
+        "delete": lambda c: c.delete(rid),
+    }
+
+
+def _bad_calls():
+    for rid in BAD_REQUEST_IDS:
+        for name, call in _calls_with_a_request_id(rid).items():
+            yield f"{name}({rid!r})", "request id", call
+    for meta in BAD_METAS:
+        for name in ("put", "put_blocks", "put_stream"):
+            yield f"{name}(meta={meta!r:.40})", "meta", _calls_with_a_request_id("req", meta)[name]
+
+
+def _nothing_reached_the_daemon(c_stats, daemon, log_before):
+    assert c_stats["counters"]["errors"] == 0 and c_stats["pool"]["used_bytes"] == 0
+    assert "WARNING" not in daemon.log()[len(log_before):]
+
+
+def test_a_bad_request_id_or_meta_is_refused_before_it_is_sent(daemon):
+    log_before = daemon.log()
+    with daemon.client() as c:
+        for label, what, call in _bad_calls():
+            with pytest.raises(kvd.BadRequest, match=what):
+                result = call(c)
+                if label.startswith("get_stream"):
+                    list(result)
+        _nothing_reached_the_daemon(c.stats(), daemon, log_before)
+        c.put("req", {"x": torch.ones(2)}, meta={"layout": [1, 2]})  # the connection is as good as before
+        assert c.get("req", with_meta=True)[1] == {"layout": [1, 2]}
+
+
+def test_the_async_client_refuses_them_too(daemon):
+    import asyncio
+
+    async def main():
+        async with daemon.async_client() as c:
+            for label, what, call in _bad_calls():
+                with pytest.raises(kvd.BadRequest, match=what):
+                    result = call(c)
+                    if label.startswith("get_stream"):
+                        async for _ in result:
+                            pass
+                    else:
+                        await result
+            stats = await c.stats()
+            await c.put("req", {"x": torch.ones(2)})
+            assert torch.equal((await c.get("req"))["x"], torch.ones(2))
+            return stats
+
+    log_before = daemon.log()
+    _nothing_reached_the_daemon(asyncio.run(main()), daemon, log_before)
+
+
+def test_a_claim_given_back_wakes_the_next_reader_at_once(daemons):
+    """A consuming read that gives the entry back (nothing delivered) hands it to a reader that
+    was waiting for it then, not when that reader's own timeout is up."""
+    from kvd.testing import raw_connection
+    from kvd.wire import protocol as p
+
+    d = daemons.start("A")
+    with d.client() as c:
+        c.put("given-back", {"x": torch.arange(1024, dtype=torch.int32)})
+        conn = raw_connection(d.socket)
+        conn.send(p.encode(p.Hello(req=1, client="first")))
+        p.decode(conn.receive(5))
+        conn.send(p.encode(p.Get(req=2, request_id="given-back", timeout=5.0)))
+        slots = p.decode(conn.receive(5))
+        assert isinstance(slots, p.GetSlots)  # claimed: the next consuming read waits for it
+        result = {}
+
+        def second_reader():
+            started = time.monotonic()
+            with d.client() as other:
+                result["x"] = other.get("given-back", timeout=20)["x"]
+            result["waited"] = time.monotonic() - started
+
+        thread = threading.Thread(target=second_reader)
+        thread.start()
+        time.sleep(0.5)
+        assert "x" not in result  # still claimed
+        conn.send(p.encode(p.GetDone(req=3, request_id="given-back", token=slots.token, consume=False,
+                                     reply=True)))
+        assert isinstance(p.decode(conn.receive(5)), p.Ok)
+        thread.join(25)
+        assert torch.equal(result["x"], torch.arange(1024, dtype=torch.int32))
+        assert result["waited"] < 5, f"the waiting reader had the entry only after {result['waited']:.1f} s"

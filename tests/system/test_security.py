@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import zmq
+import zmq.auth
 
 import kvd
 from kvd.wire import protocol as p
@@ -57,6 +58,32 @@ def test_keygen_writes_a_private_secret(keys):
     made, _, secrets = keys
     assert stat.S_IMODE(os.stat(made["A"]).st_mode) == 0o600
     assert (secrets / "A.key").read_text().count("public-key") == 1
+
+
+def run_keygen(directory: pathlib.Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvd", "keygen", name, "--dir", str(directory), *extra],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_keygen_keeps_an_existing_pair_unless_forced(tmp_path):
+    # the peers allow the old public key: one repeated command must not lock this node out of them
+    public, secret = keygen(tmp_path, "A")
+    old = public.read_bytes(), secret.read_bytes()
+    refused = run_keygen(tmp_path, "A")
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert f"{public} and {secret} already exist" in refused.stderr and "--force" in refused.stderr
+    assert (public.read_bytes(), secret.read_bytes()) == old
+    # half a pair is refused too: the secret alone still is this node's identity
+    public.unlink()
+    refused = run_keygen(tmp_path, "A")
+    assert refused.returncode == 1 and f"{secret} already exists" in refused.stderr
+    assert not public.exists() and secret.read_bytes() == old[1]
+    forced = run_keygen(tmp_path, "A", "--force")
+    assert forced.returncode == 0, forced.stderr
+    new_public, new_secret = zmq.auth.load_certificate(str(secret))
+    assert new_secret and secret.read_bytes() != old[1] and stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    assert zmq.auth.load_certificate(str(public))[0] == new_public
+    assert run_keygen(tmp_path, "B").returncode == 0  # another name beside them is no conflict
 
 
 def test_allowed_peers_work_encrypted(daemons, keys):

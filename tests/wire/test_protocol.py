@@ -470,3 +470,14 @@ def test_the_request_number_of_a_header_over_the_limits_is_still_found():
     assert p.request_number(too_big) == 7
     for garbage in (b"", b"\x93\x01\x02\x03", b"\xde\xff\xff", b"\x81\xa3req\xa1x", b"\x81\xa3req\xff"):
         assert p.request_number(garbage) == 0
+
+
+def test_list_pages_end_at_a_short_page_or_one_that_does_not_move_on():
+    full = [{"request_id": f"r{i:05d}"} for i in range(p.LIST_PAGE)]
+    assert p.next_page_after(full, None) == full[-1]["request_id"]
+    assert p.next_page_after(full[:-1], None) is None  # short: the last
+    assert p.next_page_after([], "r00010") is None
+    # a daemon that ignores `after` sends the first page again: stop, do not loop
+    assert p.next_page_after(full, full[-1]["request_id"]) is None
+    later = [{"request_id": f"s{i:05d}"} for i in range(p.LIST_PAGE)]
+    assert p.next_page_after(later, full[-1]["request_id"]) == later[-1]["request_id"]

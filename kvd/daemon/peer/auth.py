@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import zmq
@@ -38,9 +39,15 @@ class CurveKeys:
         try:
             return self.peer_keys[peer_name]
         except KeyError:
+            if peer_name.startswith("tcp://"):  # an endpoint that is no configured peer's
+                raise BadRequest(
+                    f"CURVE is on and {peer_name} is not the endpoint of a configured peer, so this daemon has no "
+                    f"key to check it by: add it as --peer NAME={peer_name} (TOML [peers]) with NAME.key among "
+                    "--curve-allow, then SIGHUP; with a cluster registry, name the node by its id instead"
+                ) from None
             raise BadRequest(
                 f"CURVE is on but there is no public key for peer {peer_name!r}: put {peer_name}.key "
-                "among --curve-allow (ad-hoc tcp:// destinations cannot be authenticated)"
+                "among --curve-allow (then SIGHUP to reload the allow list)"
             ) from None
 
 
@@ -79,14 +86,25 @@ def _add_key_file(keys: CurveKeys, path: str) -> None:
     keys.peer_keys[os.path.basename(path).removesuffix(".key").removesuffix(".key_secret")] = public
 
 
+REFUSAL_LOG_INTERVAL = 60.0  # seconds: a refused peer dials again every 2 s; say so once a minute
+
+
 class _AllowList:
     def __init__(self, allowed: set[bytes]) -> None:
         self.allowed = allowed
+        self._logged: dict[bytes, float] = {}  # refused key -> when it was last logged
 
     def callback(self, domain: str, key: bytes) -> bool:
-        ok = zmq.utils.z85.encode(key) in self.allowed if len(key) == 32 else key in self.allowed
+        z85 = zmq.utils.z85.encode(key) if len(key) == 32 else key
+        ok = z85 in self.allowed
         if not ok:
-            log.warning("refused a peer with an unknown CURVE key")
+            now = time.monotonic()
+            if now - self._logged.get(z85, -REFUSAL_LOG_INTERVAL) >= REFUSAL_LOG_INTERVAL:
+                if len(self._logged) > 1024:  # (keys are cheap to make: the memo stays bounded)
+                    self._logged.clear()
+                self._logged[z85] = now
+                log.warning("refused a peer with an unknown CURVE key %s (again at most once a minute)",
+                            z85.decode(errors="replace"))
         return ok
 
 
@@ -113,8 +131,17 @@ def make_client(sock: zmq.Socket, keys: CurveKeys, peer_name: str) -> None:
     sock.curve_serverkey = keys.server_key_for(peer_name)
 
 
-def keygen(directory: str, name: str) -> tuple[str, str]:
-    """Write NAME.key (public, share it) and NAME.key_secret (0600, keep it) into directory."""
+def keygen(directory: str, name: str, *, force: bool = False) -> tuple[str, str]:
+    """Write NAME.key (public, share it) and NAME.key_secret (0600, keep it) into directory.
+
+    Refuses (BadRequest) when either file exists, unless force: the peers' --curve-allow hold the
+    old public key, so a new pair would lock this node out of every one of them."""
+    files = (os.path.join(directory, f"{name}.key"), os.path.join(directory, f"{name}.key_secret"))
+    existing = [path for path in files if os.path.lexists(path)]
+    if existing and not force:
+        raise BadRequest(f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: not "
+                         "overwritten, since every peer that allows the old key would refuse this node; "
+                         "--force replaces the pair")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     old_umask = os.umask(0o077)
     try:

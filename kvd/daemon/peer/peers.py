@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvd.errors import PeerUnavailable
+from kvd.errors import BadRequest, PeerUnavailable
 from kvd.wire import protocol as p
 
 from ..config import Config
@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 # descriptors and a reconnect attempt every 0.5 s for as long as it exists
 ADHOC_IDLE = 60.0  # seconds
 
+# a peer that sent no whole message for a while is still alive if its TCP connection moved at
+# least this many bytes meanwhile: one chunk can take longer than heartbeat_timeout to cross a
+# slow link, and the pings queue behind it. Far above what pings alone add (~50 B a second),
+# which a frozen peer's kernel still acknowledges.
+MIN_PROGRESS = 16 << 10  # bytes
+
 
 class PeerSet:
     """Built before the transfers (they find links here), and given their handlers at `start`."""
@@ -41,7 +47,8 @@ class PeerSet:
         self.metrics = metrics or Metrics()
         # a node id -> its published endpoint (the cluster registry), for names no --peer gives
         self._resolve = resolve or (lambda name: None)
-        self._discovered: set[str] = set()  # links to nodes found through the registry  # node id, heartbeat and connect timings; the peer list is `set_peers`'
+        self._discovered: set[str] = set()  # links to nodes found through the registry
+        self._configured: dict[str, str] = {}  # the peer list as last set (start, SIGHUP)
         self.ctx = ctx
         self.incarnation = incarnation
         self.curve = curve
@@ -53,6 +60,8 @@ class PeerSet:
         self._router_conns: dict[bytes, TcpConnection] = {}  # routing id -> its TCP connection
         self._router_channels: dict[bytes, Channel] = {}  # routing id -> the channel replies go on
         self._last_ping = 0.0
+        # a silent peer's connection -> the byte count it had when the silence began (see `_moving`)
+        self._silent_since_bytes: dict[object, int] = {}
 
     # --- outgoing links ----------------------------------------------------------------------
 
@@ -60,8 +69,7 @@ class PeerSet:
         """Link the configured peers; on_message gets what links receive, on_lost (channel key,
         reason) says a connection is gone, so what runs on it fails."""
         self._on_message, self._on_lost = on_message, on_lost
-        for name, endpoint in self.config.peers.items():
-            self.links[name] = self._new_link(name, endpoint)
+        self.set_peers(dict(self.config.peers))
 
     def _new_link(self, name: str, endpoint: str) -> PeerLink:
         return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation,
@@ -87,6 +95,8 @@ class PeerSet:
             link = self._named_link_at(dest)
             if link is None:
                 self.links[dest] = link = self._new_link(dest, dest)
+        elif link is None and dest in self._configured:  # configured, not linked (no key yet): say why
+            self.links[dest] = link = self._new_link(dest, self._configured[dest])
         elif link is None and (endpoint := self._resolve(dest)) is not None:
             self.links[dest] = link = self._new_link(dest, endpoint)
             self._discovered.add(dest)
@@ -104,9 +114,14 @@ class PeerSet:
     def _forget(self, name: str) -> None:
         self.links.pop(name).close()
         self._discovered.discard(name)
+        self._silent_since_bytes.pop(name, None)
 
-    def set_peers(self, peers: dict[str, str]) -> None:
-        """Apply a reloaded peer list: new names are linked, removed ones closed."""
+    def set_peers(self, peers: dict[str, str], rekey: set[str] = frozenset()) -> None:
+        """Apply a reloaded peer list: new names are linked, removed ones closed; links named in
+        `rekey` (their CURVE key changed; "*": the allow list did) are dialled again."""
+        self._configured = dict(peers)
+        for name in [n for n in self.links if n in rekey or ("*" in rekey and n not in peers)]:
+            self._forget(name)
         for name in [n for n in self.links if not n.startswith("tcp://") and n not in self._discovered
                      and n not in peers]:
             self.links.pop(name).close()
@@ -117,7 +132,11 @@ class PeerSet:
                 self._forget(name)  # (a configured name wins over a node found in the registry)
                 link = None
             if link is None:
-                self.links[name] = self._new_link(name, endpoint)
+                try:
+                    self.links[name] = self._new_link(name, endpoint)
+                except BadRequest as exc:  # (no CURVE key for it: a push to it says so; a reload may fix it)
+                    log.error("peer %s is not linked: %s", name, exc)
+                    continue
                 log.info("peer %s added at %s", name, endpoint)
 
     def states(self) -> dict[str, dict]:
@@ -143,6 +162,21 @@ class PeerSet:
         """Has this connection said peer_hello? (Anything else from it before that is refused.)"""
         return rid in self._router_peers
 
+    def _moving(self, key: object, conn: TcpConnection | None, silent_for: float) -> bool:
+        """Whether a peer silent for `silent_for` seconds is still moving bytes (MIN_PROGRESS since
+        its silence began, counted by the kernel: acknowledged by it, or received from it)."""
+        if silent_for <= self.config.heartbeat_interval or conn is None:
+            self._silent_since_bytes.pop(key, None)
+            return False
+        moved = conn.progress()
+        if moved is None:
+            return False
+        since = self._silent_since_bytes.setdefault(key, moved)
+        if moved - since < MIN_PROGRESS:
+            return False
+        self._silent_since_bytes[key] = moved
+        return True
+
     def router_seen(self, rid: bytes) -> None:
         if rid in self._router_peers:
             self._router_seen[rid] = time.monotonic()
@@ -159,6 +193,7 @@ class PeerSet:
     def router_forget(self, rid: bytes) -> bool:
         """A peer's connection to our ROUTER closed: forget it (False if it was not known)."""
         self._router_seen.pop(rid, None)
+        self._silent_since_bytes.pop(rid, None)
         self._router_conns.pop(rid, None)
         self._router_channels.pop(rid, None)
         return self._router_peers.pop(rid, None) is not None
@@ -187,13 +222,18 @@ class PeerSet:
             for link in self.links.values():
                 link.ping(now)
         for link in self.links.values():
+            if link.connected and self._moving(link.name, link.connection, now - link.last_seen):
+                link.last_seen = now
             if link.connected and now - link.last_seen > cfg.heartbeat_timeout:
                 log.warning("peer %s lost: silent for %.1fs", link.name, now - link.last_seen)
                 link.mark_lost()
                 self._on_lost(link.channel.key, f"peer {link.name} stopped answering")
         for rid, seen in list(self._router_seen.items()):
+            if self._moving(rid, self._router_conns.get(rid), now - seen):
+                self._router_seen[rid] = seen = now
             if now - seen > cfg.heartbeat_timeout:
                 del self._router_seen[rid]
+                self._silent_since_bytes.pop(rid, None)
                 self._router_conns.pop(rid, None)
                 self._router_channels.pop(rid, None)
                 name = self._router_peers.pop(rid, rid.hex())

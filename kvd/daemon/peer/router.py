@@ -19,6 +19,7 @@ from kvd.errors import KvdError, ProtocolError
 from kvd.wire import protocol as p
 
 from ..config import Config
+from ..logs import Throttle
 from ..metrics import Metrics
 from .auth import CurveKeys, make_server
 from .channel import Channel
@@ -45,6 +46,7 @@ class Router:
         self._accepted: dict[int, float] = {}  # fd of a connection not yet known by hello -> when accepted
         self._by_fd: dict[int, bytes] = {}  # fd -> routing id, once it said hello
         self._monitor: LoopSocket | None = None
+        self._refusals = Throttle()
         self.ctx = ctx
         self.curve = curve
         self.peers = peers
@@ -142,8 +144,9 @@ class Router:
         uid = None if self.curve is not None else foreign_user(conn)
         if uid is not None:
             refusal = foreign_user_refusal(uid, "this peer connection (on loopback)")
-            log.warning("refused a peer connection from another user (%s) calling itself %s",
-                        "unknown" if uid < 0 else f"uid {uid}", msg.node_id)
+            if self._refusals.allow(uid):
+                log.warning("refused a peer connection from another user (%s) calling itself %s (again at most "
+                            "once a minute)", "unknown" if uid < 0 else f"uid {uid}", msg.node_id)
             self._channel(rid).send(p.Abort(xfer=0, code=refusal.code, message=refusal.message))
             asyncio.get_running_loop().call_later(REFUSED_CUT_DELAY, conn.cut)
             return

@@ -11,12 +11,16 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import struct
 import sys
 from dataclasses import dataclass
 
 from kvd.errors import Unauthorized
 
 PROC_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+# struct tcp_info (linux/tcp.h, since 4.1): tcpi_bytes_acked and tcpi_bytes_received, two u64 at 120
+TCP_INFO_BYTES_ACKED = 120
+TCP_INFO_BYTES = 136
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,22 @@ class TcpConnection:
             except OSError:
                 continue
         return None
+
+    def progress(self) -> int | None:
+        """Bytes the kernel has seen move on this connection so far (acknowledged by the peer, and
+        received from it): a count that grows while a transfer crosses a slow link, even when no
+        whole message has arrived for a while. None if the connection is gone."""
+        try:
+            with socket.socket(fileno=os.dup(self.fd)) as sock:
+                if (_host_port(sock.getsockname()), _host_port(sock.getpeername())) != (self.local, self.remote):
+                    return None
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+        except OSError:
+            return None
+        if len(info) < TCP_INFO_BYTES:
+            return None
+        acked, received = struct.unpack_from("=QQ", info, TCP_INFO_BYTES_ACKED)
+        return acked + received
 
     def cut(self) -> bool:
         """Shut the connection down; False if the descriptor no longer carries this connection
