@@ -317,3 +317,23 @@ def test_a_waiting_pull_whose_reader_left_is_called_off(daemons):
         assert torch.equal(ca.get("later", keep=True)["x"], kv["x"])  # still A's, readable here
         assert cb.stats()["entries"] == 0 and cb.stats()["pool"]["used_bytes"] == 0
         assert torch.equal(cb.get("later", source="A")["x"], kv["x"])  # and a new pull gets it
+
+
+def test_a_link_closed_on_purpose_is_no_lost_peer(daemons, tmp_path):
+    """When a daemon closes its link (an idle ad-hoc link after 60 s, a peer removed by SIGHUP),
+    the other side hears the disconnect and says so at INFO: a healthy node is never reported
+    "lost" (alerts key on that word)."""
+    import signal
+
+    b = daemons.start("B", extra=["--heartbeat-interval", "0.3s", "--heartbeat-timeout", "1.5s"])
+    config = tmp_path / "a.toml"
+    config.write_text(f'[peers]\nB = "{b.listen}"\n')
+    a = daemons.start("A", extra=["--config", str(config)])
+    with a.client() as ca, b.client() as cb:
+        ca.put("before", {"x": torch.arange(10)}, dest="B")
+        assert torch.equal(cb.get("before")["x"], torch.arange(10))
+    config.write_text("")
+    a.proc.send_signal(signal.SIGHUP)
+    eventually(lambda: "peer A (connected to us) disconnected" in b.log(), timeout=10)
+    time.sleep(1.5 + 1.0)  # past B's heartbeat timeout
+    assert "lost" not in b.log(), b.log()[-2000:]
