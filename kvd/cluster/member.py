@@ -48,6 +48,8 @@ class ClusterMember:
         self._kick = asyncio.Event()  # wakes the session task early (the writer saw the session die)
         self._tasks: list[asyncio.Task] = []
         self._backoff = 0.05  # the writer's, after a failed batch
+        self._resync_at: float | None = None  # when the pending re-publication of the snapshot is due
+        self._resync_timer: asyncio.TimerHandle | None = None
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -67,6 +69,9 @@ class ClusterMember:
     async def stop(self) -> None:
         """Revoke the session: the node and its holder records leave the registry now."""
         self.membership.close()
+        if self._resync_timer is not None:
+            self._resync_timer.cancel()
+            self._resync_timer = None
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -259,10 +264,7 @@ class ClusterMember:
 
     async def _flush(self) -> None:
         if self.membership.resync_needed or self.outbox.resync_needed:
-            if self.membership.registrations > 1 and self.resync_jitter > 0:
-                await asyncio.sleep(random.uniform(0, self.resync_jitter))
-            self.outbox.resync(self.snapshot())
-            self.membership.on_resynced()
+            self._resync_when_due()
         while self.membership.registered and (ops := self.outbox.take(BATCH_OPS)):
             try:
                 await self._guarded("publish", self.backend.publish_batch(self._session, ops))
@@ -279,6 +281,27 @@ class ClusterMember:
             else:
                 self.outbox.done(ops)
                 self._backoff = 0.05
+
+    def _resync_when_due(self) -> None:
+        """Re-publish the store's snapshot, after a random delay when this is a re-registration (a
+        whole fleet re-registering at once after a registry blip spreads its bulk writes). Only the
+        bulk waits: entries completed meanwhile go out at once (a get by request id for a new
+        entry must not wait out the jitter)."""
+        loop = asyncio.get_running_loop()
+        if self._resync_at is None:
+            spread = self.membership.registrations > 1 and self.resync_jitter > 0
+            self._resync_at = loop.time() + (random.uniform(0, self.resync_jitter) if spread else 0.0)
+        if loop.time() < self._resync_at:
+            if self._resync_timer is None:
+                self._resync_timer = loop.call_at(self._resync_at, self._resync_due)
+            return
+        self._resync_at = None
+        self.outbox.resync(self.snapshot())
+        self.membership.on_resynced()
+
+    def _resync_due(self) -> None:
+        self._resync_timer = None
+        self._work.set()
 
     async def _watch_loop(self) -> None:
         async for ev in self.backend.watch_nodes():

@@ -222,7 +222,8 @@ class EtcdKeys:
 @dataclass(frozen=True)
 class RedisKeys:
     """kvd:<c>:node:<id> (string, PX TTL), kvd:<c>:nodes (ZSET id -> expiry ms),
-    kvd:<c>:req:<rid_key> (HASH node_id -> holder record)."""
+    kvd:<c>:nodes:version (a counter every change to the listing bumps, so watchers poll it, not the
+    listing), kvd:<c>:req:<rid_key> (HASH node_id -> holder record)."""
 
     cluster: str
 
@@ -233,6 +234,10 @@ class RedisKeys:
     @property
     def nodes(self) -> str:
         return self.prefix + "nodes"
+
+    @property
+    def nodes_version(self) -> str:
+        return self.prefix + "nodes:version"
 
     def node(self, node_id: str) -> str:
         return f"{self.prefix}node:{key_part(node_id)}"

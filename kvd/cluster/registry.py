@@ -19,7 +19,7 @@ from typing import Any
 from .backend import DEFAULT_OP_TIMEOUT, NodeEvent, RegistryUnavailable
 from .directory import Candidate, order_candidates
 from .health import Breaker
-from .records import ROLES, NodeRecord
+from .records import ROLES, HolderRecord, NodeRecord
 from .url import open_backend, parse_url
 
 
@@ -33,6 +33,10 @@ class Registry:
         self.backend = open_backend(self.url, cluster, op_timeout)
         self.labels = dict(labels or {})
         self.breaker = breaker or Breaker()  # fail fast after 3 failures, probe every 2 s
+        # node records of holders, read again only when a holder's node (or incarnation) is not among
+        # them: liveness is the holders' own (they die with their node), so a locate is one registry call,
+        # not one plus a listing of the whole cluster
+        self._nodes: dict[str, NodeRecord] = {}
 
     async def __aenter__(self) -> Registry:
         return self
@@ -60,6 +64,7 @@ class Registry:
         if role is not None and role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         _, nodes = await self._call(self.backend.list_nodes())
+        self._nodes = {n.node_id: n for n in nodes}
         return sorted((n for n in nodes if role is None or n.role in (role, "any")), key=lambda n: n.node_id)
 
     def watch_nodes(self) -> AsyncIterator[NodeEvent]:
@@ -73,6 +78,12 @@ class Registry:
         _, found = await self._call(self.backend.holders(rid))
         if not found:
             return []
-        _, nodes = await self._call(self.backend.list_nodes())
-        return order_candidates(found, {n.node_id: n for n in nodes}, self_id=None, now=time.time(),
+        if any(self._unknown(h) for h in found):
+            _, nodes = await self._call(self.backend.list_nodes())
+            self._nodes = {n.node_id: n for n in nodes}
+        return order_candidates(found, self._nodes, self_id=None, now=time.time(),
                                 labels=self.labels, allow_streaming=allow_streaming)
+
+    def _unknown(self, holder: HolderRecord) -> bool:
+        node = self._nodes.get(holder.node_id)
+        return node is None or node.incarnation != holder.incarnation

@@ -19,9 +19,10 @@ EXPIRES = time.time() + 3600
 def member(reg, nid: str, inc: int, store: dict[str, HolderRecord] | None = None, **kw) -> ClusterMember:
     rec = NodeRecord(nid, inc, f"tcp://127.0.0.1:{7000 + inc}", role="decode" if nid.startswith("d") else "prefill")
     kw.setdefault("breaker", Breaker(threshold=3, retry_after=0.3))
+    kw.setdefault("resync_jitter", 0)
     store = store if store is not None else {}
     m = ClusterMember(reg.backend(op_timeout=kw.pop("op_timeout", 0.3)), rec, ttl=TTL,
-                      snapshot=lambda: list(store.values()), resync_jitter=0, **kw)
+                      snapshot=lambda: list(store.values()), **kw)
     m.store = store  # the "daemon's store": what a snapshot returns
     return m
 
@@ -124,6 +125,35 @@ async def _found(m: ClusterMember, rid: str) -> bool:
 
 def test_republish_after_the_server_is_restarted_wiped(reg):
     _resync(reg)
+
+
+@run
+async def _new_entries_skip_the_jitter(reg):
+    """After a re-registration the bulk re-publication waits a random spread (a fleet reconnecting
+    at once), but an entry completed meanwhile is listed at once: a get by id must not wait it out."""
+    store: dict[str, HolderRecord] = {}
+    a, b = member(reg, "p1", 1, store, resync_jitter=3.0), member(reg, "d1", 2)
+    try:
+        await a.start()
+        await b.start()
+        assert await a.wait_registered(3)
+        put(a, "old")
+        assert len(await b.find("old", 2.0)) == 1
+        reg.restart_wiped()
+        await until(lambda: _true(a.membership.registrations >= 2 and a.membership.registered), 10,
+                    "re-registration after the wipe")
+        put(a, "new")
+        t0 = time.monotonic()
+        assert len(await b.find("new", 2.0)) == 1, "a new entry waited for the re-publication's jitter"
+        assert time.monotonic() - t0 < 1.0
+        await until(lambda: _found(b, "old"), 3.0 + 2, "the old entry's re-publication")
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+def test_a_new_entry_is_listed_at_once_while_the_re_publication_waits(reg):
+    _new_entries_skip_the_jitter(reg)
 
 
 @run
