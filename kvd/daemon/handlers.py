@@ -26,12 +26,12 @@ from .local_server import LocalServer
 from .metrics import Metrics
 from .peer.transfers import Outbound, Transfers
 from .pulls import SharedPulls
+from .reads import MAX_WAIT, Reads
 from .store.entries import Entry, State, Store, validate_request_id
-from .watch import EntryWatch, StreamReader
+from .watch import EntryWatch
 
 log = logging.getLogger(__name__)
 
-MAX_WAIT = 3600.0  # longest get timeout we accept
 MAX_NOTE = 512  # characters of a request id or error message kept for kvd status
 # what a draining daemon still takes: it finishes or undoes work already started (a stream's
 # next layers and its commit, a read's release, a delete), or only reads
@@ -57,7 +57,6 @@ class LocalHandlers:
                  clients: LocalServer, lifecycle: Lifecycle, hello: HelloInfo, stats: Callable[[], dict],
                  directory: Directory | None = None) -> None:
         self.config = config
-        self.directory = directory  # the cluster registry's holder directory, with --registry
         self.store = store
         self.watch = watch
         self.transfers = transfers
@@ -68,6 +67,7 @@ class LocalHandlers:
         self.stats = stats
         self.holds = Holds(store)
         self.pulls = SharedPulls(transfers)
+        self.reads = Reads(config, store, watch, self.pulls, directory, self._reply)
         self._pushes: dict[int, Outbound] = {}  # entry token -> its push (to a peer), until committed
         self._tasks: set[asyncio.Task] = set()
         self._reads: dict[bytes, set[asyncio.Task]] = {}  # connection -> its gets still waiting
@@ -139,6 +139,8 @@ class LocalHandlers:
                 reply = await coro
             except Exception as exc:
                 reply = self._error(msg, exc)
+            if waits:
+                self._read_ended(rid, task)  # before the reply: the client's next call sees it ended
             if reply is not None:
                 self._reply(rid, reply)
 
@@ -146,14 +148,17 @@ class LocalHandlers:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if waits:
-            reads = self._reads.setdefault(rid, set())
-            reads.add(task)
+            self._reads.setdefault(rid, set()).add(task)
             self.metrics.waiting_reads += 1
-            task.add_done_callback(reads.discard)
-            task.add_done_callback(self._read_ended)
+            task.add_done_callback(lambda task: self._read_ended(rid, task))  # (cancelled: its client left)
 
-    def _read_ended(self, task: asyncio.Task) -> None:
-        self.metrics.waiting_reads -= 1
+    def _read_ended(self, rid: bytes, task: asyncio.Task) -> None:
+        reads = self._reads.get(rid)
+        if reads is not None and task in reads:
+            reads.discard(task)
+            if not reads:
+                del self._reads[rid]
+            self.metrics.waiting_reads -= 1
 
     def _handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
         match msg:
@@ -177,15 +182,15 @@ class LocalHandlers:
             case p.Put():
                 return self._put_in_scratch(rid, msg)
             case p.GetStream():
-                self._later(rid, msg, self._get_stream(rid, msg), waits=True)
+                self._later(rid, msg, self.reads.get_stream(rid, msg), waits=True)
                 return None
             case p.Get():
                 if not 0 <= msg.timeout <= MAX_WAIT:
                     raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
                 entry = self.store.ready(msg.request_id)
                 if entry is not None:
-                    return self._lease_for_client(msg, entry)
-                self._later(rid, msg, self._get_later(rid, msg), waits=True)
+                    return self.reads.lease_for_client(msg, entry)
+                self._later(rid, msg, self.reads.get(rid, msg), waits=True)
                 return None
             case p.GetDone():
                 return self._get_done(rid, msg)
@@ -208,9 +213,9 @@ class LocalHandlers:
             case p.Stats():
                 return p.Ok(req=msg.req, value=self.stats())
             case p.ClusterNodes():
-                return p.Ok(req=msg.req, value=self._directory().nodes())
+                return p.Ok(req=msg.req, value=self.reads.directory().nodes())
             case p.ClusterLocate():
-                self._later(rid, msg, self._locate(msg))
+                self._later(rid, msg, self.reads.locate(msg))
                 return None
             case p.ListEntries():
                 return p.Ok(req=msg.req, value=self._list_page(msg.after, msg.limit))
@@ -302,18 +307,21 @@ class LocalHandlers:
         if push is None:
             self.metrics.duration.labels("local_put").observe(time.time() - entry.created)
             return self._put_ok(rid, msg, entry.total_bytes)
-        self._later(rid, msg, self._finish_push(rid, push, msg, entry))
+        # answered from the outcome's callback, not a task: a task per push costs more than the
+        # rest of a small push's handling here
+        self.transfers.outcome(push).add_done_callback(lambda outcome: self._finish_push(rid, msg, entry, outcome))
         return None
 
-    async def _finish_push(self, rid: bytes, push: Outbound, msg: p.PutCommit | p.Put, entry: Entry) -> p.Message:
-        try:
-            await self.transfers.outcome(push)
-        except BaseException:
-            # the caller still has its tensors and gets the error; the local copy goes
-            # (its blocks return once the transfer lets go of its lease)
-            self.store.remove(entry)
-            raise
-        return self._put_ok(rid, msg, entry.total_bytes)
+    def _finish_push(self, rid: bytes, msg: p.PutCommit | p.Put, entry: Entry, outcome: asyncio.Future) -> None:
+        error = (ShuttingDown(f"daemon {self.config.node_id} is shutting down") if outcome.cancelled()
+                 else outcome.exception())
+        if error is None:
+            self._reply(rid, self._put_ok(rid, msg, entry.total_bytes))
+            return
+        # the caller still has its tensors and gets the error; the local copy goes
+        # (its blocks return once the transfer lets go of its lease)
+        self.store.remove(entry)
+        self._reply(rid, self._error(msg, error))
 
     def _put_ok(self, rid: bytes, msg: p.PutCommit | p.Put, total_bytes: int) -> p.PutOk:
         """The reply to a finished put; lends the connection blocks for its next put when it
@@ -382,8 +390,8 @@ class LocalHandlers:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
         they would be at lease expiry; blocks parked for it are free at last."""
         self.pulls.leave_all(rid)
-        for task in list(self._reads.pop(rid, ())):
-            task.cancel()
+        for task in list(self._reads.get(rid, ())):
+            task.cancel()  # (each leaves self._reads as it ends)
         scratch, holds = self.holds.gone(rid)
         if scratch is not None:
             self.store.return_scratch(scratch)
@@ -404,11 +412,6 @@ class LocalHandlers:
                         writes, reads)
 
     # --- gets ---------------------------------------------------------------------------------------------
-
-    def _lease_for_client(self, msg: p.Get, entry: Entry) -> p.GetSlots:
-        lease = self.store.lease(entry, consume=not msg.keep, deadline=time.monotonic() + self.config.lease_timeout)
-        return p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
-                          segments=entry.segments(self.config.block_size), meta=entry.meta)
 
     def _get_done(self, rid: bytes, msg: p.GetDone) -> p.Ok | None:
         self.holds.read_hold(rid, msg.token)
@@ -440,59 +443,3 @@ class LocalHandlers:
 
     def _is_remote(self, peer: str | None) -> bool:
         return peer is not None and peer != self.config.node_id
-
-    async def _get_later(self, rid: bytes, msg: p.Get) -> p.Message:
-        deadline = time.monotonic() + msg.timeout
-        if self._is_remote(msg.source):
-            entry = self.store.ready(msg.request_id)
-            if entry is None and msg.request_id in self.store.entries:
-                entry = await self.watch.wait_ready(msg.request_id, deadline)  # already arriving (pushed)
-            elif entry is None:
-                entry = await self.pulls.join(rid, msg.source, msg.request_id, msg.timeout, msg.keep)
-            if entry.state is not State.READY:  # taken by another reader in the meantime
-                entry = await self.watch.wait_ready(msg.request_id, deadline)
-        elif self.directory is not None and msg.request_id not in self.store.entries:
-            entry = await self.pulls.anywhere(rid, self.watch, self.directory, msg.request_id, msg.keep, deadline)
-        else:
-            entry = await self.watch.wait_ready(msg.request_id, deadline)
-        return self._lease_for_client(msg, entry)
-
-    async def _locate(self, msg: p.ClusterLocate) -> p.Message:
-        return p.Ok(req=msg.req, value=await self._directory().locate(msg.request_id))
-
-    def _directory(self) -> Directory:
-        if self.directory is None:
-            raise BadRequest(f"daemon {self.config.node_id} has no cluster registry (start it with --registry)")
-        return self.directory
-
-    async def _get_stream(self, rid: bytes, msg: p.GetStream) -> p.Message | None:
-        """Lease an entry that may still be arriving; TensorsReady messages follow the slots."""
-        if not 0 <= msg.timeout <= MAX_WAIT:
-            raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
-        deadline = time.monotonic() + msg.timeout
-        pull = None
-        if self._is_remote(msg.source) and msg.request_id not in self.store.entries:
-            pull = self.pulls.start(rid, msg.source, msg.request_id, msg.timeout, msg.keep)
-            pull.add_done_callback(lambda _: self.watch.wake(msg.request_id))  # a failed pull ends the wait
-
-        def find() -> Entry | None:
-            if pull is not None and pull.done() and not pull.cancelled() and pull.exception() is not None:
-                raise pull.exception()
-            return self.watch.streamable(msg.request_id)
-
-        # (a reader stays on the pull it started while the entry streams in: if it hangs up and
-        # nobody else reads, the pull is called off)
-        entry = await self.watch.wait_for(msg.request_id, deadline, find)
-        complete = entry.state is State.READY
-        lease = self.store.lease(entry, consume=False, incomplete=True,
-                                 deadline=time.monotonic() + self.config.lease_timeout if complete else None)
-        self.watch.stream_leases.add(lease.token)
-        reader = StreamReader(rid, msg.req, entry, lease.token)
-        slots = p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
-                           segments=entry.segments(self.config.block_size), meta=entry.meta)
-        if not self._reply(rid, slots):
-            return None  # the reader has gone; its lease went back
-        ready = reader.news(entry.complete_tensors())
-        if not complete:
-            self.watch.add_reader(reader)
-        return p.TensorsReady(req=msg.req, tensors=ready, complete=complete)

@@ -1,15 +1,17 @@
 """Pulls in flight for local gets (daemon process): one pull per (source, request id), shared by
 every get and get_stream of that entry; a pull nobody waits for any more is called off (the
 holder keeps its copy, readable by others, instead of it moving here unread). With a cluster
-registry, `from_holders` finds the holder of a get that names no source and pulls from it."""
+registry, `from_holders` finds the holder of a get that names no source and pulls from it (a
+get_stream's search for one is a `HolderSearch`)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from kvd.cluster import RegistryUnavailable
-from kvd.errors import NotFound, PeerUnavailable, Timeout
+from kvd.errors import KvdError, NotFound, PeerUnavailable, Timeout
 
 from .directory import Directory
 from .peer.transfers import Expectation, Transfers
@@ -50,6 +52,10 @@ class SharedPulls:
             return await asyncio.shield(pull)
         finally:
             self._readers.get((source, request_id), set()).discard(conn)
+
+    def pulling(self, request_id: str) -> bool:
+        """Whether a pull of request_id (from any source) is in flight."""
+        return any(rid == request_id for _, rid in self._pulls)
 
     def leave_all(self, conn: bytes) -> None:
         """Connection conn hung up: the pulls it alone waited for are called off."""
@@ -108,10 +114,38 @@ class SharedPulls:
                     if remote.result().state is State.READY:
                         return remote.result()
                     pending = {local}  # it arrived, and another reader took it first: wait for it here
-            error, why = local.exception(), remote.exception()
-            if why is None or isinstance(why, (Timeout, NotFound)):
-                raise error
-            raise type(error)(f"{error.message}; the cluster registry could not say who holds it: {why}") from None
+            raise registry_said(local.exception(), remote.exception())
         finally:
             for task in (local, remote):
                 task.cancel()
+
+
+def registry_said(error: BaseException, why: BaseException | None) -> BaseException:
+    """A local wait's error, saying why the registry could not help when it was not a plain miss."""
+    if why is None or isinstance(why, (Timeout, NotFound)) or not isinstance(error, KvdError):
+        return error
+    return type(error)(f"{error.message}; the cluster registry could not say who holds it: {why}")
+
+
+class HolderSearch:
+    """A get_stream's look in the registry for the holder of an entry not here (with no source).
+    The pull it starts streams the entry in here, where the reader's wait finds it as any arriving
+    entry; a push may bring it first. `wake` is called when the search ends, either way."""
+
+    def __init__(self, pulls: SharedPulls, conn: bytes, directory: Directory, request_id: str, keep: bool,
+                 deadline: float, wake: Callable[[], None]) -> None:
+        self.pulls, self.request_id = pulls, request_id
+        self.task = asyncio.get_running_loop().create_task(
+            pulls.from_holders(conn, directory, request_id, keep, deadline))
+        self.task.add_done_callback(lambda _: wake())
+        self.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # said by explain()
+
+    def explain(self, error: BaseException) -> BaseException:
+        task = self.task
+        return registry_said(error, task.exception() if task.done() and not task.cancelled() else None)
+
+    def stop(self) -> None:
+        """The reader's wait is over: stop looking, but let a pull under way finish (its reader
+        stays on it: if that reader hangs up alone, the pull is called off)."""
+        if not self.task.done() and not self.pulls.pulling(self.request_id):
+            self.task.cancel()

@@ -221,6 +221,7 @@ class Workload(threading.Thread):
         self.writer, self.reader, self.tag = writer, reader, tag
         self.ok = self.errors = self.mismatches = 0
         self.slowest = 0.0
+        self.last_error: str | None = None
         self.halt = threading.Event()
 
     def run(self) -> None:
@@ -237,8 +238,9 @@ class Workload(threading.Thread):
                         self.ok += 1
                     else:
                         self.mismatches += 1
-                except kvd.KvdError:
+                except kvd.KvdError as exc:
                     self.errors += 1
+                    self.last_error = f"{type(exc).__name__}: {exc}"
                 self.slowest = max(self.slowest, time.monotonic() - started)
 
 
@@ -273,7 +275,7 @@ def test_losing_the_registry_loses_no_data_and_no_daemon(cluster):
             assert exact("survivor", cb.get("survivor", timeout=10))
         healed = load.ok
         time.sleep(1.0)
-        assert load.ok > healed  # the workload runs on after all of it
+        assert load.ok > healed, (load.errors, load.last_error)  # the workload runs on after all of it
     finally:
         load.halt.set()
         load.join(10)
@@ -281,3 +283,41 @@ def test_losing_the_registry_loses_no_data_and_no_daemon(cluster):
     assert load.slowest < 1.0 + 3.0, f"a get took {load.slowest:.1f}s with a timeout of 1 s"
     for d in (a, b):
         assert d.proc.poll() is None  # nobody exited for the registry's sake
+
+
+def test_a_get_stream_with_no_source_finds_the_holder_too(cluster):
+    """The paged connector reads with get_stream (kvd.client.sharded.scatter_shards): by request id
+    alone it must find the holder as a get does, and move the entry (keep=False) off the holder."""
+    a, b = cluster.start("A"), cluster.start("B")
+    wait_listed(cluster, [a, b], 2)
+    with a.client() as ca, b.client() as cb:
+        ca.put("streamed", kv_for("streamed"))
+        got = {}
+        for group in cb.get_stream("streamed", timeout=5):
+            got.update(group)
+        assert exact("streamed", got)
+        assert cb.stats()["registry"]["lookups"].get("hit", 0) == 1
+        eventually(lambda: ca.stats()["entries"] == 0 and ca.stats()["registry"]["listed"] == 0)
+        late = {}  # and one put after the reader began waiting: the lookup waits for its holder
+        reader = threading.Thread(target=lambda: [late.update(g) for g in cb.get_stream("later-s", timeout=10)])
+        reader.start()
+        time.sleep(0.5)
+        ca.put("later-s", kv_for("later-s"))
+        reader.join(10)
+        assert exact("later-s", late)
+
+
+def test_a_get_stream_with_no_source_ends_at_its_timeout_while_the_registry_hangs(cluster):
+    a, b = cluster.start("A"), cluster.start("B")
+    wait_listed(cluster, [a, b], 2)
+    cluster.registry.pause()
+    try:
+        with b.client() as cb:
+            started = time.monotonic()
+            with pytest.raises(kvd.KvdError):
+                for _ in cb.get_stream("nowhere", timeout=1.0):
+                    pass
+            assert time.monotonic() - started < 1.0 + 3
+            assert cb.stats()["waiting_reads"] == 0  # its search went with it
+    finally:
+        cluster.registry.resume()
