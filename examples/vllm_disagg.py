@@ -25,10 +25,18 @@ The two engines may run different parallel layouts (`--prefill-tp 2 --decode-tp 
 `--prefill-pp 2`, ...): each decode worker then rebuilds its own slice of the KV from the
 prefill's shards, and the reference is the decode engine, in its own layout, computing alone.
 
+With `--registry etcd://HOST:PORT` (or redis://HOST:PORT; a server you run, the example starts
+none) both daemons join that cluster registry instead of naming each other, and nobody handles an
+address: push names the decode daemon by its node id (`kvd_dest: "D"`), and the `directory`
+scenario (in place of pull) gives the prefill nothing at all: its daemon lists the entries, the
+prefill output says so (`kvd_directory: true`, no `kvd_source`), and decode's daemon asks the
+registry who holds each shard and pulls it from there.
+
     python examples/vllm_disagg.py                  # push, pull, noise and lost, 4 prompts each
     python examples/vllm_disagg.py push --prompts 6 --dtype bfloat16 --tp 2
     python examples/vllm_disagg.py --prefill-tp 2 --decode-tp 1
     python examples/vllm_disagg.py push pull --prefill-pp 2 --decode-tp 2
+    python examples/vllm_disagg.py --registry etcd://127.0.0.1:2379   # push, directory, noise, lost
 """
 from __future__ import annotations
 
@@ -200,24 +208,66 @@ def replace_with_noise(kvd_socket: str, keys: list[str]) -> None:
             client.put(key, noise, meta=meta)
 
 
-# name: (pull, then what happens to the KV before decode reads it)
-SCENARIOS = {"push": (False, None), "pull": (True, None), "noise": (False, "noise"), "lost": (False, "lost")}
+# name: (pull, then what happens to the KV before decode reads it); "directory" is the pull of a
+# cluster on a registry (the prefill's daemon lists the entries: no kvd_source), "pull" the one without
+SCENARIOS = {"push": (False, None), "pull": (True, None), "directory": (True, None), "noise": (False, "noise"),
+             "lost": (False, "lost")}
 LOAD_TIMEOUT = 5.0  # seconds decode waits for an entry before recomputing the prompt
+REGISTRY_READY_TIMEOUT = 20.0  # seconds for both daemons to register and see each other
+
+
+def default_scenarios(registry: str | None) -> list[str]:
+    return ["push", "directory" if registry else "pull", "noise", "lost"]
+
+
+def start_daemons(daemons, registry: str | None, cluster: str | None = None):
+    """Daemons P (prefill) and D (decode): peers of each other by address, or, with a registry,
+    two nodes of one cluster that find each other there (no --peer)."""
+    if registry is None:
+        return daemons.pair(pool_size="256MiB")
+    cluster = cluster or f"vllm-disagg-{os.getpid()}-{int(time.time())}"  # nobody else's entries
+    flags = ["--registry", registry, "--cluster", cluster]
+    pair = [daemons.start(name, pool_size="256MiB", extra=[*flags, "--role", role])
+            for name, role in (("P", "prefill"), ("D", "decode"))]
+    deadline = time.monotonic() + REGISTRY_READY_TIMEOUT
+    while not all(registered(d, len(pair)) for d in pair):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"daemons not registered in {registry} after {REGISTRY_READY_TIMEOUT:g}s")
+        time.sleep(0.1)
+    return pair
+
+
+def registered(daemon, nodes: int) -> bool:
+    with daemon.client() as client:
+        status = client.stats()["registry"]
+    return status["registered"] and status["nodes"] >= nodes
+
+
+def lookups(daemon) -> dict[str, int]:
+    """The daemon's registry lookups so far, by result (hit, miss, stale, unavailable)."""
+    with daemon.client() as client:
+        status = client.stats()["registry"]
+    return dict(status["lookups"]) if status else {}
 
 
 def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: str = "float32", tp: int = 1,
         workdir: Path | None = None, prefill: tuple[int, int] | None = None,
-        decode: tuple[int, int] | None = None) -> dict[str, Any]:
+        decode: tuple[int, int] | None = None, registry: str | None = None) -> dict[str, Any]:
     """Start two daemons and two engines once, then run each scenario on fresh prompts.
-    `prefill` and `decode` are (TP, PP) of each engine (default: (tp, 1) for both)."""
+    `prefill` and `decode` are (TP, PP) of each engine (default: (tp, 1) for both). With
+    `registry` (a URL), the daemons are one cluster on it: no addresses anywhere."""
     from kvd.testing import DaemonFactory
 
+    wrong = "pull" if registry else "directory"
+    if wrong in scenarios:
+        raise ValueError(f"scenario {wrong!r} is for daemons {'without' if registry else 'with'} a registry "
+                         f"(use {'directory' if registry else 'pull'})")
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvd-vllm-"))
     model = str(make_tiny_llama(workdir / "tiny-llama"))
     daemons = DaemonFactory(workdir, log_level="info")
     engines: list[Engine] = []
     try:
-        daemon_p, daemon_d = daemons.pair(pool_size="256MiB")
+        daemon_p, daemon_d = start_daemons(daemons, registry)
         rpc_dir = workdir / "rpc"
         rpc_dir.mkdir(exist_ok=True)
         (p_tp, p_pp), (d_tp, d_pp) = prefill or (tp, 1), decode or (tp, 1)
@@ -228,11 +278,12 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
         engine_p.wait_ready()
         engine_d.wait_ready()
         result: dict[str, Any] = {"engine_startup_s": round(time.monotonic() - started, 1), "dtype": dtype,
-                                  "prefill": {"tp": p_tp, "pp": p_pp}, "decode": {"tp": d_tp, "pp": d_pp}}
+                                  "prefill": {"tp": p_tp, "pp": p_pp}, "decode": {"tp": d_tp, "pp": d_pp},
+                                  "registry": registry}
         for index, name in enumerate(scenarios):
             pull, fault = SCENARIOS[name]
             result[name] = handoff(engine_p, engine_d, daemon_p, daemon_d, default_prompts(prompts, seed=index),
-                                   max_tokens=max_tokens, pull=pull, fault=fault)
+                                   max_tokens=max_tokens, pull=pull, fault=fault, by_name=registry is not None)
         return result
     finally:
         for engine in engines:
@@ -241,10 +292,12 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
 
 
 def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[list[int]], *, max_tokens: int,
-            pull: bool, fault: str | None = None) -> dict[str, Any]:
-    """The proxy's work for a batch of prompts, and the comparison with decode computing them itself."""
+            pull: bool, fault: str | None = None, by_name: bool = False) -> dict[str, Any]:
+    """The proxy's work for a batch of prompts, and the comparison with decode computing them itself.
+    by_name: the daemons share a registry, so a push names the decode node by its id, not its address."""
     t0 = time.monotonic()
-    first = [{"do_remote_decode": True} if pull else {"do_remote_decode": True, "kvd_dest": daemon_d.listen}
+    dest = daemon_d.node_id if by_name else daemon_d.listen
+    first = [{"do_remote_decode": True} if pull else {"do_remote_decode": True, "kvd_dest": dest}
              for _ in prompts]
     prefilled = prefill.generate(prompts, 1, first)
     t1 = time.monotonic()
@@ -260,6 +313,7 @@ def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[l
             assert all(client.delete(key) for key in keys)
     with daemon_d.client() as client_d:
         gets_before = client_d.stats()["counters"]
+    lookups_before = lookups(daemon_d)
     t2 = time.monotonic()
     decoded = decode.generate(prompts, max_tokens, params)
     t3 = time.monotonic()
@@ -268,12 +322,15 @@ def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[l
     with daemon_d.client() as client_d:
         stats_d = client_d.stats()
     return {
-        "prompt_tokens": [len(p) for p in prompts], "mode": "pull" if pull else "push", "fault": fault,
+        "prompt_tokens": [len(p) for p in prompts], "fault": fault,
+        "mode": ("directory" if params[0].get("kvd_directory") else "pull") if pull else "push",
         "prefill_s": round(t1 - t0, 3), "decode_s": round(t3 - t2, 3),
         "kv_transfer_params": params,
         "shard_entries": keys,
         "decode_daemon_counters": {k: stats_d["counters"].get(k, 0) - gets_before.get(k, 0)
                                    for k in stats_d["counters"]},
+        # the decode daemon's registry lookups during decode: "hit" once per shard found there
+        "decode_registry_lookups": {k: n - lookups_before.get(k, 0) for k, n in lookups(daemon_d).items()},
         "tokens_equal": [out["tokens"] == ref["tokens"] for out, ref in zip(decoded, reference)],
         "max_logprob_diff": max(abs(a - b) for out, ref in zip(decoded, reference)
                                 for a, b in zip(out["logprobs"], ref["logprobs"])),
@@ -295,8 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("scenarios", nargs="*", choices=[[], *sorted(SCENARIOS)],
                         help="push: prefill's daemon streams to decode's; pull: decode's daemon pulls; "
+                             "directory (with --registry): the pull, found by request id in the registry; "
                              "noise: push, then the KV is replaced by noise (the output must change); "
                              "lost: push, then the KV is deleted (decode recomputes: same output)")
+    parser.add_argument("--registry", metavar="URL",
+                        help="etcd://HOST:PORT or redis://HOST:PORT of a running server: both daemons join it "
+                             "as one cluster and no endpoint is given anywhere (default scenarios: push, "
+                             "directory, noise, lost)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -312,10 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_model:
         print(make_tiny_llama(Path(args.save_model)))
         return 0
-    args.scenarios = args.scenarios or ["push", "pull", "noise", "lost"]
+    args.scenarios = args.scenarios or default_scenarios(args.registry)
     prefill, decode = (args.prefill_tp or args.tp, args.prefill_pp), (args.decode_tp or args.tp, args.decode_pp)
-    result = run(args.scenarios, prompts=args.prompts, max_tokens=args.max_tokens, dtype=args.dtype,
-                 prefill=prefill, decode=decode)
+    try:
+        result = run(args.scenarios, prompts=args.prompts, max_tokens=args.max_tokens, dtype=args.dtype,
+                     prefill=prefill, decode=decode, registry=args.registry)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.json:
         print(json.dumps(result))
     ok = True
@@ -323,13 +388,18 @@ def main(argv: list[str] | None = None) -> int:
         outcome = result[name]
         same = all(outcome["tokens_equal"])
         ok &= same != (outcome["fault"] == "noise")
+        if name == "directory":  # found by request id alone: no address in the params, a lookup per shard
+            ok &= all(p["kvd_directory"] and p["kvd_source"] is None for p in outcome["kv_transfer_params"])
+            ok &= outcome["decode_registry_lookups"].get("hit", 0) >= len(outcome["prompt_tokens"])
         if not args.json:
+            found = f", registry lookups {outcome['decode_registry_lookups']}" if name == "directory" else ""
             print(f"{name:6} prompts {outcome['prompt_tokens']}: tokens equal {outcome['tokens_equal']}, "
                   f"max |logprob diff| {outcome['max_logprob_diff']:.2e}, prefill {outcome['prefill_s']}s, "
-                  f"decode {outcome['decode_s']}s, entries left {outcome['entries_left']}")
+                  f"decode {outcome['decode_s']}s, entries left {outcome['entries_left']}{found}")
     if not args.json:
+        where = f", daemons on {args.registry}" if args.registry else ""
         print(f"engines (prefill TP={prefill[0]} PP={prefill[1]}, decode TP={decode[0]} PP={decode[1]}, "
-              f"{args.dtype}) started in {result['engine_startup_s']}s; {'OK' if ok else 'FAILED'}")
+              f"{args.dtype}{where}) started in {result['engine_startup_s']}s; {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 

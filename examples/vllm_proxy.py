@@ -8,7 +8,10 @@ instance with the kv_transfer_params the prefill response returned. Standard lib
     python examples/vllm_proxy.py --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 \\
         --decode-kvd tcp://10.0.0.2:7470 --port 8000
 
-Without --decode-kvd the decode daemon pulls from the prefill daemon instead (kvd_source).
+Without --decode-kvd the decode daemon pulls from the prefill daemon instead (kvd_source), or, when
+the daemons share a cluster registry (`kvd serve --registry ...`), from whichever node the registry
+says holds each shard: the proxy then needs no kvd address at all (and --decode-kvd, to push, may be
+the decode node's id).
 Streaming responses are not proxied (the decode request is sent with stream=false).
 """
 from __future__ import annotations
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefill", required=True, help="prefill instance base URL, e.g. http://10.0.0.1:8100")
     parser.add_argument("--decode", required=True, help="decode instance base URL")
-    parser.add_argument("--decode-kvd", help="the decode node's kvd peer endpoint: prefill pushes there")
+    parser.add_argument("--decode-kvd", help="the decode node's kvd peer endpoint (or node id, on a registry): prefill pushes there")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout", type=float, default=600.0)

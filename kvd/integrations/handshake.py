@@ -40,13 +40,30 @@ class ConnectorSettings:
 
 
 @dataclass(frozen=True)
+class LocalDaemon:
+    """What the prefill's scheduler tells decode about its node's daemon (asked once)."""
+
+    endpoint: str | None  # where peers reach it: kvd_endpoint, else its listen address
+    directory: bool  # it lists its puts in a cluster registry: decode finds them by request id
+
+
+def local_daemon(stats: dict[str, Any], endpoint: str | None) -> LocalDaemon:
+    """From a daemon's stats: a daemon with a registry lists the entries put with no destination
+    (unless started with --registry-publish none; stats name the policy as "publish" where they do)."""
+    registry = stats.get("registry")
+    lists = bool(registry) and registry.get("publish", "pullable") != "none"
+    return LocalDaemon(endpoint or stats.get("listen"), lists)
+
+
+@dataclass(frozen=True)
 class RemoteKV:
     """What a decode request's kv_transfer_params say about its prompt's KV."""
 
     request_key: str  # the producer's entries are shard_key(request_key, tp, pp)
     num_tokens: int
-    source: str | None  # pull from this daemon; None: pushed here
+    source: str | None  # pull from this daemon; None: pushed here, or found through the directory
     src: SourceDeployment  # the producer's TP/PP layout
+    directory: bool = False  # listed in the cluster registry: the local daemon looks each shard up
 
 
 def params_for_decode(params: dict[str, Any] | None) -> RemoteKV | None:
@@ -57,12 +74,19 @@ def params_for_decode(params: dict[str, Any] | None) -> RemoteKV | None:
     key, num_tokens = params["kvd_request_id"], params.get("kvd_num_tokens")
     if not isinstance(key, str) or not key or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"malformed kvd kv_transfer_params: {params!r}")
-    source = None if params.get("kvd_pushed") else params.get("kvd_source")
+    directory = params.get("kvd_directory", False)
+    if not isinstance(directory, bool):
+        raise ValueError(f"kvd_directory must be true or false, got {directory!r}")
+    pushed = bool(params.get("kvd_pushed"))
+    # by request id alone when listed: each shard's holder is the directory's to say (the shards of
+    # one request may sit on several nodes, which no one kvd_source names)
+    source = None if pushed or directory else params.get("kvd_source")
     if source is not None and not isinstance(source, str):
         raise ValueError(f"kvd_source must be an endpoint string, got {source!r}")
     if "kvd_layout" not in params:
         raise ValueError("kvd_layout (the prefill's TP/PP layout) is missing from kv_transfer_params")
-    return RemoteKV(key, num_tokens, source, SourceDeployment.from_params(params["kvd_layout"]))
+    return RemoteKV(key, num_tokens, source, SourceDeployment.from_params(params["kvd_layout"]),
+                    directory and not pushed)
 
 
 def dest_for_prefill(params: dict[str, Any] | None, default: str | None) -> str | None:
@@ -75,16 +99,22 @@ def dest_for_prefill(params: dict[str, Any] | None, default: str | None) -> str 
 
 
 def params_for_decoder(spec: SaveSpec, source: str | None, engine_id: str | None,
-                       deployment: SourceDeployment | None = None) -> dict[str, Any]:
-    """What a finished prefill request returns: the decode request carries it to find the KV."""
+                       deployment: SourceDeployment | None = None, *, directory: bool = False) -> dict[str, Any]:
+    """What a finished prefill request returns: the decode request carries it to find the KV.
+    Three ways: pushed (`kvd_pushed`: read where it landed), listed (`kvd_directory`, when the
+    prefill's daemon lists its puts in a cluster registry: no address at all, decode's daemon asks
+    the registry who holds each shard), or pulled from `kvd_source`."""
+    pushed = spec.dest is not None
+    listed = not pushed and directory
     return {
         "kvd_layout": (deployment or SourceDeployment()).to_params(),
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "kvd_request_id": spec.request_key,
         "kvd_num_tokens": spec.num_tokens,
-        "kvd_source": source,
-        "kvd_pushed": spec.dest is not None,
+        "kvd_source": None if listed else source,
+        "kvd_pushed": pushed,
+        "kvd_directory": listed,
         "kvd_dest": spec.dest,
         "remote_engine_id": engine_id,
     }

@@ -37,13 +37,16 @@ import torch
 from ..client import Client, PutStream
 from ..client.paged import Rows
 from ..client.sharded import HeadSlice, ShardFetch, scatter_shards, shard_key
-from ..errors import BadRequest, KvdError, LayoutMismatch, PoolFull
+from ..errors import BadRequest, KvdError, LayoutMismatch, NotFound, PoolFull, Timeout
 from ..parallel.readers import is_primary
 from .paged_layout import PagedKVLayout, ShardRead, SourceDeployment, check_source, plan_loads
 
 log = logging.getLogger("kvd.paged_kv")
 
 META_KEY = "paged_kv"
+# why a load by request id alone most often finds nothing: this node's daemon cannot ask a registry
+DIRECTORY_HINT = (" (its shards are listed in the prefill's cluster registry: this node's daemon finds them "
+                  "only if it runs with --registry and --cluster of the same cluster)")
 __all__ = ["LoadSpec", "PagedKVLayout", "PagedKVWorker", "SaveSpec", "SourceDeployment", "blocks_for", "entry_key"]
 
 
@@ -88,8 +91,9 @@ class LoadSpec:
     block_ids: list[int]
     num_tokens: int
     first_block: int = 0
-    source: str | None = None
+    source: str | None = None  # None: here (pushed), or wherever the cluster registry says
     src: SourceDeployment = field(default_factory=SourceDeployment)  # the producer's TP/PP
+    directory: bool = False  # the producer listed its shards in a cluster registry (for the log)
 
 
 @dataclass
@@ -282,7 +286,8 @@ class PagedKVWorker:
             if exc is not None:
                 with self._stats_lock:
                     self._stats.load_failures += 1
-                log.error("kvd: loading the KV of request %s failed: %s: %s", req_id, type(exc).__name__, exc)
+                log.error("kvd: loading the KV of request %s failed: %s: %s%s", req_id, type(exc).__name__, exc,
+                          DIRECTORY_HINT if spec.directory and isinstance(exc, (Timeout, NotFound)) else "")
                 results.failed_loads.add(req_id)
                 results.failed_blocks.update(spec.block_ids[spec.first_block:])
         return results

@@ -11,17 +11,21 @@ The flow (the same `kv_transfer_params` handshake as vLLM's NIXL connector, so t
 disaggregation proxies work):
 
 1. The proxy sends the request to the prefill instance with
-   `kv_transfer_params={"do_remote_decode": true}` (and `"kvd_dest": <decode daemon's tcp endpoint>`
-   to push; without it the decode side pulls) and `max_tokens=1`.
+   `kv_transfer_params={"do_remote_decode": true}` (and `"kvd_dest": <decode daemon's tcp endpoint,
+   or its node id on a cluster registry>` to push; without it the decode side pulls) and `max_tokens=1`.
 2. Prefill computes the prompt; as each attention layer finishes, the request's blocks of that
    layer are written to the local kvd daemon, which streams them on to `kvd_dest`. The step ends by
    committing the entry. vLLM's blocks are free at once: kvd holds its own copy.
 3. The prefill output carries `kv_transfer_params` = {"do_remote_prefill": true, "kvd_request_id",
-   "kvd_num_tokens", "kvd_source", "kvd_pushed", ...}; the proxy sends the request with them to decode.
+   "kvd_num_tokens", "kvd_source", "kvd_pushed", "kvd_directory", ...}; the proxy sends the request
+   with them to decode. Not pushed, and the prefill's daemon on a cluster registry (`--registry`):
+   `kvd_directory` is true and there is no `kvd_source`: the daemon lists each shard, and decode's
+   daemon asks the registry who holds it (by its id: the shards may sit on several nodes).
 4. Decode reports the prompt's tokens as an external hit (loaded asynchronously). Each worker works
    out from its own TP/PP rank and the prefill's layout (`kvd_layout` in the params) which prefill
    shards it needs (one entry per prefill rank: any TP x PP on either side, replicated GQA heads
-   and MLA latents sent once), fetches them (locally if pushed, else pulled from `kvd_source`),
+   and MLA latents sent once), fetches them (locally if pushed, else pulled from `kvd_source`, or
+   from whichever node the registry names),
    checks each one's layout and scatters exactly its head slice into its cache. A failed or
    mismatched load reports its blocks (`get_block_ids_with_load_errors`, and `failed_recving` in
    `get_transfer_results`), so vLLM's `kv_load_failure_policy` recomputes (set it to "recompute":
@@ -31,7 +35,7 @@ disaggregation proxies work):
 
 Options (`kv_connector_extra_config`): `kvd_socket` (the local daemon's client socket; default
 kvd's), `kvd_endpoint` (this daemon's address as peers reach it, returned as `kvd_source`; default
-the daemon's own listen address), `kvd_push_to` (default destination when a request names none),
+the daemon's own listen address; unused when the daemon is on a registry), `kvd_push_to` (default destination when a request names none),
 `kvd_ttl` (seconds an unclaimed entry is kept, default 300), `kvd_load_timeout` (seconds decode
 waits for an entry, default 30), `kvd_load_threads` (parallel loads per worker, default 4).
 
@@ -58,7 +62,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ..client import Client
 from ..client.tensors import DTYPE_NAMES
 from ..errors import LayoutMismatch
-from .handshake import ConnectorSettings, dest_for_prefill, params_for_decode, params_for_decoder
+from .handshake import (ConnectorSettings, LocalDaemon, dest_for_prefill, local_daemon, params_for_decode,
+                        params_for_decoder)
 from .paged_kv import LoadSpec, PagedKVLayout, PagedKVWorker, SaveSpec, blocks_for, entry_key
 from .paged_layout import SourceDeployment, release_keys
 from .vllm_layout import deployment, model_kv_layout, model_signature, worker_ranks
@@ -107,7 +112,7 @@ class KVDConnector(KVConnectorBase_V1):
         self._block_ids: dict[str, list[int]] = {}
         self._saved: dict[str, SaveSpec] = {}
         self._loads: list[LoadSpec] = []
-        self._endpoint: str | None = None
+        self._daemon: LocalDaemon | None = None  # this node's daemon, once it has answered
         self._deployment = deployment(vllm_config)  # this instance's TP/PP, sent to decode
         self._loading: dict[str, tuple[str, SourceDeployment]] = {}  # decode req id -> its shards
         self._releaser: ThreadPoolExecutor | None = None  # deletes off the engine's loop
@@ -167,7 +172,7 @@ class KVDConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])[:blocks_for(total, self._block_size)]
         first_block = (total - num_external_tokens) // self._block_size  # locally cached prefix
         self._loads.append(LoadSpec(request.request_id, wanted.request_key, block_ids, total, first_block,
-                                    wanted.source, wanted.src))
+                                    wanted.source, wanted.src, wanted.directory))
         self._loading[request.request_id] = (wanted.request_key, wanted.src)
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
@@ -260,18 +265,21 @@ class KVDConnector(KVConnectorBase_V1):
                                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # nothing handed off (an unclaimed entry expires after kvd_ttl)
         # kvd holds its own copy of the blocks: vLLM may free them now
-        return False, params_for_decoder(spec, self._source_endpoint(), self._engine_id, self._deployment)
+        daemon = self._local_daemon()
+        return False, params_for_decoder(spec, daemon.endpoint, self._engine_id, self._deployment,
+                                         directory=daemon.directory)
 
-    def _source_endpoint(self) -> str | None:
-        if self._endpoint is None:
-            self._endpoint = self.settings.endpoint
-            if self._endpoint is None:
-                try:
-                    with self._client() as client:
-                        self._endpoint = client.stats().get("listen")
-                except Exception as exc:  # decode can still read a pushed entry
-                    log.warning("kvd: cannot ask the local daemon for its address: %s", exc)
-        return self._endpoint
+    def _local_daemon(self) -> LocalDaemon:
+        """This node's daemon as decode needs it: its address, and whether it lists its puts in a
+        cluster registry. Asked once; until it answers, kvd_endpoint and no registry are assumed."""
+        if self._daemon is None:
+            try:
+                with self._client() as client:
+                    self._daemon = local_daemon(client.stats(), self.settings.endpoint)
+            except Exception as exc:  # decode can still read a pushed entry
+                log.warning("kvd: cannot ask the local daemon for its address: %s", exc)
+                return LocalDaemon(self.settings.endpoint, directory=False)
+        return self._daemon
 
     # ================================= worker side ========================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
