@@ -172,3 +172,77 @@ def layer_streaming(a: DaemonProc, b: DaemonProc, layers: int, layer_bytes: int,
 
 def daemon_rss(*daemons: DaemonProc) -> int:
     return max(rss_beyond_shared(d.pid) for d in daemons)
+
+
+def pushes_in_flight(a: DaemonProc, b: DaemonProc, nbytes: int, inflight: int, count: int) -> float:
+    """Seconds per push when `inflight` pushes of nbytes run at once from one AsyncClient (the
+    shape of layer streaming or of a worker handing off several requests), count in all."""
+    data = _tensor(nbytes, 3)
+
+    async def run() -> float:
+        async with a.async_client() as ca:
+            await ca.put("inflight-warm", {"x": data}, dest="B")
+            gate = asyncio.Semaphore(inflight)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    await ca.put(f"inflight-{i}", {"x": data}, dest="B")
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(count)))
+            return time.perf_counter() - t0
+
+    elapsed = asyncio.run(run())
+    with b.client() as cb:
+        assert torch.equal(cb.get("inflight-warm")["x"], data), "a push in flight delivered different bytes"
+        for i in range(count):
+            cb.delete(f"inflight-{i}")
+    return elapsed / count
+
+
+@dataclass
+class FirstGets:
+    first: list[float]  # B's get(out=) right after each push returned
+    repeated: list[float]  # the same get again, at once
+
+    @property
+    def ratios(self) -> list[float]:
+        return [f / r for f, r in zip(self.first, self.repeated)]
+
+
+def first_get_after_push(a: DaemonProc, b: DaemonProc, nbytes: int, repeats: int) -> FirstGets:
+    """Whether the receiver's first read of a pushed entry pays for anything the push left
+    behind (its daemon still busy, pages not yet mapped): against the same read repeated."""
+    data, out = _tensor(nbytes, 4), torch.ones(nbytes, dtype=torch.uint8)
+    first, repeated = [], []
+    with a.client() as ca, b.client() as cb:
+        for _ in range(repeats):
+            ca.put("first-get", {"x": data}, dest="B")
+            t0 = time.perf_counter()
+            cb.get("first-get", out={"x": out}, keep=True)
+            t1 = time.perf_counter()
+            cb.get("first-get", out={"x": out}, keep=True)
+            t2 = time.perf_counter()
+            cb.delete("first-get")
+            first.append(t1 - t0)
+            repeated.append(t2 - t1)
+    assert torch.equal(out, data), "the first get returned different bytes"
+    return FirstGets(first, repeated)
+
+
+def fresh_client_faults(daemon: DaemonProc, nbytes: int) -> tuple[int, int]:
+    """Page faults (minor, in this process) of a fresh client's first put and first get of
+    nbytes: what its new mapping of the pool costs on the first transfer's path (source and
+    destination tensors are touched beforehand, so only the pool's pages can fault)."""
+    import resource
+
+    data, out = _tensor(nbytes, 5), torch.ones(nbytes, dtype=torch.uint8)
+    with daemon.client() as c:
+        c.stats()  # connected: the pool is mapped
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        c.put("fresh-faults", {"x": data})
+        after_put = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        c.get("fresh-faults", out={"x": out})
+        after_get = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert torch.equal(out, data)
+    return after_put - before, after_get - after_put

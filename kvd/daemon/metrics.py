@@ -25,20 +25,36 @@ MAX_PEER_LABELS = 256  # distinct `peer` label values, then "other"
 RENDER_CACHE = 1.0  # seconds a rendered /metrics page is served again (many scrapers, one render)
 
 
+class _Children:
+    """A labelled metric whose children are looked up once: prometheus_client's `labels()`
+    validates and stringifies its values under a lock on every call, which cost more than the
+    rest of a small transfer's bookkeeping. The label sets are bounded (peers: MAX_PEER_LABELS)."""
+
+    def __init__(self, metric) -> None:
+        self.metric = metric
+        self._children: dict[tuple, object] = {}
+
+    def labels(self, *values: str):
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.bytes = Counter("kvd_transfer_bytes", "Payload bytes moved to or from peers",
-                             ["peer", "direction"], registry=r)
-        self.transfers = Counter("kvd_transfers", "Peer transfers finished, by outcome",
-                                 ["peer", "direction", "outcome"], registry=r)
-        self.duration = Histogram("kvd_operation_duration_seconds",
-                                  "Time from request to completion, by operation",
-                                  ["operation"], buckets=DURATION_BUCKETS, registry=r)
-        self.local_bytes = Counter("kvd_local_bytes", "Bytes handed over through the shared pool",
-                                   ["direction"], registry=r)
-        self.errors = Counter("kvd_errors", "Errors returned to clients or peers, by code", ["code"], registry=r)
+        self.bytes = _Children(Counter("kvd_transfer_bytes", "Payload bytes moved to or from peers",
+                                       ["peer", "direction"], registry=r))
+        self.transfers = _Children(Counter("kvd_transfers", "Peer transfers finished, by outcome",
+                                           ["peer", "direction", "outcome"], registry=r))
+        self.duration = _Children(Histogram("kvd_operation_duration_seconds",
+                                            "Time from request to completion, by operation",
+                                            ["operation"], buckets=DURATION_BUCKETS, registry=r))
+        self.local_bytes = _Children(Counter("kvd_local_bytes", "Bytes handed over through the shared pool",
+                                             ["direction"], registry=r))
+        self.errors = _Children(Counter("kvd_errors", "Errors returned to clients or peers, by code", ["code"], registry=r))
         self.expired = Counter("kvd_expired_entries", "Entries dropped because their ttl ran out", registry=r)
         self.abandoned = Counter("kvd_abandoned_writes", "Puts dropped because the writer never finished",
                                  registry=r)

@@ -10,6 +10,7 @@ This module imports neither zmq nor asyncio; `proto/PROTOCOL.md` is its specific
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from typing import Any
 
@@ -37,15 +38,17 @@ from .messages import MESSAGE_TYPES, Chunk, Error, Message  # noqa: E402
 
 # ---- field validation ---------------------------------------------------------------------
 
-_CHECKERS: dict[str, typing.Callable[[Any], bool]] = {
-    "str": lambda v: isinstance(v, str),
-    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "bool": lambda v: isinstance(v, bool),
-    "list": lambda v: isinstance(v, list),
-    "dict": lambda v: isinstance(v, dict),
-    "bytes": lambda v: isinstance(v, bytes),
-    "Any": lambda v: True,
+# the exact types msgpack decodes each field type to (msgpack makes no subclasses; a bool is
+# not an int here, and an int is a float): one set lookup per field, the hot path of every message
+_TYPES: dict[str, frozenset[type] | None] = {
+    "str": frozenset({str}),
+    "int": frozenset({int}),
+    "float": frozenset({int, float}),
+    "bool": frozenset({bool}),
+    "list": frozenset({list}),
+    "dict": frozenset({dict}),
+    "bytes": frozenset({bytes}),
+    "Any": None,
 }
 
 
@@ -63,6 +66,13 @@ def _field_table(cls: type[Message]) -> list[tuple[str, str, bool, bool]]:
     return table
 
 
+# (name, type name, allowed types or None for any, optional, required, to float) per message type
+_DECODE = {name: [(n, base, _TYPES[base], optional, required, base == "float")
+                  for n, base, optional, required in table]
+           for name, table in ((k, _field_table(c)) for k, c in MESSAGE_TYPES.items())}
+_ABSENT = object()
+
+
 _FIELDS = {name: _field_table(cls) for name, cls in MESSAGE_TYPES.items()}
 # extension fields and their defaults, per message type (see EXTENSION)
 _EXTENSIONS = {
@@ -75,6 +85,7 @@ _EXTENSIONS = {
 # ---- encode / decode ----------------------------------------------------------------------
 
 _packer_options = dict(use_bin_type=True)
+_unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True, **UNPACK_LIMITS)
 
 
 def packed_size(value: Any) -> int:
@@ -122,7 +133,7 @@ def decode(frames: typing.Sequence[Frame]) -> Message:
     if len(head) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(head)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
     try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, **UNPACK_LIMITS)
+        header = _unpackb(head)
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
@@ -135,18 +146,18 @@ def decode(frames: typing.Sequence[Frame]) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {kind!r}")
     values: dict[str, Any] = {}
-    for name, base, optional, required in _FIELDS[kind]:
-        if name not in header:
+    for name, base, allowed, optional, required, to_float in _DECODE[kind]:
+        value = header.get(name, _ABSENT)
+        if value is _ABSENT:
             if required:
                 raise ProtocolError(f"{kind}: missing field {name!r}")
             continue
-        value = header[name]
         if value is None and optional:
             values[name] = None
             continue
-        if not _CHECKERS[base](value):
+        if allowed is not None and type(value) not in allowed:
             raise ProtocolError(f"{kind}: field {name!r} must be {base}, got {type(value).__name__}")
-        values[name] = float(value) if base == "float" else value
+        values[name] = float(value) if to_float else value
     msg = cls(**values)
     n_payload = header.get("n", 0)
     if isinstance(msg, Chunk):

@@ -7,7 +7,8 @@ immediately (non-blocking); one that cannot (no connected peer yet, for a DEALER
 IMMEDIATE) waits in a queue, in order, until the socket is writable.
 
 ZeroMQ's descriptor is edge-triggered and any socket operation can consume the edge, so
-after every send we re-check for pending input on the next loop iteration.
+after every send we ask the socket (EVENTS) whether input is waiting, and if so read it on the
+next loop iteration.
 """
 from __future__ import annotations
 
@@ -25,6 +26,38 @@ MAX_BATCH = 256  # messages handled per wake-up before yielding to other work
 # fires when a connection comes up anyway, and an unreachable peer must not cost a busy loop
 RETRY_FIRST, RETRY_MAX = 0.001, 0.5  # seconds
 MAX_PENDING = 10_000  # sends waiting for a socket that takes none: past this they fail
+# pyzmq's constants are enums; each `|` or lookup on them costs more than the socket call (and a
+# receive that finds nothing raises zmq.Again, which costs more still): ask EVENTS, with ints
+_NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+class Sent:
+    """What `send` returns for a message ZeroMQ took at once (the usual case): the part of an
+    asyncio.Future's interface the callers use, without a loop callback per message."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result) -> None:
+        self._result = result  # a MessageTracker (track=True), else None
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False
+
+    def exception(self) -> None:
+        return None
+
+    def result(self):
+        return self._result
+
+    def add_done_callback(self, callback) -> None:
+        callback(self)  # done already: now (asyncio would call it on the next loop iteration)
 
 
 class LoopSocket:
@@ -53,10 +86,15 @@ class LoopSocket:
         if self._closed:
             return
         self._flush_pending()
+        sock, copy = self.sock, self._copy
         handled = 0
         while handled < MAX_BATCH:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=self._copy)
+                if not sock.get(_EVENTS) & _POLLIN:
+                    return
+                frames = [sock.recv(_NOBLOCK, copy=copy)]
+                while sock.get(_RCVMORE):  # (a message's parts arrive together)
+                    frames.append(sock.recv(_NOBLOCK, copy=copy))
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:
@@ -85,8 +123,18 @@ class LoopSocket:
 
     # --- sending -----------------------------------------------------------------------------------
 
-    def send(self, frames: list, copy: bool = True, track: bool = False) -> asyncio.Future:
-        """Send now if possible; the future resolves (to a MessageTracker with track) once ZeroMQ has it."""
+    def send(self, frames: list, copy: bool = True, track: bool = False) -> "asyncio.Future | Sent":
+        """Send now if possible; the future resolves (to a MessageTracker with track) once ZeroMQ
+        has it: a `Sent`, done already, when it took the message at once."""
+        if not self._pending and not self._closed:
+            try:
+                result = self.sock.send_multipart(frames, _NOBLOCK, copy=copy, track=track)
+            except zmq.ZMQError:
+                pass  # (Again, or an error: the general path below says which)
+            else:
+                self._retry_delay = RETRY_FIRST
+                self._check_input()
+                return Sent(result)
         future = self._loop.create_future()
         if self._closed:
             future.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "socket closed"))
@@ -100,6 +148,14 @@ class LoopSocket:
         self._schedule_check()
         return future
 
+    def _check_input(self) -> None:
+        """A send may have taken the descriptor's edge for input that arrived meanwhile: look."""
+        try:
+            if self.sock.get(_EVENTS) & _POLLIN:
+                self._schedule_check()
+        except zmq.ZMQError:
+            self._schedule_check()
+
     @property
     def backlog(self) -> int:
         """Messages waiting for the socket to accept them."""
@@ -107,12 +163,11 @@ class LoopSocket:
 
     def send_now(self, frames: list) -> None:
         """Fire and forget (control replies): a message that cannot go now is queued the same way."""
-        future = self.send(frames)
-        future.add_done_callback(_ignore_result)
+        self.send(frames).add_done_callback(_ignore_result)
 
     def _try_send(self, frames: list, copy: bool, track: bool, future: asyncio.Future) -> bool:
         try:
-            result = self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
+            result = self.sock.send_multipart(frames, _NOBLOCK, copy=copy, track=track)
         except zmq.Again as exc:
             if self._fail_when_full:
                 future.set_exception(exc)

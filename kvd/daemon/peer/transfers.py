@@ -93,7 +93,11 @@ class Transfers:
         out, actions = self.machine.start_push(entry, lease_token, link.channel, sealed)
         out.outcome = asyncio.get_running_loop().create_future()
         self._run(actions)
-        link.ready(self.config.connect_timeout).add_done_callback(lambda ready: self._on_link(out, ready))
+        ready = link.ready(self.config.connect_timeout)
+        if ready.done():  # the usual case: the offer goes now, not one loop iteration later
+            self._on_link(out, ready)
+        else:
+            ready.add_done_callback(lambda ready: self._on_link(out, ready))
         return out
 
     def _on_link(self, out: Outbound, ready: asyncio.Future) -> None:
