@@ -9,6 +9,10 @@ from typing import Any, ClassVar
 # a field added to a v1 message after v1 was fixed: sent only when it differs from its default,
 # so v1 bytes stay as they were and a v1 peer (which ignores unknown keys) never sees it unset
 EXTENSION = {"extension": True}
+# optional parts of v1 a daemon says it speaks in peer_hello / peer_hello_ok (`features`); a peer
+# that does not list one is never sent it
+INLINE_OFFER = "inline_offer"  # an offer may carry its entry's only chunk (Offer.lengths/digest)
+FEATURES = (INLINE_OFFER,)
 
 
 @dataclass(slots=True)
@@ -261,6 +265,7 @@ class PeerHello(Message):
     TYPE: ClassVar[str] = "peer_hello"
     node_id: str
     incarnation: int
+    features: list = field(default_factory=list, metadata=EXTENSION)  # optional parts it speaks (FEATURES)
 
 
 @dataclass(slots=True)
@@ -268,6 +273,7 @@ class PeerHelloOk(Message):
     TYPE: ClassVar[str] = "peer_hello_ok"
     node_id: str
     incarnation: int
+    features: list = field(default_factory=list, metadata=EXTENSION)
 
 
 @dataclass(slots=True)
@@ -284,6 +290,11 @@ class Offer(Message):
     ttl: float | None = None
     meta: dict | None = None
     sealed: bool = True  # False: a stream; the receiver publishes only after a seal message
+    # the whole entry inline, as chunk 0 (feature "inline_offer": a sealed entry of one chunk),
+    # so that a small push is one message each way: lengths and digest as in a chunk
+    lengths: list | None = field(default=None, metadata=EXTENSION)
+    digest: int | None = field(default=None, metadata=EXTENSION)
+    payload: list = field(default_factory=list)  # raw frames, not part of the header
 
 
 @dataclass(slots=True)
@@ -377,4 +388,4 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     )
 }
 
-__all__ = ['EXTENSION', 'MESSAGE_TYPES', 'Hello', 'HelloOk', 'PutAlloc', 'PutSlots', 'PutCommit', 'Put', 'PutOk', 'PutPart', 'GetStream', 'TensorsReady', 'Get', 'GetSlots', 'GetDone', 'Delete', 'Stats', 'ListEntries', 'ClusterNodes', 'ClusterLocate', 'Ok', 'Error', 'PeerHello', 'PeerHelloOk', 'Offer', 'Seal', 'Accept', 'Chunk', 'ChunkAck', 'Done', 'Abort', 'Pull', 'Ping', 'Pong', 'LIST_PAGE', 'next_page_after']
+__all__ = ['EXTENSION', 'FEATURES', 'INLINE_OFFER', 'MESSAGE_TYPES', 'Hello', 'HelloOk', 'PutAlloc', 'PutSlots', 'PutCommit', 'Put', 'PutOk', 'PutPart', 'GetStream', 'TensorsReady', 'Get', 'GetSlots', 'GetDone', 'Delete', 'Stats', 'ListEntries', 'ClusterNodes', 'ClusterLocate', 'Ok', 'Error', 'PeerHello', 'PeerHelloOk', 'Offer', 'Seal', 'Accept', 'Chunk', 'ChunkAck', 'Done', 'Abort', 'Pull', 'Ping', 'Pong', 'LIST_PAGE', 'next_page_after']

@@ -3,7 +3,8 @@
 
 A message is a list of frames (ZeroMQ's between peers, `kvd.wire.framing`'s on the local socket):
 frame 0 is a msgpack map (the header) with the protocol version "v", the message type "t",
-and the message's fields by name; any further frames are raw payload bytes, used only by CHUNK. Decoding is bounded (header size cap,
+and the message's fields by name; any further frames are raw payload bytes, used only by CHUNK (and an
+OFFER that carries its entry's only chunk). Decoding is bounded (header size cap,
 msgpack length limits) and validates every field's type before returning a message.
 This module imports neither zmq nor asyncio; `proto/PROTOCOL.md` is its specification.
 """
@@ -33,7 +34,7 @@ UNPACK_LIMITS = dict(
 
 Frame = typing.Union[bytes, bytearray, memoryview]
 from .messages import *  # noqa: E402,F403  (every message type, as p.Hello, p.Chunk, ...)
-from .messages import MESSAGE_TYPES, Chunk, Error, Message  # noqa: E402
+from .messages import MESSAGE_TYPES, Chunk, Error, Message, Offer  # noqa: E402
 
 
 # ---- field validation ---------------------------------------------------------------------
@@ -102,7 +103,7 @@ def encode(msg: Message) -> list[Frame]:
         if name in extensions and value == extensions[name]:
             continue
         header[name] = value
-    payload = msg.payload if isinstance(msg, Chunk) else ()
+    payload = msg.payload if isinstance(msg, (Chunk, Offer)) else ()
     if payload:
         header["n"] = len(payload)
     return [msgpack.packb(header, **_packer_options), *payload]
@@ -159,21 +160,24 @@ def decode(frames: typing.Sequence[Frame]) -> Message:
             raise ProtocolError(f"{kind}: field {name!r} must be {base}, got {type(value).__name__}")
         values[name] = float(value) if to_float else value
     msg = cls(**values)
-    n_payload = header.get("n", 0)
-    if isinstance(msg, Chunk):
-        if type(n_payload) is not int or n_payload != len(frames) - 1:
-            raise ProtocolError(f"chunk declares {n_payload!r} payload frames, {len(frames) - 1} arrived")
-        if len(frames) - 1 > MAX_PAYLOAD_FRAMES:
-            raise ProtocolError(f"chunk has {len(frames) - 1} payload frames (limit {MAX_PAYLOAD_FRAMES})")
-        lengths = msg.lengths
-        if len(lengths) != len(frames) - 1 or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n == len(f) for n, f in zip(lengths, frames[1:])
-        ):
-            raise ProtocolError("chunk payload frame sizes disagree with the header's lengths")
-        msg.payload = list(frames[1:])
+    if isinstance(msg, Chunk) or (isinstance(msg, Offer) and msg.lengths is not None):
+        msg.payload = _payload(kind, header.get("n", 0), msg.lengths, frames)
     elif len(frames) != 1:
         raise ProtocolError(f"{kind} carries no payload, but {len(frames) - 1} extra frames arrived")
     return msg
+
+
+def _payload(kind: str, n_payload: Any, lengths: list, frames: typing.Sequence[Frame]) -> list:
+    """The payload frames of a chunk (or of an offer carrying its chunk), checked against the header."""
+    if type(n_payload) is not int or n_payload != len(frames) - 1:
+        raise ProtocolError(f"{kind} declares {n_payload!r} payload frames, {len(frames) - 1} arrived")
+    if len(frames) - 1 > MAX_PAYLOAD_FRAMES:
+        raise ProtocolError(f"{kind} has {len(frames) - 1} payload frames (limit {MAX_PAYLOAD_FRAMES})")
+    if len(lengths) != len(frames) - 1 or not all(
+        type(n) is int and n == len(f) for n, f in zip(lengths, frames[1:])
+    ):
+        raise ProtocolError(f"{kind} payload frame sizes disagree with the header's lengths")
+    return list(frames[1:])
 
 
 def error_reply(req: int, exc: Exception, origin: str | None) -> Error:

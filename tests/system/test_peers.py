@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvd
+from kvd.wire import protocol as p
 from kvd.testing import eventually, free_port
 
 
@@ -337,3 +338,44 @@ def test_a_link_closed_on_purpose_is_no_lost_peer(daemons, tmp_path):
     eventually(lambda: "peer A (connected to us) disconnected" in b.log(), timeout=10)
     time.sleep(1.5 + 1.0)  # past B's heartbeat timeout
     assert "lost" not in b.log(), b.log()[-2000:]
+
+
+@pytest.mark.parametrize("features", [[], [p.INLINE_OFFER]], ids=["v1 peer", "inline peer"])
+def test_a_small_entry_travels_inside_its_offer_only_to_a_peer_that_says_it_takes_that(daemons, features):
+    """The holder answers a pull of a one-chunk entry with one message (offer with the bytes inside)
+    to a peer whose hello lists inline_offer, and with offer + chunk to one that does not (a v1 peer)."""
+    import zmq
+
+    from kvd.wire.checksum import digest
+
+    holder = daemons.start("H")
+    data = torch.randint(0, 256, (3000,), dtype=torch.uint8)
+    with holder.client() as c:
+        c.put("small", {"x": data})
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(holder.listen)
+    try:
+        sock.send_multipart(p.encode(p.PeerHello(node_id="raw", incarnation=1, features=features)))
+        assert sock.poll(5000)
+        hello_ok = p.decode(sock.recv_multipart())
+        assert isinstance(hello_ok, p.PeerHelloOk) and p.INLINE_OFFER in hello_ok.features
+        sock.send_multipart(p.encode(p.Pull(xfer=5, request_id="small", timeout=5.0, keep=False)))
+        got = []
+        while sock.poll(1000):
+            got.append(p.decode(sock.recv_multipart()))
+        offer = got[0]
+        assert isinstance(offer, p.Offer) and offer.sealed
+        if features:
+            assert len(got) == 1 and offer.lengths == [3000]
+            payload = offer.payload
+        else:
+            assert offer.lengths is None and [type(m) for m in got] == [p.Offer, p.Chunk]
+            payload = got[1].payload
+        assert b"".join(bytes(f) for f in payload) == data.numpy().tobytes()
+        assert digest(offer.checksum, payload) == (offer.digest if features else got[1].digest)
+        sock.send_multipart(p.encode(p.Done(xfer=5)))
+        with holder.client() as c:
+            eventually(lambda: c.stats()["entries"] == 0)  # pulled without keep: the holder lets go
+    finally:
+        sock.close()

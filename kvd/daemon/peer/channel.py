@@ -14,6 +14,7 @@ class Channel:
                  cutter: Callable[[], bool]) -> None:
         self.key = key  # identifies the connection, so a message on another one is refused
         self.peer_name = peer_name
+        self.features: frozenset[str] = frozenset()  # what the peer said it speaks, at its handshake
         self._sender = sender
         self._cutter = cutter
 

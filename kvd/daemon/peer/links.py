@@ -91,6 +91,9 @@ class PeerLink:
         self.last_seen = 0.0  # monotonic time of the last message from this peer
         self.last_used = time.monotonic()  # when a transfer last asked for this link
 
+    def _hello_msg(self) -> p.PeerHello:
+        return p.PeerHello(node_id=self._node_id, incarnation=self._incarnation, features=list(p.FEATURES))
+
     def ping(self, now: float) -> None:
         """Heartbeat: a Ping when connected, a fresh hello otherwise (reconnects in the background)."""
         if self._given_up and now - self._dialed_at >= REDIAL_INTERVAL:
@@ -100,7 +103,7 @@ class PeerLink:
         if self.connected:
             self.channel.send(p.Ping(nonce=int(now * 1000)))
         else:
-            self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
+            self.channel.send(self._hello_msg())
 
     def ready(self, timeout: float) -> asyncio.Future:
         """Handshake once (again after a loss): a future that resolves once the peer answered our
@@ -115,7 +118,7 @@ class PeerLink:
         if self._hello is None or self._hello.done():
             self._hello = loop.create_future()
         hello = self._hello
-        sent = self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
+        sent = self.channel.send(self._hello_msg())
 
         def give_up(error: KvdError) -> None:
             if not sent.done():
@@ -216,6 +219,7 @@ class PeerLink:
                 return
             restarted = self.remote_incarnation is not None and self.remote_incarnation != msg.incarnation
             self.remote_node_id, self.remote_incarnation = msg.node_id, msg.incarnation
+            self.channel.features = frozenset(f for f in msg.features if isinstance(f, str))
             if not self.connected:
                 log.info("peer %s connected: node %s at %s", self.name, msg.node_id, self.endpoint)
             self.refusal = None
@@ -241,7 +245,7 @@ class PeerLink:
             # the peer does not know us (it restarted on the same address): introduce ourselves again
             log.warning("peer %s no longer knows us (%s); handshaking again", self.name, msg.message)
             self.connected = False
-            self.channel.send(p.PeerHello(node_id=self._node_id, incarnation=self._incarnation))
+            self.channel.send(self._hello_msg())
             return
         self._on_message(self, msg)
 

@@ -205,7 +205,15 @@ class Machine:
             ttl=None if entry.expires_at is None else max(0.001, entry.expires_at - time.monotonic()),
             meta=entry.meta, sealed=out.sealed,
         )
-        return [Send(out.channel, offer), *self._pump(out)]
+        chunks = self._pump(out)
+        if (out.sealed and len(out.window.chunks) == 1 and chunks
+                and p.INLINE_OFFER in out.channel.features):
+            # the whole entry is one chunk, and the peer takes it inside the offer: one message
+            # each way (offer, done) instead of two messages, two decodes and two sends
+            chunk = chunks[0].msg
+            offer.lengths, offer.digest, offer.payload = chunk.lengths, chunk.digest, chunk.payload
+            return [SendChunk(out, offer, chunks[0].hold)]
+        return [Send(out.channel, offer), *chunks]
 
     def _written(self, out: Outbound, event: Written) -> list:
         for offset, length in event.ranges:
@@ -279,6 +287,15 @@ class Machine:
         self.transfers[msg.xfer] = inbound
         # a small sealed entry's chunks are all on their way already: `done` alone will answer
         inbound.eager = msg.sealed and msg.total_bytes <= EAGER_CHUNKS * msg.chunk_size
+        if msg.lengths is not None:  # it carries its only chunk: done (or abort) is the whole answer
+            try:
+                if not (msg.sealed and msg.total_bytes <= msg.chunk_size):
+                    raise ProtocolError("an offer may carry its entry only when it is sealed and one chunk long")
+                return self._chunk(inbound, p.Chunk(xfer=msg.xfer, seq=0, offset=0, lengths=msg.lengths,
+                                                    digest=msg.digest or 0, payload=msg.payload))
+            except KvdError as exc:
+                log.warning("transfer %x with %s failed: %s", msg.xfer, inbound.channel.peer_name, exc)
+                return self._fail(inbound, exc, notify=True)
         actions: list = [Progress(entry, entry.complete_tensors())]  # a stream reader may be waiting for it
         if not inbound.eager:
             actions.append(Send(inbound.channel, p.Accept(xfer=msg.xfer)))

@@ -156,4 +156,5 @@ class Router:
             self._accepted.pop(conn.fd, None)
             self._by_fd[conn.fd] = rid
         channel.peer_name = msg.node_id
-        channel.send(p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation))
+        channel.features = frozenset(f for f in msg.features if isinstance(f, str))
+        channel.send(p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation, features=list(p.FEATURES)))

@@ -163,9 +163,10 @@ class Send:
 
 @dataclass
 class SendChunk:
-    """Send a chunk straight from pool memory: its frames are ZeroMQ's until its tracker is done."""
+    """Send a chunk (or an offer carrying one) straight from pool memory: its frames are ZeroMQ's
+    until its tracker is done."""
     transfer: Outbound
-    msg: p.Chunk
+    msg: p.Chunk | p.Offer
     hold: object  # what PoolIO.outbound returned with the frames, for PoolIO.sent
 
 

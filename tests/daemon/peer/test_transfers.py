@@ -74,9 +74,8 @@ class Side:
         for action in actions:
             if isinstance(action, (Send, SendChunk)):
                 msg = action.msg
-                if isinstance(msg, p.Chunk):  # the wire copies the frames out of our pool
-                    msg = p.Chunk(xfer=msg.xfer, seq=msg.seq, offset=msg.offset, lengths=list(msg.lengths),
-                                  digest=msg.digest, payload=[bytes(f) for f in msg.payload])
+                if isinstance(msg, (p.Chunk, p.Offer)):  # the wire copies the frames out of our pool
+                    msg = p.decode([bytes(f) for f in p.encode(msg)])
                 self.sent.append(msg)
                 self.peer.inbox.append(msg)
             else:
@@ -89,12 +88,14 @@ class Side:
         return [e for e in self.events if isinstance(e, Finished)]
 
 
-def pair() -> tuple[Side, Side, Clock]:
+def pair(features: tuple[str, ...] = ()) -> tuple[Side, Side, Clock]:
+    """Two sides; `features`: what each says it speaks at the handshake (none: a v1 peer)."""
     clock = Clock()
     a, b = Side("A", clock), Side("B", clock)
     a.peer, b.peer = b, a
     a.channel = Channel(("router", b"A"), "A", None, lambda: False)  # B's view of A
     b.channel = Channel(("dealer", "tcp://B"), "B", None, lambda: False)  # A's view of B
+    a.channel.features = b.channel.features = frozenset(features)
     return a, b, clock
 
 
@@ -163,6 +164,68 @@ def test_a_small_sealed_entry_needs_no_accept_and_no_acks():
     assert types(a.sent) == ["offer", "chunk", "chunk"]
     assert types(b.sent) == ["done"]  # three messages per small transfer, plus its done
     assert b.read(b.store.ready("small")) == data_of(2 * CHUNK)
+
+
+def test_an_entry_of_one_chunk_goes_inside_its_offer_to_a_peer_that_takes_it():
+    a, b, _ = pair(features=(p.INLINE_OFFER,))
+    entry = a.entry("one", data_of(CHUNK - 5))
+    out = push(a, b, entry)
+    queue_all(a, out, entry)
+    a.handle(Connected(out.xfer))
+    deliver(a, b)
+    assert types(a.sent) == ["offer"] and a.sent[0].lengths == [CHUNK - 5]  # one message each way
+    assert types(b.sent) == ["done"]
+    assert b.read(b.store.ready("one")) == data_of(CHUNK - 5)
+    assert out.state is SenderState.DONE and a.finished()[0].error is None
+
+
+@pytest.mark.parametrize("size, sealed", [(2 * CHUNK, True), (CHUNK, False)])
+def test_only_a_sealed_entry_of_one_chunk_goes_inside_its_offer(size, sealed):
+    a, b, _ = pair(features=(p.INLINE_OFFER,))
+    entry = a.entry("r", data_of(size), state=State.READY if sealed else State.WRITING)
+    out = push(a, b, entry, sealed=sealed)
+    queue_all(a, out, entry)
+    a.handle(Connected(out.xfer))
+    if not sealed:
+        a.handle(Commit(out.xfer))
+    deliver(a, b)
+    assert a.sent[0].lengths is None and "chunk" in types(a.sent)
+    assert b.read(b.store.ready("r")) == data_of(size)
+
+
+def test_a_v1_peer_is_never_sent_an_offer_with_its_entry_inside():
+    a, b, _ = pair(features=())
+    entry = a.entry("one", data_of(100))
+    out = push(a, b, entry)
+    queue_all(a, out, entry)
+    a.handle(Connected(out.xfer))
+    deliver(a, b)
+    assert types(a.sent) == ["offer", "chunk"] and a.sent[0].lengths is None
+
+
+@pytest.mark.parametrize("fault", ["bad_digest", "unsealed", "too_big"])
+def test_a_broken_offer_with_its_entry_inside_is_aborted_and_leaves_nothing(fault):
+    a, b, _ = pair(features=(p.INLINE_OFFER,))
+    entry = a.entry("one", data_of(CHUNK))
+    out = push(a, b, entry)
+    queue_all(a, out, entry)
+    a.handle(Connected(out.xfer))
+    offer = a.sent[0]
+    b.inbox.clear()
+    if fault == "bad_digest":
+        offer.digest ^= 1
+    elif fault == "unsealed":
+        offer.sealed = False
+    else:
+        offer.chunk_size = CHUNK // 2  # the entry is two chunks long by the offer's own measure
+    b.run(b.machine.handle(offer, a.channel))
+    abort = b.sent[-1]
+    assert isinstance(abort, p.Abort) and abort.xfer == offer.xfer
+    assert abort.code == (errors.ChecksumMismatch.code if fault == "bad_digest" else errors.ProtocolError.code)
+    assert "one" not in b.store.entries and b.store.allocator.free_blocks == 64 and not b.machine.transfers
+    a.inbox.clear()
+    a.run(a.machine.handle(abort, b.channel))
+    assert out.state is SenderState.FAILED and entry.state is State.READY
 
 
 def test_a_stream_is_published_only_after_its_seal():
