@@ -246,9 +246,10 @@ class LocalHandlers:
             raise hold.ended
         entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
         push = self._pushes.get(entry.token)
+        written = entry.mark_rest()
         if push is None and self._is_remote(msg.dest):
-            push = self._start_push(entry, msg.dest, sealed=True)
-        self._written(entry, *entry.mark_rest())
+            push = self._start_push(entry, msg.dest, sealed=True)  # every byte is in: it goes whole
+        self._written(entry, *written)  # (to a streamed push, and stream readers)
         self.transfers.entry_committed(entry)
         return self._publish_put(rid, msg, entry, push)
 
@@ -263,8 +264,9 @@ class LocalHandlers:
             raise
         entry = self.store.reserve_in_scratch(msg.scratch, msg.request_id, specs, msg.ttl, msg.meta,
                                               State.WRITING, time.monotonic() + self.config.lease_timeout)
+        written = entry.mark_rest()
         push = self._start_push(entry, msg.dest, sealed=True) if self._is_remote(msg.dest) else None
-        self._written(entry, *entry.mark_rest())
+        self._written(entry, *written)
         return self._publish_put(rid, msg, entry, push)
 
     def _start_push(self, entry: Entry, dest: str, sealed: bool, rid: bytes | None = None) -> Outbound:

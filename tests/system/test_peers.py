@@ -379,3 +379,48 @@ def test_a_small_entry_travels_inside_its_offer_only_to_a_peer_that_says_it_take
             eventually(lambda: c.stats()["entries"] == 0)  # pulled without keep: the holder lets go
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("size", [1000, 4 << 20, (4 << 20) + 1], ids=["small", "one chunk", "two chunks"])
+def test_a_put_with_a_destination_sends_an_entry_of_one_chunk_inside_its_offer(daemons, size):
+    """The push side: a put(dest=B) of an entry that fits one chunk (the default 4 MiB) reaches
+    a peer that takes inline offers as that one offer; a bigger one as offer + chunks. The peer
+    here is a bare ROUTER that answers hello and done; the client's put returns on its done."""
+    import zmq
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    a = daemons.start("A", peers={"B": f"tcp://127.0.0.1:{port}"})
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    received: list[p.Message] = []
+
+    def peer() -> None:
+        while router.poll(10_000):
+            ident, *frames = router.recv_multipart()
+            msg = p.decode(frames)
+            received.append(msg)
+            if isinstance(msg, p.PeerHello):
+                router.send_multipart([ident, *p.encode(p.PeerHelloOk(node_id="B", incarnation=9,
+                                                                      features=[p.INLINE_OFFER]))])
+            elif isinstance(msg, p.Offer) and msg.lengths is None and size > 2 * msg.chunk_size:
+                router.send_multipart([ident, *p.encode(p.Accept(xfer=msg.xfer))])
+            elif isinstance(msg, p.Offer) and msg.lengths is not None or (
+                    isinstance(msg, p.Chunk) and msg.offset + sum(msg.lengths) == size):
+                router.send_multipart([ident, *p.encode(p.Done(xfer=msg.xfer))])
+                return
+
+    thread = threading.Thread(target=peer)
+    thread.start()
+    try:
+        with a.client() as ca:
+            ca.put("r", {"x": data}, dest="B")
+        thread.join(10)
+        transfer = [m for m in received if isinstance(m, (p.Offer, p.Chunk))]
+        inline = size <= 4 << 20
+        assert [type(m) for m in transfer] == ([p.Offer] if inline else [p.Offer, p.Chunk, p.Chunk])
+        assert (transfer[0].lengths is not None) == inline
+        parts = [transfer[0]] if inline else transfer[1:]
+        assert b"".join(bytes(f) for m in parts for f in m.payload) == data.numpy().tobytes()
+    finally:
+        router.close()

@@ -71,10 +71,13 @@ class Machine:
     # --- starting -------------------------------------------------------------------------------
 
     def start_push(self, entry: Entry, lease_token: int, channel: Channel, sealed: bool) -> tuple[Outbound, list]:
-        """Send a leased entry (maybe still being written: sealed=False, then `Commit`) once the link
-        is up (`Connected`); bytes go as `Written` says they are in. The transfer owns the lease."""
+        """Send a leased entry once the link is up (`Connected`). sealed: every byte is written, and
+        all of it goes (an entry of one chunk inside its offer, where the peer takes that); else a
+        stream still being written, whose bytes go as `Written` says they are in, then `Commit`.
+        The transfer owns the lease."""
+        make_window = SendWindow.whole if sealed else SendWindow
         out = Outbound(self._new_xfer(), channel, entry.request_id, S.CONNECTING, entry, lease_token,
-                       SendWindow(entry.total_bytes, self.limits.chunk_size, self.limits.window), sealed)
+                       make_window(entry.total_bytes, self.limits.chunk_size, self.limits.window), sealed)
         self.transfers[out.xfer] = out
         return out, []
 
