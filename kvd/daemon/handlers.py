@@ -309,14 +309,12 @@ class LocalHandlers:
         if push is None:
             self.metrics.duration.labels("local_put").observe(time.time() - entry.created)
             return self._put_ok(rid, msg, entry.total_bytes)
-        # answered from the outcome's callback, not a task: a task per push costs more than the
-        # rest of a small push's handling here
-        self.transfers.outcome(push).add_done_callback(lambda outcome: self._finish_push(rid, msg, entry, outcome))
+        # answered as the push ends, not from a task nor a future's callback (each costs a turn of
+        # the loop, more than the rest of a small push's handling here)
+        self.transfers.when_ended(push, lambda error: self._finish_push(rid, msg, entry, error))
         return None
 
-    def _finish_push(self, rid: bytes, msg: p.PutCommit | p.Put, entry: Entry, outcome: asyncio.Future) -> None:
-        error = (ShuttingDown(f"daemon {self.config.node_id} is shutting down") if outcome.cancelled()
-                 else outcome.exception())
+    def _finish_push(self, rid: bytes, msg: p.PutCommit | p.Put, entry: Entry, error: KvdError | None) -> None:
         if error is None:
             self._reply(rid, self._put_ok(rid, msg, entry.total_bytes))
             return

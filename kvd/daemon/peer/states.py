@@ -50,6 +50,7 @@ class Outbound:
     sends: list = field(default_factory=list)  # (transfers.py) chunk send futures, for their trackers
     cut: bool = False  # (transfers.py) its connection was cut to make ZeroMQ let go of its frames
     outcome: object = None  # (transfers.py) a push's future: resolves when it ends
+    on_end: list = field(default_factory=list)  # (transfers.py) called with its error (or None) as it ends
 
     def zmq_released(self) -> bool:
         """True once ZeroMQ holds no reference to any frame of ours (safe to reuse the blocks)."""

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kvd.errors import KvdError, NotFound, PeerUnavailable
 from kvd.memory.io import PoolIO
@@ -124,6 +124,11 @@ class Transfers:
     def outcome(self, transfer: Transfer) -> asyncio.Future:
         """Resolves (to the received entry, for a pull) when the transfer has ended."""
         return transfer.outcome
+
+    def when_ended(self, out: Outbound, callback: Callable[[KvdError | None], None]) -> None:
+        """callback(error, or None on success) as the push ends, in the same turn of the loop (a
+        done callback of `outcome` runs a turn later: a small push's reply would wait for it)."""
+        out.on_end.append(callback)
 
     def pull(self, request_id: str, source: str, timeout: float, keep: bool,
              expect: Expectation | None = None, connect_within: float | None = None) -> asyncio.Future:
@@ -251,6 +256,11 @@ class Transfers:
             waiting.cancel()  # a served pull whose puller gave up while we waited for the entry
         if isinstance(transfer, Outbound) and transfer.entry is not None:
             self._unpin_when_sent(transfer)
+        for callback in getattr(transfer, "on_end", ()):
+            try:
+                callback(error)
+            except Exception:  # one party's failure must not keep the others from hearing
+                log.exception("a callback at the end of transfer %x failed", transfer.xfer)
         outcome = transfer.outcome
         if outcome is None or outcome.done():
             return
