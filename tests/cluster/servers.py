@@ -79,9 +79,16 @@ class Server:
         raise RuntimeError(f"{self.binary} was not ready within {START_TIMEOUT} s")
 
     def pause(self) -> None:
+        """SIGSTOP, and wait until every thread has stopped: a signal is delivered when the process
+        next runs, so on a busy machine a request sent right after kill() could still be answered."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
         self.paused = True
+        deadline = time.monotonic() + 5
+        while not _all_stopped(self.proc.pid):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.binary} (pid {self.proc.pid}) did not stop within 5 s of SIGSTOP")
+            time.sleep(0.002)
 
     def resume(self) -> None:
         if self.proc is not None and self.paused:
@@ -171,3 +178,20 @@ def start_server(cls: type[Server], binary: str) -> Server:
 def stop_server(server: Server) -> None:
     server.kill()
     shutil.rmtree(server.root, ignore_errors=True)
+
+
+def _all_stopped(pid: int) -> bool:
+    """Every thread of pid is in the stopped state (T)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # gone
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
