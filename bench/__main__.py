@@ -167,6 +167,11 @@ def main() -> int:
                          f"{statistics.median(ratios):.2f}x the same get repeated (median), {max(ratios):.2f}x at most"))
             target("first get after a 16MiB push / repeated get (median)", statistics.median(ratios), "<=", 1.5)
             target("first get after a 16MiB push / repeated get (max)", max(ratios), "<=", 3.0)
+            # the worst pair is as much the VM's noise as anything the push left behind: the slowest
+            # first get against the slowest repeated one says whether the first is any worse
+            rows.append(("kvd slowest first get / slowest repeated get", "16MiB", "", f"{max(gets.first) * 1e3:.3f}", "",
+                         f"{max(gets.first) / max(gets.repeated):.2f}x (repeated: slowest "
+                         f"{max(gets.repeated) / statistics.median(gets.repeated):.2f}x its median)"))
             put_faults, get_faults = cases.fresh_client_faults(a, BIG)
             rows.append(("kvd fresh client's first put, get: page faults", human(BIG), "", "", "",
                          f"{put_faults} and {get_faults} minor faults ({BIG // 4096} pages moved each way)"))

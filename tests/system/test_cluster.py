@@ -321,3 +321,83 @@ def test_a_get_stream_with_no_source_ends_at_its_timeout_while_the_registry_hang
             assert cb.stats()["waiting_reads"] == 0  # its search went with it
     finally:
         cluster.registry.resume()
+
+
+class FleetLoad(threading.Thread):
+    """Puts on whichever daemon `holder()` names at the moment, gets by request id alone (no source)
+    on `reader`, over and over, checking every byte: a get returns exactly what was put, or raises."""
+
+    def __init__(self, holder, reader, tag: str) -> None:
+        super().__init__(daemon=True)
+        self.holder, self.reader, self.tag = holder, reader, tag
+        self.ok = self.errors = self.mismatches = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        writer, client = None, None
+        with self.reader.client() as cr:
+            i = 0
+            while not self.halt.is_set():
+                if self.holder() is not writer:  # (a node restarted: its clients connect anew)
+                    if client is not None:
+                        client.close()
+                    writer = self.holder()
+                    client = writer.client()
+                rid = f"{self.tag}-{i}"
+                i += 1
+                try:
+                    client.put(rid, kv_for(rid, 1024), ttl=30)
+                    got = cr.get(rid, timeout=1.0)
+                    if exact(rid, got):
+                        self.ok += 1
+                    else:
+                        self.mismatches += 1
+                except kvd.KvdError:
+                    self.errors += 1
+                    time.sleep(0.05)
+        if client is not None:
+            client.close()
+
+    def progresses(self, timeout: float) -> None:
+        """ok grows again within timeout (the fleet healed)."""
+        before = self.ok
+        eventually(lambda: self.ok > before + 2, timeout=timeout)
+
+
+@pytest.mark.timeout(240)
+def test_faults_under_a_live_workload_never_serve_wrong_bytes(cluster):
+    """One workload (puts on C, gets by id on A) through: the holder killed mid-run (some gets are
+    between their lookup and their pull), the holder back under the same id with a new incarnation
+    (kept out until the old lease ends), two daemons racing for one id, and the registry killed and
+    down for a while. Every get returns exactly the bytes put under its id, or a KvdError."""
+    port = free_port()
+    a, c = cluster.start("A"), cluster.start("C", port=port)
+    wait_listed(cluster, [a, c], 2)
+    current = [c]
+    load = FleetLoad(lambda: current[0], a, "f")
+    load.start()
+    try:
+        load.progresses(timeout=10)
+        c.kill()  # the holder dies: gets already looked up fail, none returns other bytes
+        time.sleep(0.5)
+        current[0] = cluster.start("C", port=port)  # same id and address, a new incarnation
+        load.progresses(timeout=2 * TTL + 10)  # listed once the dead incarnation's lease ran out
+        racers = [cluster.start("R", wait=False) for _ in range(2)]
+        for racer in racers:
+            from kvd.testing import wait_ready
+            wait_ready(racer)
+        time.sleep(2 * TTL + 1)
+        registered = [ask(p.Stats(req=1), r.socket)["registry"]["registered"] for r in racers]
+        assert sorted(registered) == [False, True], registered
+        load.progresses(timeout=10)
+        cluster.registry.kill()  # the registry gone for a while: gets end in errors, nobody exits
+        time.sleep(2 * TTL)
+        cluster.registry.start(new_data=False)
+        load.progresses(timeout=2 * TTL + 15)
+    finally:
+        load.halt.set()
+        load.join(10)
+    assert load.mismatches == 0
+    assert load.errors > 0  # (the faults did reach the workload)
+    for d in (a, current[0], *racers):
+        assert d.proc.poll() is None  # nobody exited for any of it
