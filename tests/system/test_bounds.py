@@ -194,10 +194,18 @@ def test_peer_connections_are_capped_and_silent_ones_cut(daemons):
     for s in idle:
         s.settimeout(0.5)
         try:
-            gone += s.recv(100) == b"" or True
-        except (ConnectionResetError, socket.timeout):
+            while s.recv(100):  # (ZeroMQ's greeting first), then the end: closed by the daemon
+                pass
             gone += 1
+        except ConnectionResetError:
+            gone += 1
+        except socket.timeout:
+            pass  # still open
         s.close()
+    assert gone == len(idle)
+    log = a.log()
+    assert "more than 8 peer connections (--max-peer-connections)" in log  # the ones past the cap, at once
+    assert "no peer_hello within 1s" in log  # the others, at the hello deadline
     b = daemons.start("B", peers={"A": a.listen})
     with b.client() as cb, a.client() as ca:  # a real peer is served
         cb.put("through", {"x": torch.arange(1000)}, dest="A")
@@ -219,6 +227,29 @@ def test_a_peer_that_never_reads_its_replies_is_cut(daemons):
     assert rss_mb(a.pid) - before < 100
     sock.close()
     assert served(a)
+
+
+def test_a_flood_of_undecodable_peer_messages_is_counted_not_logged_one_by_one(daemons):
+    port = free_port()
+    a = daemons.start("A", extra=["--metrics-port", str(port)])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(a.listen)
+    sock.send_multipart(p.encode(p.PeerHello(node_id="noisy", incarnation=1)))
+    for i in range(2000):
+        sock.send_multipart([b"\xc1 not msgpack %d" % i])
+    answers = 0
+    while answers < 2001 and sock.poll(5000):  # hello_ok, then an abort for each
+        sock.recv_multipart()
+        answers += 1
+    sock.close()
+    assert answers == 2001
+    lines = [line for line in a.log().splitlines() if "undecodable message on the peer socket" in line]
+    assert len(lines) == 1, lines[:3]  # at most one per 10 s; the rest are counted
+    import urllib.request
+
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'kvd_undecodable_messages_total{socket="peer"} 2000.0' in page
 
 
 def test_a_peer_cannot_grow_metrics_by_claiming_names(daemons):

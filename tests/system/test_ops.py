@@ -95,6 +95,16 @@ def test_metrics_move_by_the_right_amounts(daemons):
     assert metric(scrape(port_a)[1], "kvd_pool_scratch_bytes") == 0  # came back with the connection
     assert 'node_id="A"' in after_a and "kvd_event_loop_lag_seconds" in after_a
 
+    # a pull: the holder (A) sends, the puller (B) receives, whoever started it
+    with a.client() as ca, b.client() as cb:
+        ca.put("m-pulled", {"x": payload})
+        cb.get("m-pulled", source="A")
+    pulled_a, pulled_b = scrape(port_a)[1], scrape(port_b)[1]
+    assert metric(pulled_a, "kvd_operation_duration_seconds_count", operation="send") == 3
+    assert metric(pulled_b, "kvd_operation_duration_seconds_count", operation="receive") == 3
+    assert metric(pulled_b, "kvd_operation_duration_seconds_count", operation="send") == 0
+    assert metric(pulled_b, "kvd_transfers_total", peer="A", direction="received", outcome="ok") == 3
+
 
 def _notifications(sock: socket.socket) -> list[str]:
     out = []

@@ -113,6 +113,11 @@ def test_a_key_that_is_not_allowed_is_refused(daemons, keys):
         assert cb.stats()["entries"] == 0
     assert "refused a peer with an unknown CURVE key" in b.log()
     assert "refused this daemon's CURVE key" in a.log()
+    # the refused link keeps dialing (every 2 s, and on each transfer), but neither side warns on
+    # every try: B once a minute per key, A when the reason changes
+    time.sleep(5)
+    assert b.log().count("refused a peer with an unknown CURVE key") == 1
+    assert a.log().count("refused this daemon's CURVE key") <= 2  # (the handshake's own, and the put's)
 
 
 def test_a_refused_link_dials_again_once_the_peer_lets_it_in(daemons, keys):
