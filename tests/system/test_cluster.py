@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -401,3 +403,64 @@ def test_faults_under_a_live_workload_never_serve_wrong_bytes(cluster):
     assert load.errors > 0  # (the faults did reach the workload)
     for d in (a, current[0], *racers):
         assert d.proc.poll() is None  # nobody exited for any of it
+
+
+def kvd_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=30)
+
+
+def test_operators_see_the_cluster_with_the_cli(cluster):
+    a, b = cluster.start("A", "--role", "prefill", "--label", "zone=a"), cluster.start("B", "--role", "decode")
+    wait_listed(cluster, [a, b], 2)
+    with a.client() as ca:
+        ca.put("seen", kv_for("seen"))
+    nodes = json.loads(kvd_cli("cluster", "ls", "--json", "--socket", b.socket).stdout)
+    assert {(n["node_id"], n["role"], n["endpoint"]) for n in nodes} == {("A", "prefill", a.listen),
+                                                                        ("B", "decode", b.listen)}
+    table = kvd_cli("cluster", "ls", "--socket", b.socket).stdout
+    assert "NODE" in table and "zone=a" in table and a.listen in table
+    eventually(lambda: kvd_cli("cluster", "locate", "seen", "--socket", b.socket).returncode == 0)
+    located = kvd_cli("cluster", "locate", "seen", "--json", "--socket", b.socket)
+    assert [h["node_id"] for h in json.loads(located.stdout)] == ["A"]
+    missing = kvd_cli("cluster", "locate", "nowhere", "--socket", b.socket)
+    assert missing.returncode == 1 and missing.stdout == ""
+    status = kvd_cli("status", "--socket", b.socket).stdout
+    assert f"registry   {cluster.registry.url} registered (registered, up, 2 nodes seen" in status
+    plain = cluster.factory.start("N")  # a daemon without --registry says so, and fails cleanly
+    refused = kvd_cli("cluster", "ls", "--socket", plain.socket)
+    assert refused.returncode != 0 and "has no cluster registry (start it with --registry)" in refused.stderr
+
+
+def test_a_static_peer_wins_over_the_registry_for_its_name(cluster):
+    a, b = cluster.start("A"), cluster.start("B")
+    wait_listed(cluster, [a, b], 2)
+    # C calls A's endpoint "B": its static entry is what "B" means to C, whatever the registry lists
+    c = cluster.start("C", "--peer", f"B={a.listen}")
+    wait_listed(cluster, [a, b, c], 3)
+    with c.client() as cc, a.client() as ca, b.client() as cb:
+        cc.put("static-wins", kv_for("static-wins"), dest="B")
+        assert exact("static-wins", ca.get("static-wins", timeout=2))
+        assert cb.stats()["entries"] == 0
+
+
+def test_a_node_with_curve_on_publishes_its_public_key(cluster, tmp_path):
+    import asyncio
+
+    from kvd.cluster import Registry
+
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    allow.mkdir()
+    assert kvd_cli("keygen", "K", "--dir", str(keys)).returncode == 0
+    (allow / "K.key").write_bytes((keys / "K.key").read_bytes())
+    k = cluster.start("K", "--curve-secret-key", str(keys / "K.key_secret"), "--curve-allow", str(allow))
+    wait_listed(cluster, [k], 1)
+
+    async def records():
+        async with Registry(cluster.registry.url, cluster=cluster.name) as registry:
+            return await registry.nodes()
+
+    (record,) = asyncio.run(records())
+    import zmq.auth
+
+    public, _ = zmq.auth.load_certificate(str(keys / "K.key"))
+    assert record.node_id == "K" and record.curve_public == public.decode()
