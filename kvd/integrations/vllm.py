@@ -104,6 +104,13 @@ class KVDConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if groups > 1:
+            # a hybrid model (sliding-window and full attention, or Mamba layers) has one block table
+            # per group; the connector saves and loads group 0's only, and would leave the others
+            # unwritten while telling vLLM they were loaded: refuse at start instead
+            raise ValueError(f"kvd: the KVDConnector moves models with one KV cache group; this one has {groups} "
+                             "(a hybrid attention model): run it without --kv-transfer-config")
         self.settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._block_size = vllm_config.cache_config.block_size
         self._engine_id = self._kv_transfer_config.engine_id

@@ -135,6 +135,12 @@ def test_every_transfer_group_is_loaded_and_sleep_mode_is_refused(model_dir):
     assert scheduler.connector._cache_hit_source is CacheHitSource.P2P
 
 
+def test_a_model_with_several_kv_cache_groups_is_refused_at_start(model_dir):
+    # (a hybrid model: the connector moves one group's blocks, and must not report the others loaded)
+    with pytest.raises(ValueError, match="one KV cache group; this one has 2"):
+        make_scheduler(model_dir, groups=2)
+
+
 def test_prometheus_metrics_count_what_the_workers_report():
     registry = CollectorRegistry()
 

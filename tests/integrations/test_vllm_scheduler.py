@@ -26,7 +26,8 @@ NUM_BLOCKS = 200
 
 
 def make_scheduler(model_dir: str, *, extra: dict | None = None, max_batched: int = 512,
-                   policy: str = "recompute", prefix_caching: bool = False, tp: int = 1) -> Scheduler:
+                   policy: str = "recompute", prefix_caching: bool = False, tp: int = 1,
+                   groups: int = 1) -> Scheduler:
     from vllm.config import ParallelConfig
 
     model_config = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True)
@@ -45,8 +46,9 @@ def make_scheduler(model_dir: str, *, extra: dict | None = None, max_batched: in
     )
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer.0", "layer.1"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
-                                                                    dtype=torch.float32))])
+        KVCacheGroupSpec([f"layer.{g}.0", f"layer.{g}.1"] if groups > 1 else ["layer.0", "layer.1"],
+                         FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32))
+        for g in range(groups)])
     return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=BLOCK,
                      structured_output_manager=StructuredOutputManager(vllm_config), log_stats=True)
 
