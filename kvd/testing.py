@@ -1,4 +1,5 @@
-"""Start real `kvd serve` daemons in subprocesses, for tests, benchmarks and examples.
+"""Start real `kvd serve` daemons in subprocesses, for tests, benchmarks and examples (runs in the
+test's or benchmark's process; the daemons are their own).
 
 Each daemon gets a free loopback port and a unix client socket in a directory you choose;
 `stop()` sends SIGTERM and returns the exit code.

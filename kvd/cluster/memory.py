@@ -1,4 +1,5 @@
-"""An in-process registry: a `MemoryServer` shared by any number of `MemoryBackend` clients.
+"""An in-process registry: a `MemoryServer` shared by any number of `MemoryBackend` clients (the
+process of the test or experiment that creates it; no daemon uses it).
 
 For tests (the contract suite runs against it as against etcd and Redis) and for single-process
 experiments; never for production. It models the etcd semantics (leases, a revision per write,

@@ -1,4 +1,5 @@
-"""Tensor/pipeline/data/expert parallelism: rank layouts, process groups, KV shard mapping.
+"""Tensor/pipeline/data/expert parallelism: rank layouts, process groups, KV shard mapping (worker
+process: the inference workers import it; the daemon never does).
 
 - `ranks`: pure rank layout (which global ranks form each group), vLLM's convention.
 - `sharding`: pure KV-cache shard mapping between TP/PP layouts (KVLayout, plan_reshard).

@@ -1,4 +1,4 @@
-"""One process group of the current rank, and the collectives run over it.
+"""One process group of the current rank, and the collectives run over it (worker process).
 
 A thin layer over torch.distributed: it owns no layout logic (that is `ranks.py`) and no
 module state (that is `state.py`). `src` and `dst` arguments are ranks *within the group*;

@@ -1,4 +1,5 @@
-"""Which global ranks form each tensor-, pipeline-, data- and expert-parallel group.
+"""Which global ranks form each tensor-, pipeline-, data- and expert-parallel group (worker process,
+or any: pure).
 
 Pure functions, no torch.distributed: `kvd.parallel.state` turns a RankLayout into
 process groups, and tests check every layout without starting a process.

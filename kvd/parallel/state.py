@@ -1,4 +1,4 @@
-"""The process's parallel state: its TP/PP/DP/EP groups, and the module-level accessors.
+"""The worker process's parallel state: its TP/PP/DP/EP groups, and the module-level accessors.
 
 Modelled on vLLM's vllm/distributed/parallel_state.py, much smaller. `ranks.py` decides
 which ranks form each group; this module only creates the torch.distributed groups and
