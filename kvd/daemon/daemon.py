@@ -79,7 +79,9 @@ class Daemon:
     async def start(self) -> None:
         cfg, life = self.config, self.lifecycle
         keep_receive_buffers()
-        raise_open_file_limit(cfg.max_clients + cfg.max_peer_connections)
+        max_clients, max_peer_connections = fit_connection_caps(
+            raise_open_file_limit(cfg.max_clients + cfg.max_peer_connections), cfg.max_clients,
+            cfg.max_peer_connections)
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
         curve = self.curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow)) if cfg.curve_secret_key else None
         if cfg.registry:  # the holder directory hears of every entry the store publishes or removes
@@ -97,14 +99,14 @@ class Daemon:
             log.warning("peers are not authenticated: %s is reachable beyond this host and CURVE is off, so any "
                         "host that reaches it can read and consume every entry (set --curve-secret-key, or "
                         "firewall the port)", cfg.listen)
-        self.local = LocalServer(cfg.max_clients)
+        self.local = LocalServer(max_clients)
         watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
         self.peers = PeerSet(cfg, self.ctx, life.incarnation, curve, self.metrics,
                              resolve=self.directory.endpoint_of if self.directory else None)
         io = with_fault_injection(self.memory.io(cfg.chunk_size, cfg.window))
         self.transfers = Transfers(cfg, self.store, io, self.metrics, watch, self.peers)
         self.router = Router(cfg, self.ctx, curve, self.peers, self.metrics, life.incarnation,
-                             on_gone=self.transfers.on_lost)
+                             on_gone=self.transfers.on_lost, max_connections=max_peer_connections)
         try:
             self.router.start(self.transfers.on_message)
         except zmq.ZMQError as exc:
@@ -348,10 +350,27 @@ def raise_open_file_limit(connections: int) -> int:
             soft = hard
         except (ValueError, OSError) as exc:
             log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
-    if soft < connections + FD_HEADROOM:
-        log.warning("the open-file limit (%d) is below max_clients + max_peer_connections + %d (%d): lower "
-                    "those, or raise LimitNOFILE / ulimit -n", soft, FD_HEADROOM, connections + FD_HEADROOM)
     return soft
+
+
+MIN_CAP = 16  # connections of each kind a daemon takes however few descriptors it has
+
+
+def fit_connection_caps(fd_limit: int, max_clients: int, max_peer_connections: int) -> tuple[int, int]:
+    """The connection caps the open-file limit can honour, keeping FD_HEADROOM free: the configured
+    ones when they fit; else both cut down in proportion (at least MIN_CAP each), with a warning,
+    so that the descriptors run out for neither kind before its cap turns new ones away."""
+    budget = fd_limit - FD_HEADROOM
+    wanted = max_clients + max_peer_connections
+    if wanted <= budget:
+        return max_clients, max_peer_connections
+    clients = max(MIN_CAP, budget * max_clients // wanted)
+    peers = max(MIN_CAP, budget - clients)
+    log.warning("the open-file limit (%d) leaves room for %d connections beside %d kept free, not max_clients + "
+                "max_peer_connections = %d: serving at most %d clients and %d peer connections (raise "
+                "LimitNOFILE / ulimit -n, or lower those)", fd_limit, max(budget, 0), FD_HEADROOM, wanted, clients,
+                peers)
+    return clients, peers
 
 
 def _is_loopback(endpoint: str) -> bool:

@@ -40,8 +40,11 @@ class Router:
     reported lost at the heartbeat timeout."""
 
     def __init__(self, config: Config, ctx: zmq.Context, curve: CurveKeys | None, peers: PeerSet,
-                 metrics: Metrics, incarnation: int, on_gone: Callable[[tuple, str], None] | None = None) -> None:
+                 metrics: Metrics, incarnation: int, on_gone: Callable[[tuple, str], None] | None = None,
+                 max_connections: int | None = None) -> None:
         self.config = config
+        # --max-peer-connections, or fewer where the open-file limit cannot hold that many
+        self.max_connections = config.max_peer_connections if max_connections is None else max_connections
         self._on_gone = on_gone or (lambda key, reason: None)
         self._accepted: dict[int, float] = {}  # fd of a connection not yet known by hello -> when accepted
         self._by_fd: dict[int, bytes] = {}  # fd -> routing id, once it said hello
@@ -98,8 +101,8 @@ class Router:
             if fd in self._by_fd:
                 return  # its hello came first (the monitor is another socket: no order between them)
             self._accepted[fd] = time.monotonic()
-            if len(self._accepted) + len(self._by_fd) > self.config.max_peer_connections:
-                self._cut_fd(fd, f"more than {self.config.max_peer_connections} peer connections (--max-peer-connections)")
+            if len(self._accepted) + len(self._by_fd) > self.max_connections:
+                self._cut_fd(fd, f"more than {self.max_connections} peer connections (--max-peer-connections)")
             return
         self._accepted.pop(fd, None)
         rid = self._by_fd.pop(fd, None)
