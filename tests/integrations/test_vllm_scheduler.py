@@ -212,3 +212,21 @@ def test_transfer_stats_aggregate_across_workers_and_reduce_for_the_log():
     assert summary["load_ms_avg"] == 25.0 and summary["load_ms_p90"] == 40.0
     one.reset()
     assert one.is_empty()
+
+
+def test_with_prefix_caching_only_the_blocks_not_cached_here_are_loaded(model_dir):
+    scheduler = make_scheduler(model_dir, prefix_caching=True)
+    warm = make_request("warm", 70)  # the same 70-token prompt, computed here first
+    scheduler.add_request(warm)
+    output = scheduler.schedule()
+    cached_blocks = list(output.scheduled_new_reqs[0].block_ids[0])[:4]  # its 4 full blocks of 16
+    scheduler.update_from_output(output, runner_output([warm]))  # finished: its full blocks stay cached
+    request = make_request("d4", 70, max_tokens=4, params=decode_params(70))
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    [load] = output.kv_connector_metadata.loads
+    assert load.first_block == 4 and load.num_tokens == 70  # blocks 0-3 hit the local cache
+    assert load.block_ids[:4] == cached_blocks and len(load.block_ids) == 5  # only block 4 is written
+    scheduler.update_from_output(output, runner_output([], recving={"d4"}))
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"d4": 1}
