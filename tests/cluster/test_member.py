@@ -116,6 +116,16 @@ async def _resync(reg):
         await b.stop()
 
 
+async def _answers(m: ClusterMember) -> bool:
+    """The member's registry client gets answers (a client may see a restarted server as one
+    dropped connection first)."""
+    try:
+        await m.locate("any")
+        return True
+    except RegistryUnavailable:
+        return False
+
+
 async def _found(m: ClusterMember, rid: str) -> bool:
     try:
         return bool(await m.locate(rid))
@@ -132,7 +142,7 @@ async def _new_entries_skip_the_jitter(reg):
     """After a re-registration the bulk re-publication waits a random spread (a fleet reconnecting
     at once), but an entry completed meanwhile is listed at once: a get by id must not wait it out."""
     store: dict[str, HolderRecord] = {}
-    a, b = member(reg, "p1", 1, store, resync_jitter=3.0), member(reg, "d1", 2)
+    a, b = member(reg, "p1", 1, store, resync_jitter=4.0), member(reg, "d1", 2)
     try:
         await a.start()
         await b.start()
@@ -142,11 +152,11 @@ async def _new_entries_skip_the_jitter(reg):
         reg.restart_wiped()
         await until(lambda: _true(a.membership.registrations >= 2 and a.membership.registered), 10,
                     "re-registration after the wipe")
+        await until(lambda: _answers(b), 10, "the reader's client on the restarted server")
         put(a, "new")
-        t0 = time.monotonic()
-        assert len(await b.find("new", 2.0)) == 1, "a new entry waited for the re-publication's jitter"
-        assert time.monotonic() - t0 < 1.0
-        await until(lambda: _found(b, "old"), 3.0 + 2, "the old entry's re-publication")
+        took = await until(lambda: _found(b, "new"), 1.0, "the new entry listed while the re-publication waits")
+        print(f"{reg.kind}: a new entry listed {took:.2f} s after its put")
+        await until(lambda: _found(b, "old"), 4.0 + 2, "the old entry's re-publication")
     finally:
         await a.stop()
         await b.stop()

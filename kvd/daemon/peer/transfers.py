@@ -127,7 +127,13 @@ class Transfers:
 
     def when_ended(self, out: Outbound, callback: Callable[[KvdError | None], None]) -> None:
         """callback(error, or None on success) as the push ends, in the same turn of the loop (a
-        done callback of `outcome` runs a turn later: a small push's reply would wait for it)."""
+        done callback of `outcome` runs a turn later: a small push's reply would wait for it); at
+        once if it has ended already (a streamed push the peer refused before its writer commits)."""
+        outcome = out.outcome
+        if outcome is not None and outcome.done():
+            callback(PeerUnavailable(f"daemon {self.config.node_id} is shutting down") if outcome.cancelled()
+                     else outcome.exception())
+            return
         out.on_end.append(callback)
 
     def pull(self, request_id: str, source: str, timeout: float, keep: bool,
@@ -256,7 +262,10 @@ class Transfers:
             waiting.cancel()  # a served pull whose puller gave up while we waited for the entry
         if isinstance(transfer, Outbound) and transfer.entry is not None:
             self._unpin_when_sent(transfer)
-        for callback in getattr(transfer, "on_end", ()):
+        callbacks = getattr(transfer, "on_end", None)
+        if callbacks:
+            transfer.on_end = []  # (told once)
+        for callback in callbacks or ():
             try:
                 callback(error)
             except Exception:  # one party's failure must not keep the others from hearing
