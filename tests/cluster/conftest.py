@@ -29,6 +29,15 @@ def _missing(what: str) -> None:
     pytest.skip(msg)
 
 
+def start_or_skip(kind: str) -> Server:
+    """A real etcd or Redis server of its own (free ports, a temp dir), for a test module: the test
+    is skipped where the binary is missing (failed under CI=true, where ./dev test installs it)."""
+    binary = find_etcd() if kind == "etcd" else find_redis()
+    if binary is None:
+        _missing(kind)
+    return start_server(EtcdServer if kind == "etcd" else RedisServer, binary)
+
+
 def _loop_factory():
     # the daemon runs on uvloop; KVD_TEST_LOOP=asyncio runs the same tests on the stock loop
     if os.environ.get("KVD_TEST_LOOP", "uvloop") == "uvloop":

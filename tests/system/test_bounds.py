@@ -227,11 +227,7 @@ def test_peer_connections_are_capped_and_silent_ones_cut(daemons):
 
 def test_a_peer_that_never_reads_its_replies_is_cut(daemons):
     a = daemons.start("A")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 1)
-    sock.setsockopt(zmq.RCVBUF, 4096)
-    sock.connect(a.listen)
+    sock = raw_peer(a, {zmq.RCVHWM: 1, zmq.RCVBUF: 4096})  # it reads nothing: keep its queue small
     sock.send_multipart(p.encode(p.PeerHello(node_id="deaf", incarnation=1)))
     before = rss_mb(a.pid)
     for i in range(200_000):  # pings whose pongs are never read
@@ -245,9 +241,7 @@ def test_a_peer_that_never_reads_its_replies_is_cut(daemons):
 def test_a_flood_of_undecodable_peer_messages_is_counted_not_logged_one_by_one(daemons):
     port = free_port()
     a = daemons.start("A", extra=["--metrics-port", str(port)])
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(a.listen)
+    sock = raw_peer(a)
     sock.send_multipart(p.encode(p.PeerHello(node_id="noisy", incarnation=1)))
     for i in range(2000):
         sock.send_multipart([b"\xc1 not msgpack %d" % i])
@@ -259,27 +253,21 @@ def test_a_flood_of_undecodable_peer_messages_is_counted_not_logged_one_by_one(d
     assert answers == 2001
     lines = [line for line in a.log().splitlines() if "undecodable message on the peer socket" in line]
     assert len(lines) == 1, lines[:3]  # at most one per 10 s; the rest are counted
-    import urllib.request
-
-    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    page = metrics_page(port)
     assert 'kvd_undecodable_messages_total{socket="peer"} 2000.0' in page
 
 
 def test_a_peer_cannot_grow_metrics_by_claiming_names(daemons):
     port = free_port()
     a = daemons.start("A", extra=["--metrics-port", str(port)])
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(a.listen)
+    sock = raw_peer(a)
     for i in range(600):  # a new name each time, and a zero-byte transfer under it
         sock.send_multipart(p.encode(p.PeerHello(node_id=f"n{i}", incarnation=i)))
         sock.send_multipart(p.encode(p.Offer(xfer=i + 1, request_id=f"z{i}", tensors=[["x", "uint8", [0]]],
                                              total_bytes=0, chunk_size=1 << 20, checksum="none")))
     eventually(lambda: ask(p.Stats(req=1), a.socket)["entries"] == 600, timeout=20)
     sock.close()
-    import urllib.request
-
-    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    page = metrics_page(port)
     peers = {line.split('peer="')[1].split('"')[0] for line in page.splitlines()
              if line.startswith("kvd_transfers_total{")}
     assert len(peers) <= 257 and "other" in peers
@@ -304,3 +292,20 @@ def _closed_now(sock: socket.socket) -> bool:
         return True
     except BlockingIOError:
         return False
+
+
+def raw_peer(daemon, options: dict | None = None) -> zmq.Socket:
+    """A bare DEALER on the daemon's peer port (it says what the test makes it say); `options` are
+    socket options, set before it connects."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for option, value in (options or {}).items():
+        sock.setsockopt(option, value)
+    sock.connect(daemon.listen)
+    return sock
+
+
+def metrics_page(port: int) -> str:
+    import urllib.request
+
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

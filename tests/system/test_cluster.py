@@ -8,8 +8,6 @@ the bytes that were put under its request id, or a KvdError; never anything else
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -24,23 +22,15 @@ import kvd
 from kvd.client.connection import ask
 from kvd.testing import DaemonFactory, eventually, free_port
 from kvd.wire import protocol as p
-from tests.cluster.servers import EtcdServer, RedisServer, find_etcd, find_redis, start_server, stop_server
+from tests.cluster.conftest import start_or_skip
+from tests.cluster.servers import stop_server
 
 TTL = 2.0  # seconds: a dead node leaves the listing within about twice this
 
 
-def _missing(what: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{what} is not installed (./dev test installs it)")
-    pytest.skip(f"{what} is not installed")
-
-
 @pytest.fixture(scope="module", params=["etcd", "redis"])
 def registry(request):
-    binary = find_etcd() if request.param == "etcd" else find_redis()
-    if binary is None:
-        _missing(request.param)
-    server = start_server(EtcdServer if request.param == "etcd" else RedisServer, binary)
+    server = start_or_skip(request.param)
     yield server
     stop_server(server)
 
@@ -216,23 +206,32 @@ def test_routers_read_the_cluster_over_http(cluster):
 
 
 class Workload(threading.Thread):
-    """Puts on one daemon and gets (no source) on another, over and over, checking every byte."""
+    """Puts on a writer and gets (no source) on a reader, over and over, checking every byte: a get
+    returns exactly what was put under its id, or raises. `writer` is a daemon, or a callable naming
+    the daemon to put on at the moment (a node restarted under its id: its clients connect anew)."""
 
     def __init__(self, writer, reader, tag: str) -> None:
         super().__init__(daemon=True)
-        self.writer, self.reader, self.tag = writer, reader, tag
+        self.writer = writer if callable(writer) else (lambda: writer)
+        self.reader, self.tag = reader, tag
         self.ok = self.errors = self.mismatches = 0
         self.slowest = 0.0
         self.last_error: str | None = None
         self.halt = threading.Event()
 
     def run(self) -> None:
-        with self.writer.client() as cw, self.reader.client() as cr:
+        current, cw = None, None
+        with self.reader.client() as cr:
             i = 0
             while not self.halt.is_set():
+                if self.writer() is not current:
+                    if cw is not None:
+                        cw.close()
+                    current = self.writer()
+                    cw = current.client()
                 rid = f"{self.tag}-{i}"
                 i += 1
-                started = time.monotonic()
+                started, failed = time.monotonic(), False
                 try:
                     cw.put(rid, kv_for(rid, 1024), ttl=30)
                     got = cr.get(rid, timeout=1.0)
@@ -241,9 +240,18 @@ class Workload(threading.Thread):
                     else:
                         self.mismatches += 1
                 except kvd.KvdError as exc:
-                    self.errors += 1
+                    self.errors, failed = self.errors + 1, True
                     self.last_error = f"{type(exc).__name__}: {exc}"
                 self.slowest = max(self.slowest, time.monotonic() - started)
+                if failed:
+                    time.sleep(0.05)  # (a dead writer fails at once: no busy loop)
+        if cw is not None:
+            cw.close()
+
+    def progresses(self, timeout: float) -> None:
+        """ok grows again within timeout (the fleet healed)."""
+        before = self.ok
+        eventually(lambda: self.ok > before + 2, timeout=timeout)
 
 
 @pytest.mark.timeout(180)
@@ -325,47 +333,6 @@ def test_a_get_stream_with_no_source_ends_at_its_timeout_while_the_registry_hang
         cluster.registry.resume()
 
 
-class FleetLoad(threading.Thread):
-    """Puts on whichever daemon `holder()` names at the moment, gets by request id alone (no source)
-    on `reader`, over and over, checking every byte: a get returns exactly what was put, or raises."""
-
-    def __init__(self, holder, reader, tag: str) -> None:
-        super().__init__(daemon=True)
-        self.holder, self.reader, self.tag = holder, reader, tag
-        self.ok = self.errors = self.mismatches = 0
-        self.halt = threading.Event()
-
-    def run(self) -> None:
-        writer, client = None, None
-        with self.reader.client() as cr:
-            i = 0
-            while not self.halt.is_set():
-                if self.holder() is not writer:  # (a node restarted: its clients connect anew)
-                    if client is not None:
-                        client.close()
-                    writer = self.holder()
-                    client = writer.client()
-                rid = f"{self.tag}-{i}"
-                i += 1
-                try:
-                    client.put(rid, kv_for(rid, 1024), ttl=30)
-                    got = cr.get(rid, timeout=1.0)
-                    if exact(rid, got):
-                        self.ok += 1
-                    else:
-                        self.mismatches += 1
-                except kvd.KvdError:
-                    self.errors += 1
-                    time.sleep(0.05)
-        if client is not None:
-            client.close()
-
-    def progresses(self, timeout: float) -> None:
-        """ok grows again within timeout (the fleet healed)."""
-        before = self.ok
-        eventually(lambda: self.ok > before + 2, timeout=timeout)
-
-
 @pytest.mark.timeout(240)
 def test_faults_under_a_live_workload_never_serve_wrong_bytes(cluster):
     """One workload (puts on C, gets by id on A) through: the holder killed mid-run (some gets are
@@ -376,7 +343,7 @@ def test_faults_under_a_live_workload_never_serve_wrong_bytes(cluster):
     a, c = cluster.start("A"), cluster.start("C", port=port)
     wait_listed(cluster, [a, c], 2)
     current = [c]
-    load = FleetLoad(lambda: current[0], a, "f")
+    load = Workload(lambda: current[0], a, "f")
     load.start()
     try:
         load.progresses(timeout=10)
@@ -448,11 +415,13 @@ def test_a_node_with_curve_on_publishes_its_public_key(cluster, tmp_path):
 
     from kvd.cluster import Registry
 
-    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    from tests.system.test_security import keygen
+
+    allow = tmp_path / "allow"
     allow.mkdir()
-    assert kvd_cli("keygen", "K", "--dir", str(keys)).returncode == 0
-    (allow / "K.key").write_bytes((keys / "K.key").read_bytes())
-    k = cluster.start("K", "--curve-secret-key", str(keys / "K.key_secret"), "--curve-allow", str(allow))
+    public_file, secret_file = keygen(tmp_path / "keys", "K")
+    (allow / "K.key").write_bytes(public_file.read_bytes())
+    k = cluster.start("K", "--curve-secret-key", str(secret_file), "--curve-allow", str(allow))
     wait_listed(cluster, [k], 1)
 
     async def records():
@@ -462,5 +431,5 @@ def test_a_node_with_curve_on_publishes_its_public_key(cluster, tmp_path):
     (record,) = asyncio.run(records())
     import zmq.auth
 
-    public, _ = zmq.auth.load_certificate(str(keys / "K.key"))
+    public, _ = zmq.auth.load_certificate(str(public_file))
     assert record.node_id == "K" and record.curve_public == public.decode()

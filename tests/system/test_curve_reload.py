@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,13 +12,7 @@ import torch
 
 import kvd
 from kvd.testing import eventually, free_port, wait_ready
-
-
-def keygen(directory, name: str):
-    result = subprocess.run([sys.executable, "-m", "kvd", "keygen", name, "--dir", str(directory)],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return directory / f"{name}.key", directory / f"{name}.key_secret"
+from tests.system.test_security import keygen
 
 
 @pytest.fixture

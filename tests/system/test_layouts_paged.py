@@ -71,17 +71,23 @@ class Grid:
             worker.start_load(spec)
         deadline = time.monotonic() + timeout
         for rank, worker in self.workers.items():
-            finished, failed = set(), set()
-            while spec.req_id not in finished and time.monotonic() < deadline:
-                results = worker.poll()
-                finished |= results.finished_loads
-                failed |= results.failed_loads
-                time.sleep(0.005)
+            finished, failed = wait_for_load(worker, spec.req_id, deadline)
             assert finished == {spec.req_id} and failed == set(), (rank, finished, failed)
 
     def close(self) -> None:
         for worker in self.workers.values():
             worker.close()
+
+
+def wait_for_load(worker: PagedKVWorker, req_id: str, deadline: float) -> tuple[set[str], set[str]]:
+    """Poll a worker until its load of req_id ended or the deadline passed: (finished, failed)."""
+    finished, failed = set(), set()
+    while req_id not in finished and time.monotonic() < deadline:
+        results = worker.poll()
+        finished |= results.finished_loads
+        failed |= results.failed_loads
+        time.sleep(0.005)
+    return finished, failed
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

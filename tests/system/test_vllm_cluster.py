@@ -12,7 +12,6 @@ Two tiers, on real registry servers (tests/cluster/servers.py) and real daemons:
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,33 +23,15 @@ from kvd import Client
 from kvd.integrations.paged_kv import LoadSpec, PagedKVLayout, PagedKVWorker, SaveSpec, entry_key
 from kvd.integrations.paged_layout import SourceDeployment
 from kvd.parallel import KVLayout, shard_layouts
-from tests.cluster.servers import EtcdServer, RedisServer, find_etcd, find_redis, start_server, stop_server
-from tests.system.test_cluster import Cluster, wait_listed
-from tests.system.test_layouts_paged import BLOCK, HEAD_DIM, NUM_BLOCKS, bits, full_cache, held, names, rank_caches
+from tests.cluster.conftest import start_or_skip
+from tests.cluster.servers import stop_server
+from tests.system.test_cluster import cluster, registry, wait_listed  # noqa: F401 (fixtures)
+from tests.system.test_layouts_paged import (
+    BLOCK, HEAD_DIM, bits, full_cache, held, names, rank_caches, wait_for_load,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm_disagg.py"
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # the example's model: layers x (K, V) x kv heads x head_dim x fp32
-
-
-def _server(kind: str):
-    binary = find_etcd() if kind == "etcd" else find_redis()
-    if binary is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{kind} is not installed (./dev test installs it)")
-        pytest.skip(f"{kind} is not installed")
-    return start_server(EtcdServer if kind == "etcd" else RedisServer, binary)
-
-
-@pytest.fixture(scope="module", params=["etcd", "redis"])
-def registry(request):
-    server = _server(request.param)
-    yield server
-    stop_server(server)
-
-
-@pytest.fixture
-def cluster(daemons, registry):
-    return Cluster(daemons, registry)
 
 
 def worker(daemon, full: list[torch.Tensor], kv: KVLayout, load_timeout: float = 10.0) -> PagedKVWorker:
@@ -70,13 +51,7 @@ def save(rank: PagedKVWorker, spec: SaveSpec) -> None:
 def load(rank: PagedKVWorker, spec: LoadSpec, timeout: float = 20.0) -> set[str]:
     """Load and wait; returns the failed request ids."""
     rank.start_load(spec)
-    deadline = time.monotonic() + timeout
-    finished, failed = set(), set()
-    while spec.req_id not in finished and time.monotonic() < deadline:
-        results = rank.poll()
-        finished |= results.finished_loads
-        failed |= results.failed_loads
-        time.sleep(0.005)
+    finished, failed = wait_for_load(rank, spec.req_id, time.monotonic() + timeout)
     assert finished == {spec.req_id}, "the load never ended"
     return failed
 
@@ -163,7 +138,7 @@ def test_a_decode_daemon_without_a_registry_cannot_find_them(cluster, daemons, c
 
 @pytest.fixture(scope="module")
 def etcd():
-    server = _server("etcd")
+    server = start_or_skip("etcd")
     yield server
     stop_server(server)
 
