@@ -385,7 +385,9 @@ def test_a_small_entry_travels_inside_its_offer_only_to_a_peer_that_says_it_take
 def test_a_put_with_a_destination_sends_an_entry_of_one_chunk_inside_its_offer(daemons, size):
     """The push side: a put(dest=B) of an entry that fits one chunk (the default 4 MiB) reaches
     a peer that takes inline offers as that one offer; a bigger one as offer + chunks. The peer
-    here is a bare ROUTER that answers hello and done; the client's put returns on its done."""
+    here is a bare ROUTER that answers hello and done; the client's put returns on its done. Two
+    puts: the first waits for the link's handshake, the second finds the link up (its offer goes
+    the moment the put arrives, so its bytes must be queued by then)."""
     import zmq
 
     router = zmq.Context.instance().socket(zmq.ROUTER)
@@ -396,7 +398,8 @@ def test_a_put_with_a_destination_sends_an_entry_of_one_chunk_inside_its_offer(d
     received: list[p.Message] = []
 
     def peer() -> None:
-        while router.poll(10_000):
+        done = 0
+        while done < 2 and router.poll(10_000):
             ident, *frames = router.recv_multipart()
             msg = p.decode(frames)
             received.append(msg)
@@ -408,15 +411,19 @@ def test_a_put_with_a_destination_sends_an_entry_of_one_chunk_inside_its_offer(d
             elif isinstance(msg, p.Offer) and msg.lengths is not None or (
                     isinstance(msg, p.Chunk) and msg.offset + sum(msg.lengths) == size):
                 router.send_multipart([ident, *p.encode(p.Done(xfer=msg.xfer))])
-                return
+                done += 1
 
     thread = threading.Thread(target=peer)
     thread.start()
     try:
         with a.client() as ca:
-            ca.put("r", {"x": data}, dest="B")
+            ca.put("first", {"x": data}, dest="B")
+            ca.put("second", {"x": data}, dest="B")
         thread.join(10)
-        transfer = [m for m in received if isinstance(m, (p.Offer, p.Chunk))]
+        offers = [m for m in received if isinstance(m, p.Offer)]
+        assert [o.request_id for o in offers] == ["first", "second"]
+        xfer = offers[1].xfer  # the put on the established link
+        transfer = [m for m in received if isinstance(m, (p.Offer, p.Chunk)) and m.xfer == xfer]
         inline = size <= 4 << 20
         assert [type(m) for m in transfer] == ([p.Offer] if inline else [p.Offer, p.Chunk, p.Chunk])
         assert (transfer[0].lengths is not None) == inline
