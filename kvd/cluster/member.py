@@ -191,6 +191,8 @@ class ClusterMember:
                     await self._register()
                     if not self.membership.registered:
                         await self._sleep(min(self.ttl / 2, 1.0))
+                        if self._session is not None:  # waiting out a conflict: the lease must not lapse
+                            await self._guarded("keepalive", self._session.keepalive())
                         continue
                 await self._sleep(self.ttl / 3)
                 session = self._session

@@ -215,9 +215,14 @@ async def _duplicate(reg):
         await first.start()
         assert await first.wait_registered(3)
         await second.start()
+        await until(lambda: _true(second.status()["state"] == "conflict"), 2 * TTL, "the conflict")
+        session = second.status()["session"]
         assert not await second.wait_registered(2 * TTL + 0.5)
         st = second.status()
         assert st["state"] == "conflict" and st["conflict"]["incarnation"] == "1" and not st["registered"]
+        # waiting out the conflict keeps its lease alive: a lease left to lapse meanwhile could be
+        # nearly spent when the name frees up, and the fresh registration would vanish with it
+        assert st["session"] == session and second.ops[("keepalive", "ok")] >= 2
         assert [(n.node_id, n.incarnation) for n in await _list(first)] == [("p1", 1)]
         await first.stop()  # the holder of the name leaves: now the name is free
         assert await second.wait_registered(3 * TTL)
