@@ -55,8 +55,9 @@ class _ClientCore:
         self.info: p.HelloOk | None = None
         self._sock = None  # the connection (kvd.client.connection)
         self._ipc_close = None  # closes a CUDA IPC mapping
-        # blocks the daemon lent this connection for the next small put: (token, extents, blocks)
-        self._scratch: tuple[int, list[Extent], int] | None = None
+        # blocks the daemon lent this connection for its next small puts: (token, extents, blocks)
+        # each, one per put in flight (a put takes one out while it writes)
+        self._scratch: list[tuple[int, list[Extent], int]] = []
         self.transfer_wait = STREAM_SILENCE
         # which connection (and pool mapping) this is: offsets the daemon gave on one are
         # meaningless on the next, so every copy checks that it is still the same one
@@ -118,7 +119,7 @@ class _ClientCore:
         if os.getpid() == self._pid:
             return False
         self._pid = os.getpid()
-        self._sock, self._scratch, self._pool, self._mapping, self._ipc_close = None, None, None, None, None
+        self._sock, self._scratch, self._pool, self._mapping, self._ipc_close = None, [], None, None, None
         self.info = None
         return True
 
@@ -217,22 +218,24 @@ class _ClientCore:
         wire_specs = [s.to_wire() for s in specs]
         wait = WAIT_FOREVER if dest else 0.0
         offsets, total = tensor_offsets(specs)
-        scratch, self._scratch = self._scratch, None  # taken: no other operation writes into it now
-        if scratch is not None and blocks_needed(total, self.info.block_size) <= scratch[2]:
+        scratch = self._take_scratch(blocks_needed(total, self.info.block_size))
+        if scratch is not None:  # taken: no other operation writes into it now
             token, extents, _ = scratch
             try:
                 write([physical_segments(extents, self.info.block_size, offset, spec.nbytes)
                        for spec, offset in zip(specs, offsets)])
                 self._sync_device()
             except BaseException:
-                self._scratch = scratch  # still ours, and nobody else's bytes are in it
+                self._scratch.append(scratch)  # still ours, and nobody else's bytes are in it
                 raise
             reply = yield p.Put(req=next(self._reqs), request_id=request_id, tensors=wire_specs, scratch=token,
                                 ttl=ttl, meta=meta, dest=dest), wait
         else:
-            # a loan too small for this put goes back: the reply may lend a bigger one
+            # every loan is too small for this put (or in use): the biggest goes back, so that the
+            # reply may lend one this size within the daemon's bound per connection
+            small = self._take_scratch(0, biggest=True)
             slots = yield p.PutAlloc(req=next(self._reqs), request_id=request_id, tensors=wire_specs, ttl=ttl,
-                                     meta=meta, give_back=scratch[0] if scratch else None), 0.0
+                                     meta=meta, give_back=small[0] if small else None), 0.0
             try:
                 write(slots.segments)
                 self._sync_device()
@@ -244,17 +247,25 @@ class _ClientCore:
                                       lend=True), wait
         self._keep_scratch(reply)
 
+    def _take_scratch(self, blocks: int, biggest: bool = False) -> tuple[int, list[Extent], int] | None:
+        """The smallest (or biggest) loan of at least `blocks` blocks, taken out of the list;
+        None if there is none."""
+        fits = [i for i, loan in enumerate(self._scratch) if loan[2] >= blocks]
+        if not fits:
+            return None
+        return self._scratch.pop((max if biggest else min)(fits, key=lambda i: self._scratch[i][2]))
+
     def _keep_scratch(self, reply: p.Message) -> None:
-        """Remember blocks the daemon lent for the next put (checked: they must lie in the pool)."""
+        """Remember blocks the daemon lent for a next put (checked: they must lie in the pool)."""
         if not isinstance(reply, p.PutOk) or reply.scratch is None:
-            return  # (the daemon lends one loan per connection: a new one means any old one was used)
+            return
         try:
             extents = [(int(first), int(count)) for first, count in reply.extents]
         except (TypeError, ValueError):
             return
         pool_blocks = self.info.pool_size // self.info.block_size
         if all(0 <= first and 0 < count and first + count <= pool_blocks for first, count in extents):
-            self._scratch = (reply.scratch, extents, sum(count for _, count in extents))
+            self._scratch.append((reply.scratch, extents, sum(count for _, count in extents)))
 
     def _get(self, request_id: str, source: str | None, timeout: float, out: Mapping[str, torch.Tensor] | None,
              keep: bool, with_meta: bool = False) -> Operation:
@@ -331,7 +342,7 @@ class _ClientCore:
 
     def _close_transport(self) -> None:
         """Close the connection and the pool mapping."""
-        self._scratch = None  # lent to that connection; the daemon takes it back
+        self._scratch = []  # lent to that connection; the daemon takes them back
         self._writes.clear()  # (its streams fail at their next write: another connection's offsets)
         if self._sock is not None:
             self._sock.close()

@@ -140,7 +140,7 @@ class Client(_ClientCore):
     def _reset_socket(self) -> None:
         """A fresh connection (after a timeout, late replies would otherwise still arrive); the
         daemon gives back what the old one held."""
-        self._scratch = None
+        self._scratch = []
         if self._sock is not None:
             self._sock.close()
         self._sock = BlockingConnection(self.endpoint, self.connect_timeout)

@@ -32,6 +32,8 @@ from .watch import EntryWatch
 
 log = logging.getLogger(__name__)
 
+# loans of scratch blocks one connection may hold: one per small put it has in flight, up to this
+LOANS_PER_CONNECTION = 16
 MAX_NOTE = 512  # characters of a request id or error message kept for kvd status
 # what a draining daemon still takes: it finishes or undoes work already started (a stream's
 # next layers and its commit, a read's release, a delete), or only reads
@@ -225,8 +227,7 @@ class LocalHandlers:
     # --- puts -------------------------------------------------------------------------------------------
 
     def _put_alloc(self, rid: bytes, msg: p.PutAlloc) -> p.PutSlots:
-        if msg.give_back is not None and self.holds.scratch.get(rid) == msg.give_back:
-            del self.holds.scratch[rid]
+        if self.holds.take_loan(rid, msg.give_back):
             self.store.return_scratch(msg.give_back)
         specs = [TensorSpec.from_wire(t) for t in msg.tensors]
         entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.WRITING,
@@ -254,9 +255,8 @@ class LocalHandlers:
         return self._publish_put(rid, msg, entry, push)
 
     def _put_in_scratch(self, rid: bytes, msg: p.Put) -> p.PutOk | None:
-        if self.holds.scratch.get(rid) != msg.scratch:
+        if not self.holds.take_loan(rid, msg.scratch):  # used up, whatever happens next
             raise NotFound(f"scratch blocks {msg.scratch} are not lent to this connection")
-        del self.holds.scratch[rid]  # used up, whatever happens next
         try:
             specs = [TensorSpec.from_wire(t) for t in msg.tensors]
         except BaseException:
@@ -329,12 +329,15 @@ class LocalHandlers:
 
         Lent blocks are taken back only when the connection ends or the client uses or returns
         them (never from under a client that may be writing into them), so lending is bounded
-        instead: one loan per connection, sized to this put rounded up to a power of two
-        blocks, only while the pool is less than half full, at most 1/16 of it in all."""
+        instead: each loan sized to this put rounded up to a power of two blocks, only while the
+        pool is less than half full, at most 1/16 of it in all and 1/64 of it to one connection,
+        in at most LOANS_PER_CONNECTION loans (a client with that many puts in flight takes one
+        round trip for each)."""
         reply = p.PutOk(req=msg.req)
         if isinstance(msg, p.PutCommit) and not msg.lend:
             return reply
-        if rid in self.holds.scratch or not 0 < total_bytes <= self.config.scratch_max:
+        loans = self.holds.loans(rid)
+        if len(loans) >= LOANS_PER_CONNECTION or not 0 < total_bytes <= self.config.scratch_max:
             return reply
         if not self.clients.is_connected(rid):
             return reply
@@ -343,11 +346,12 @@ class LocalHandlers:
                      max(1, self.config.scratch_max // block_size))
         pool = self.store.allocator
         if (self.store.scratch_blocks + blocks > pool.num_blocks // 16
+                or loans and sum(loans.values()) + blocks > pool.num_blocks // 64
                 or pool.free_blocks - blocks < pool.num_blocks // 2):
             return reply
         reply.scratch, extents = self.store.lend_scratch(blocks)
         reply.extents = [list(extent) for extent in extents]
-        self.holds.scratch[rid] = reply.scratch
+        self.holds.lend(rid, reply.scratch, blocks)
         return reply
 
     # --- entries that end without their writer -------------------------------------------------------
@@ -392,9 +396,9 @@ class LocalHandlers:
         self.pulls.leave_all(rid)
         for task in list(self._reads.get(rid, ())):
             task.cancel()  # (each leaves self._reads as it ends)
-        scratch, holds = self.holds.gone(rid)
-        if scratch is not None:
-            self.store.return_scratch(scratch)
+        loans, holds = self.holds.gone(rid)
+        for token in loans:
+            self.store.return_scratch(token)
         writes = reads = 0
         for hold in holds:
             if not hold.writing:

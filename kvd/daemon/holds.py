@@ -1,8 +1,8 @@
 """What each local client connection holds (daemon process): pure bookkeeping, no sockets.
 
 A connection holds reservations it writes into (a put between put_slots and its commit) and
-read leases (a get between get_slots and get_done), by token, and at most one loan of scratch
-blocks. Tokens are sequential, so everything is bound to its connection: another connection
+read leases (a get between get_slots and get_done), by token, and a few loans of scratch
+blocks (one per put it may have in flight). Tokens are sequential, so everything is bound to its connection: another connection
 naming a token finds nothing. When a connection closes, `gone` says what to give back.
 """
 from __future__ import annotations
@@ -37,7 +37,23 @@ class Holds:
         self.store = store
         self._held: dict[bytes, dict[int, Hold]] = {}  # connection -> what it holds, by token
         self._writers: dict[int, bytes] = {}  # reservation token -> the connection writing it
-        self.scratch: dict[bytes, int] = {}  # connection -> token of the blocks lent to it (one at most)
+        self._loans: dict[bytes, dict[int, int]] = {}  # connection -> {token: blocks} lent to it
+
+    def loans(self, conn: bytes) -> dict[int, int]:
+        """The connection's loans of scratch blocks: token -> blocks."""
+        return self._loans.get(conn, {})
+
+    def lend(self, conn: bytes, token: int, blocks: int) -> None:
+        self._loans.setdefault(conn, {})[token] = blocks
+
+    def take_loan(self, conn: bytes, token: int | None) -> bool:
+        """The connection uses (or returns) the loan `token`: True if it was lent to it."""
+        loans = self._loans.get(conn)
+        if not loans or loans.pop(token, None) is None:
+            return False
+        if not loans:
+            del self._loans[conn]
+        return True
 
     def hold(self, conn: bytes, hold: Hold) -> None:
         held = self._held.setdefault(conn, {})
@@ -89,9 +105,9 @@ class Holds:
         conn = self._writers.get(entry.token)
         return self.get(conn, entry.token) if conn is not None else None
 
-    def gone(self, conn: bytes) -> tuple[int | None, list[Hold]]:
-        """A connection closed: its scratch loan (token) and the holds still to give back."""
+    def gone(self, conn: bytes) -> tuple[list[int], list[Hold]]:
+        """A connection closed: its scratch loans (tokens) and the holds still to give back."""
         held = self._held.pop(conn, {})
         for token in [t for t, h in held.items() if h.writing]:
             self._writers.pop(token, None)
-        return self.scratch.pop(conn, None), [h for h in held.values() if self.is_live(h)]
+        return list(self._loans.pop(conn, {})), [h for h in held.values() if self.is_live(h)]

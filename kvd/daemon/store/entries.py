@@ -185,6 +185,7 @@ class Store:
         self._tokens = itertools.count(1)
         self._zombies: set[Entry] = set()  # removed, but a lease or their writer still pins their blocks
         self._scratch: dict[int, list[Extent]] = {}  # token -> blocks lent to a client (see lend_scratch)
+        self.scratch_blocks = 0  # blocks lent to connected clients, in all
         self.expired_total = 0
 
     # --- reservation and publication ---------------------------------------------------
@@ -265,12 +266,19 @@ class Store:
         extents = self.allocator.allocate(blocks)
         token = next(self._tokens)
         self._scratch[token] = extents
+        self.scratch_blocks += blocks
         return token, extents
 
     def return_scratch(self, token: int) -> None:
-        extents = self._scratch.pop(token, None)
+        extents = self._take_scratch(token)
         if extents is not None:
             self.allocator.free(extents)
+
+    def _take_scratch(self, token: int) -> list[Extent] | None:
+        extents = self._scratch.pop(token, None)
+        if extents is not None:
+            self.scratch_blocks -= sum(count for _, count in extents)
+        return extents
 
     def reserve_in_scratch(
         self, token: int, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict | None,
@@ -290,7 +298,7 @@ class Store:
         except BaseException:
             self.return_scratch(token)
             raise
-        del self._scratch[token]
+        self._take_scratch(token)
         used, spare = split_extents(extents, needed)
         try:
             self._check_answerable(request_id, specs, offsets, used, meta)
@@ -439,11 +447,6 @@ class Store:
     def parked_bytes(self) -> int:
         """Bytes of removed entries whose blocks someone may still touch (part of used_bytes)."""
         return sum(count for entry in self._zombies for _, count in entry.extents) * self.block_size
-
-    @property
-    def scratch_blocks(self) -> int:
-        """Blocks lent to clients (one loan per connection at most, so this sum stays short)."""
-        return sum(count for extents in self._scratch.values() for _, count in extents)
 
     @property
     def scratch_bytes(self) -> int:
