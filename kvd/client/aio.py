@@ -23,6 +23,7 @@ from .paged import get_blocks, put_blocks
 from .streaming import StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream
 
 log = logging.getLogger(__name__)
+_NO_RESULT = object()
 
 
 class AsyncClient(_ClientCore):
@@ -88,10 +89,16 @@ class AsyncClient(_ClientCore):
             pass  # clean-up only: a daemon that lost us gives back what we held by itself
 
     async def _drive(self, op: Operation) -> Any:
+        # run _steps to its end rather than return from inside the loop: an async generator left
+        # suspended is closed by the event loop's finalizer hook, which costs a task and a
+        # self-pipe wake-up per operation (measured: a fifth of a small put's client CPU)
+        result: Any = _NO_RESULT
         async for kind, value in self._steps(op):
             if kind == "result":
-                return value
-        raise ProtocolError("operation ended without a result")
+                result = value
+        if result is _NO_RESULT:
+            raise ProtocolError("operation ended without a result")
+        return result
 
     async def _receive(self, req: int, wait: float) -> p.Message:
         try:

@@ -214,6 +214,35 @@ def test_async_client_concurrent_requests(daemon):
     assert stats["entries"] == 0 and stats["pool"]["used_bytes"] == 0
 
 
+def test_an_async_operation_leaves_the_event_loop_nothing_to_clean_up(daemon):
+    """A put, get or delete creates no task: an operation's steps run to their end, not left
+    suspended for the loop's async-generator finalizer (a task and a self-pipe wake-up each)."""
+    import asyncio
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        created: list[str] = []
+
+        def counting_factory(loop, coro, **kwargs):
+            created.append(getattr(coro, "__qualname__", repr(coro)))
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        async with kvd.AsyncClient(daemon.socket) as c:
+            await c.put("warm-up", {"x": torch.zeros(4)})
+            loop.set_task_factory(counting_factory)
+            for i in range(20):
+                await c.put(f"r{i}", {"x": torch.full((1000,), i)})
+                assert torch.equal((await c.get(f"r{i}", keep=True))["x"], torch.full((1000,), i))
+                assert await c.delete(f"r{i}")
+            for _ in range(3):
+                await asyncio.sleep(0)  # a finalizer's task is scheduled from a callback: let it come
+            loop.set_task_factory(None)
+            await c.delete("warm-up")
+        return created
+
+    assert asyncio.run(main()) == []
+
+
 def test_no_daemon_is_a_clear_error(tmp_path):
     with pytest.raises(kvd.KvdError, match="no kvd daemon"):
         kvd.Client(f"ipc://{tmp_path}/nothing.sock").connect()
