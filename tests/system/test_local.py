@@ -243,6 +243,33 @@ def test_an_async_operation_leaves_the_event_loop_nothing_to_clean_up(daemon):
     assert asyncio.run(main()) == []
 
 
+def test_an_async_call_times_out_and_its_late_reply_gives_back_what_it_holds(daemon):
+    """A stopped daemon: the call fails after reply_timeout; the get's lease, granted once the
+    daemon runs again, is given back by the late reply (the entry is still there, whole)."""
+    import asyncio
+    import signal
+
+    async def main():
+        async with kvd.AsyncClient(daemon.socket, reply_timeout=0.5) as c:
+            await c.put("kept", {"x": torch.arange(10)})
+            daemon.kill(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(kvd.Timeout, match="did not answer get"):
+                    await c.get("kept", timeout=0)
+                took = time.monotonic() - t0
+            finally:
+                daemon.kill(signal.SIGCONT)
+            await c.stats()  # a round trip: the late reply, and the release it sends, are in
+            got = await c.get("kept")
+            return took, got, await c.stats()
+
+    took, got, stats = asyncio.run(main())
+    assert 0.4 < took < 3.0
+    assert torch.equal(got["x"], torch.arange(10))
+    assert stats["entries"] == 0 and stats["pool"]["used_bytes"] == 0
+
+
 def test_no_daemon_is_a_clear_error(tmp_path):
     with pytest.raises(kvd.KvdError, match="no kvd daemon"):
         kvd.Client(f"ipc://{tmp_path}/nothing.sock").connect()
