@@ -1,9 +1,10 @@
 """What each local client connection holds (daemon process): pure bookkeeping, no sockets.
 
-A connection holds reservations it writes into (a put between put_slots and its commit) and
-read leases (a get between get_slots and get_done), by token, and a few loans of scratch
-blocks (one per put it may have in flight). Tokens are sequential, so everything is bound to its connection: another connection
-naming a token finds nothing. When a connection closes, `gone` says what to give back.
+A connection holds reservations it writes into (a put between put_slots and its commit), read
+leases (a get between get_slots and get_done), by token, and loans of scratch blocks (one per
+small put it may have in flight). Tokens are sequential, so everything is bound to its
+connection: another connection naming a token finds nothing. When a connection closes, `gone`
+says what to give back.
 """
 from __future__ import annotations
 
