@@ -2,6 +2,7 @@
 
     python -m bench            # full run (a few minutes on 2 cores)
     python -m bench --quick    # fewer repeats, for a smoke check
+    python -m bench --peers    # also Mooncake and NIXL rows (bench/peers.py; own venv, .venv-peers)
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from kvd.testing import DaemonFactory
 
-from . import baselines, cases
+from . import baselines, cases, peers
 from .measure import human, pooled
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 256 << 20]
@@ -46,6 +47,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
+    parser.add_argument("--peers", action="store_true",
+                        help="also measure Mooncake Transfer Engine and NIXL (installed into .venv-peers on first use)")
     args = parser.parse_args()
     started = time.time()
     rows: list[tuple[str, str, str, str, str, str]] = []  # kvd's cases, in the order measured
@@ -203,6 +206,9 @@ def main() -> int:
             failures = factory.stop_all()
             if failures:
                 print("\n".join(failures))
+    if args.peers:  # after kvd's daemons are gone, so they share the machine with nothing of ours
+        rows += peers.peer_rows({n: repeats_for(n, args.quick) for n in SIZES}, tcp,
+                                {n: sample.median for n, sample in pushed_by_size.items()})
 
     baseline_rows: list = []
     for n in SIZES:
