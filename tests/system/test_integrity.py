@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 import time
 
 import pytest

@@ -280,7 +280,7 @@ def test_sweep_removes_abandoned_writes():
     now = time.monotonic()
     late = reserve(store, "late", write_deadline=now + 1)
     receiving = reserve(store, "recv", state=State.RECEIVING, write_deadline=now + 1)
-    on_time = reserve(store, "ontime", write_deadline=now + 100)
+    reserve(store, "ontime", write_deadline=now + 100)
     published = reserve(store, "pub", write_deadline=now + 1)
     store.publish(published)  # publishing clears the write deadline
     expired, abandoned, stale = store.sweep(now + 10)
