@@ -331,17 +331,21 @@ def test_a_daemon_dying_mid_call_fails_the_call_at_once(daemons):
             c.get("never-put", timeout=20)  # waits on the daemon, which is killed meanwhile
         assert time.monotonic() - started < 5  # not the 20 s timeout, nor the reply grace
         killer.join()
+    d.proc.wait(10)  # reaped: the client saw its sockets close while it was still exiting
     d2 = daemons.start("B")
+    killer = threading.Timer(0.3, d2.proc.kill)
 
     async def waiting_async_get():
         async with d2.async_client() as c:
-            threading.Timer(0.3, d2.proc.kill).start()
+            killer.start()
             await c.get("never-put", timeout=20)
 
     started = time.monotonic()
     with pytest.raises(kvd.KvdError, match="connection to the kvd daemon .* was lost"):
         asyncio.run(waiting_async_get())
     assert time.monotonic() - started < 5
+    killer.join()
+    d2.proc.wait(10)  # (else the fixture may find it still exiting, SIGTERM it, and call -9 unclean)
 
 
 def test_local_socket_on_tcp(daemons):
