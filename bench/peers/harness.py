@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
+from importlib import metadata
 from typing import Any, Callable, TextIO
 
 import numpy as np
@@ -37,6 +38,13 @@ class PeerError(Exception):
     def __init__(self, message: str, install: str = "") -> None:
         super().__init__(message)
         self.install = install
+
+
+def package_version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def pattern(nbytes: int) -> np.ndarray:

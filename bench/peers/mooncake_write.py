@@ -7,12 +7,11 @@ the engine exchanges the segment description on the first write. Prints one JSON
 from __future__ import annotations
 
 import sys
-from importlib import metadata
 from typing import Any, Callable
 
 import numpy as np
 
-from harness import PeerError, main
+from harness import PeerError, main, package_version
 
 PACKAGE = "mooncake-transfer-engine-non-cuda"
 HOST = "127.0.0.1"
@@ -60,12 +59,5 @@ def connect(buffer: np.ndarray, info: dict[str, Any]) -> Callable[[int], None]:
     return write
 
 
-def version() -> str:
-    try:
-        return metadata.version(PACKAGE)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 if __name__ == "__main__":
-    sys.exit(main("Mooncake TCP, sync write", "mooncake", version(), serve, connect))
+    sys.exit(main("Mooncake TCP, sync write", "mooncake", package_version(PACKAGE), serve, connect))

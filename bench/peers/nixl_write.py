@@ -18,12 +18,11 @@ from __future__ import annotations
 import base64
 import os
 import sys
-from importlib import metadata
 from typing import Any, Callable
 
 import numpy as np
 
-from harness import PeerError, main
+from harness import PeerError, main, package_version
 
 os.environ.setdefault("UCX_TLS", "tcp")  # before nixl loads UCX; the target inherits it
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -79,12 +78,5 @@ def connect(buffer: np.ndarray, info: dict[str, Any]) -> Callable[[int], None]:
     return write
 
 
-def version() -> str:
-    try:
-        return metadata.version(PACKAGE)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 if __name__ == "__main__":
-    sys.exit(main("NIXL UCX-TCP, write", "nixl", version(), serve, connect))
+    sys.exit(main("NIXL UCX-TCP, write", "nixl", package_version(PACKAGE), serve, connect))
