@@ -20,7 +20,7 @@ import torch
 
 import kvd
 from kvd.client.connection import ask
-from kvd.testing import DaemonFactory, eventually, free_port
+from kvd.testing import DaemonFactory, eventually, free_port, wait_ready
 from kvd.wire import protocol as p
 from tests.cluster.conftest import start_or_skip
 from tests.cluster.servers import stop_server
@@ -171,14 +171,19 @@ def test_a_duplicate_node_id_stays_out_and_the_first_is_unaffected(cluster):
     assert "is held by another live daemon" in second.log()
 
 
-def test_two_daemons_racing_for_one_id_leave_one_registered(cluster):
-    racers = [cluster.start("racer", wait=False) for _ in range(2)]
+def race_for_one_id(cluster, node_id: str) -> list:
+    """Two daemons started at once under one node id: after 2 TTLs exactly one is registered."""
+    racers = [cluster.start(node_id, wait=False) for _ in range(2)]
     for racer in racers:
-        from kvd.testing import wait_ready
         wait_ready(racer)
     time.sleep(2 * TTL + 1)
     registered = [ask(p.Stats(req=1), r.socket)["registry"]["registered"] for r in racers]
     assert sorted(registered) == [False, True], registered
+    return racers
+
+
+def test_two_daemons_racing_for_one_id_leave_one_registered(cluster):
+    racers = race_for_one_id(cluster, "racer")
     assert len(ask(p.ClusterNodes(req=1), racers[0].socket)) == 1
 
 
@@ -351,13 +356,7 @@ def test_faults_under_a_live_workload_never_serve_wrong_bytes(cluster):
         time.sleep(0.5)
         current[0] = cluster.start("C", port=port)  # same id and address, a new incarnation
         load.progresses(timeout=2 * TTL + 10)  # listed once the dead incarnation's lease ran out
-        racers = [cluster.start("R", wait=False) for _ in range(2)]
-        for racer in racers:
-            from kvd.testing import wait_ready
-            wait_ready(racer)
-        time.sleep(2 * TTL + 1)
-        registered = [ask(p.Stats(req=1), r.socket)["registry"]["registered"] for r in racers]
-        assert sorted(registered) == [False, True], registered
+        racers = race_for_one_id(cluster, "R")
         load.progresses(timeout=10)
         cluster.registry.kill()  # the registry gone for a while: gets end in errors, nobody exits
         time.sleep(2 * TTL)
