@@ -3,6 +3,7 @@ find without a source, re-publication after a wiped server, the breaker, duplica
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 from kvd.cluster.backend import RegistryUnavailable
@@ -238,3 +239,31 @@ async def _list(m: ClusterMember):
 
 def test_a_second_daemon_never_takes_a_live_node_id(reg):
     _duplicate(reg)
+
+
+@run
+async def _cancelled_anywhere(reg):
+    backend = reg.backend(op_timeout=0.3)
+
+    async def busy() -> None:
+        while True:
+            await backend.list_nodes()
+            await asyncio.sleep(0)  # (the in-memory registry answers without ever yielding)
+
+    stuck = 0
+    for _ in range(300):
+        task = asyncio.create_task(busy())
+        await asyncio.sleep(random.uniform(0, 0.01))  # lands mid-command most of the time
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=1.0)
+        if not done:
+            stuck += 1
+            task.cancel()
+            await asyncio.wait([task], timeout=1.0)
+    assert stuck == 0, f"{stuck} of 300 cancelled registry calls carried on (a member's stop() would hang)"
+
+
+def test_a_registry_call_cancelled_at_any_moment_is_cancelled(reg):
+    """What ClusterMember.stop() relies on: its loops retry what fails, so a client library that
+    absorbed a cancellation would keep a task alive for ever."""
+    _cancelled_anywhere(reg)
