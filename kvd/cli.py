@@ -60,12 +60,29 @@ def _serve_parser(sub) -> None:
     add("--curve-secret-key", metavar="FILE",
         help="authenticate and encrypt peer traffic with this CURVE key pair (a .key_secret file from "
              "`kvd keygen`); needs --curve-allow")
+    add("--curve-ca", metavar="FILE",
+        help="the cluster CA's public key (ca.key from `kvd keygen --ca`): admit any peer whose cert it signed "
+             "for the node id it claims; needs --curve-secret-key from `kvd keygen NODE --ca-secret ...`")
+    add("--curve-cert", metavar="FILE",
+        help="this node's cert from `kvd keygen NODE --ca-secret ...` (default: NODE.cert beside "
+             "--curve-secret-key)")
+    add("--curve-deny", metavar="FILE",
+        help="revoked CURVE public keys (Z85, one a line, # comments), re-read on SIGHUP: their connections "
+             "are cut at once")
+    add("--insecure", action="store_const", const=True,
+        help="allow a --listen beyond loopback without peer authentication (any host that reaches it can "
+             "read and inject caches)")
     add("--max-clients", type=int, help="local client connections served at once (default: 1024)")
     add("--max-peer-connections", type=int, help="peer connections to --listen at once (default: 1024)")
     add("--max-entries", type=int, help="entries held at once; past it a put gets PoolFull (default: 65536)")
     add("--registry", metavar="URL",
-        help="cluster registry: etcd://HOST:PORT[,HOST:PORT...] or redis://HOST:PORT[/DB] (default: none, "
-             "static peers only)")
+        help="cluster registry: etcd[s]://[USER:PASS@]HOST:PORT[,HOST:PORT...] or "
+             "redis[s]://[USER:PASS@]HOST:PORT[/DB] (default: none, static peers only)")
+    add("--registry-password-file", metavar="FILE",
+        help="the registry password (its first line), instead of one in the URL (USER from the URL)")
+    add("--registry-ca", metavar="FILE", help="CA bundle for the registry's TLS certificate (etcds://, rediss://)")
+    add("--registry-cert", metavar="FILE", help="client certificate for mutual TLS with the registry")
+    add("--registry-key", metavar="FILE", help="the private key of --registry-cert")
     add("--cluster", metavar="NAME", help="scopes every registry key (default: kvd)")
     add("--advertise", metavar="tcp://HOST:PORT",
         help="the endpoint peers dial, as published in the registry (default: --listen, which must then not "

@@ -11,8 +11,8 @@ order), health (breaker, membership state), memory / etcd / redis (backends), et
 HTTP client), url (URLs and the backend factory), member (the daemon side), registry (the router side).
 """
 from .backend import (
-    Added, Backend, Conflict, NodeEvent, Publish, Registered, RegistryUnavailable, Removed, Resync, Session,
-    SessionLost, Unpublish,
+    Added, Backend, Conflict, NodeEvent, Publish, Registered, RegistryRefused, RegistryUnavailable, Removed,
+    Resync, Session, SessionLost, Unpublish,
 )
 from .directory import Candidate, Outbox, order_candidates
 from .health import Breaker, Membership
@@ -24,6 +24,6 @@ from .url import RegistryURL, open_backend, parse_url
 __all__ = [
     "Added", "Backend", "Breaker", "Candidate", "ClusterMember", "Conflict", "HolderRecord", "Membership",
     "NodeEvent", "NodeRecord", "Outbox", "Publish", "RecordError", "Registered", "Registry", "RegistryURL",
-    "RegistryUnavailable", "Removed", "Resync", "Session", "SessionLost", "Unpublish", "open_backend",
+    "RegistryRefused", "RegistryUnavailable", "Removed", "Resync", "Session", "SessionLost", "Unpublish", "open_backend",
     "order_candidates", "parse_url", "rid_key",
 ]

@@ -14,17 +14,26 @@ registry.py) hold the policy. The contract, tested against every backend in test
   never replaced, the caller gets `Conflict` with that record.
 - Each key has one writer, the node it names, so puts need no conditions; deletes do (`Unpublish`
   removes only the record it names, so a late unpublish never removes a newer record).
+- Nothing read is trusted because it was written: a record whose key does not name its node id, one
+  over MAX_RECORD_BYTES, or one not bound to a lease/TTL (kvd never writes such a node record, so it
+  is never a conflict) is skipped; every read is bounded (pages, MAX_LISTING_BYTES, MAX_HOLDERS).
+  Signatures are checked above the backends (member.py, registry.py), which see whole records.
 """
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from ..errors import PeerUnavailable
 from .records import HolderRecord, NodeRecord
 
 DEFAULT_OP_TIMEOUT = 1.0  # design R8: no registry call may take longer than this by default
+MAX_RECORD_BYTES = 16 << 10  # a node or holder value over this is skipped (a signed node record is ~1 KiB)
+MAX_LISTING_BYTES = 128 << 20  # a node listing stops here (logged): 100k signed records are ~70 MB
+LIST_PAGE = 1000  # node keys read per registry call while listing
+MAX_HOLDERS = 256  # holder records read per request id; past it a flood costs misses, not memory
 
 
 class RegistryUnavailable(PeerUnavailable):
@@ -36,6 +45,12 @@ class SessionLost(RegistryUnavailable):
     """The session's lease or TTL is gone: re-open, re-register (same incarnation), re-publish."""
 
 
+class RegistryRefused(RegistryUnavailable):
+    """The registry answered and refused us: wrong or missing credentials, a user without the
+    permission, a TLS certificate it does not accept. Retrying does not help until the operator
+    fixes the configuration; the message says which (and never holds a password)."""
+
+
 @dataclass(frozen=True)
 class Registered:
     revision: int  # store revision of the write (0 where the backend has none, Redis)
@@ -44,6 +59,9 @@ class Registered:
 @dataclass(frozen=True)
 class Conflict:
     existing: NodeRecord  # the live record that holds the name: another process's
+    # the backend's token for that exact stored value (etcd: its mod_revision; Redis: the raw value),
+    # so that replace_node replaces only the record the caller judged, never a newer one
+    version: object = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -106,6 +124,9 @@ class Session(Protocol):
 @runtime_checkable
 class Backend(Protocol):
     op_timeout: float
+    # records the backend skipped as it read them, by (kind, reason): kind "node" | "holder",
+    # reason "undecodable" | "too_large" | "key_mismatch" | "truncated" (kvd_registry_records_dropped_total)
+    dropped: Counter[tuple[str, str]]
 
     async def open_session(self, ttl: float) -> Session: ...
 
@@ -118,6 +139,23 @@ class Backend(Protocol):
     async def update_node(self, session: Session, record: NodeRecord) -> None:
         """Rewrite our own registered record (same node id and incarnation); SessionLost if the key
         is gone or holds another incarnation."""
+        ...
+
+    async def replace_node(self, session: Session, record: NodeRecord, conflict: Conflict) -> Registered | Conflict:
+        """Put our record in place of `conflict.existing`, exactly that stored version, under our
+        session. The member calls it when the conflicting record is not to be believed (it does not
+        verify against the cluster CA). A newer value meanwhile: Conflict with that one."""
+        ...
+
+    async def check_node(self, session: Session, record: NodeRecord) -> bool:
+        """Does our node key hold exactly `record` (byte for byte), bound to this session? False
+        when someone changed or deleted it: the member then writes it again."""
+        ...
+
+    async def get_node(self, node_id: str) -> NodeRecord | None:
+        """One node's record (None when absent, undecodable, over the size cap, or stored under a
+        key that is not its node id's): a single small read, for a holder whose node the watch
+        has not shown yet."""
         ...
 
     async def list_nodes(self) -> tuple[int, list[NodeRecord]]: ...

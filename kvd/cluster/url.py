@@ -72,7 +72,19 @@ def parse_url(url: str) -> RegistryURL:
     return RegistryURL(scheme, endpoints, db)
 
 
-def open_backend(url: str | RegistryURL, cluster: str = "kvd", op_timeout: float = DEFAULT_OP_TIMEOUT) -> Backend:
+def redact(url: str) -> str:
+    """The URL as logs, metrics, status and errors may show it: a password becomes ***."""
+    scheme, sep, rest = url.partition("://")
+    hosts, slash, path = rest.partition("/")
+    if not sep or "@" not in hosts:
+        return url
+    userinfo, _, where = hosts.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{where}{slash}{path}"
+
+
+def open_backend(url: str | RegistryURL, cluster: str = "kvd", op_timeout: float = DEFAULT_OP_TIMEOUT, *,
+                 password_file: str = "", ca_file: str = "", cert_file: str = "", key_file: str = "") -> Backend:
     """The backend for a URL. Connects lazily: constructing it does no I/O."""
     u = parse_url(url) if isinstance(url, str) else url
     check_cluster(cluster)

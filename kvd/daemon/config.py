@@ -50,12 +50,20 @@ class Config:
     metrics_host: str = "127.0.0.1"
     curve_secret_key: str = ""  # our key pair (from `kvd keygen`); empty: no CURVE
     curve_allow: tuple[str, ...] = ()  # public keys allowed to connect: files, directories, Z85 strings
+    curve_ca: str = ""  # the cluster CA's public key (ca.key): admits any peer whose cert it signed
+    curve_cert: str = ""  # this node's cert (NODE.cert); empty: beside curve_secret_key, same name
+    curve_deny: str = ""  # a file of revoked CURVE public keys (Z85, one a line), re-read on SIGHUP
+    insecure: bool = False  # allow a non-loopback --listen without peer authentication
     # bounds: what one client, peer or scraper can make the daemon hold
     max_clients: int = 1024  # local client connections; past it, a new one is answered with an error
     max_peer_connections: int = 1024  # peer connections to our --listen; the newest past it are cut
     max_entries: int = 65536  # entries held (any state); past it a put gets PoolFull
     # the cluster registry (kvd.cluster); empty registry: no registry, static peers only
-    registry: str = ""  # etcd://HOST:PORT[,HOST:PORT...] | redis://HOST:PORT[/DB]
+    registry: str = ""  # etcd[s]://[USER:PASS@]HOST:PORT[,HOST:PORT...] | redis[s]://[USER:PASS@]HOST:PORT[/DB]
+    registry_password_file: str = ""  # the registry password (first line), instead of one in the URL
+    registry_ca: str = ""  # CA bundle that signed the registry's TLS certificate (etcds://, rediss://)
+    registry_cert: str = ""  # client certificate for mutual TLS with the registry
+    registry_key: str = ""  # its private key
     cluster: str = "kvd"  # scopes every key, so several clusters can share one registry
     advertise: str = ""  # the endpoint peers dial, as published; empty: --listen (not a wildcard)
     registry_ttl: float = 5.0  # a node that dies leaves the registry within about twice this
@@ -150,6 +158,9 @@ class Config:
         values = dataclasses.asdict(self)
         values["peers"] = dict(self.peers)
         values["labels"] = dict(self.labels)
+        from kvd.cluster.url import redact
+
+        values["registry"] = redact(self.registry)  # a password in the URL never reaches a log
         return values
 
 
@@ -157,7 +168,7 @@ _SIZES = {"pool_size", "block_size", "chunk_size", "scratch_max"}
 _DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "heartbeat_interval",
               "heartbeat_timeout", "drain_timeout", "registry_ttl"}
 _INTS = {"window", "metrics_port", "io_threads", "max_clients", "max_peer_connections", "max_entries"}
-_BOOLS = {"pool_prefault"}
+_BOOLS = {"pool_prefault", "insecure"}
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
 
 

@@ -15,6 +15,7 @@ import logging
 import time
 
 from kvd.cluster import Candidate, ClusterMember, HolderRecord, NodeRecord, open_backend
+from kvd.cluster.url import redact
 from kvd.errors import BadRequest
 from kvd.wire.protocol import PROTOCOL_VERSION
 
@@ -29,13 +30,15 @@ class Directory:
         self.node_id = config.node_id
         self.incarnation = incarnation
         self.policy = config.registry_publish
-        self.url = config.registry
+        self.url = redact(config.registry)
         record = NodeRecord(
             node_id=config.node_id, incarnation=incarnation, endpoint=config.advertised, role=config.role,
             pool_bytes=config.pool_size, block_size=config.block_size, protocol=(PROTOCOL_VERSION, PROTOCOL_VERSION),
             curve_public=curve_public, labels=dict(config.labels), started_at=time.time(), device=config.device)
         try:
-            backend = open_backend(config.registry, cluster=config.cluster)
+            backend = open_backend(config.registry, cluster=config.cluster,
+                                   password_file=config.registry_password_file, ca_file=config.registry_ca,
+                                   cert_file=config.registry_cert, key_file=config.registry_key)
         except ImportError as exc:
             raise BadRequest(f"--registry {config.registry} needs {exc.name}: pip install redis") from None
         self.member = ClusterMember(backend, record, ttl=config.registry_ttl, snapshot=self.snapshot)
