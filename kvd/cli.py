@@ -125,14 +125,26 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "locate":
             command.add_argument("request_id")
-    keygen = sub.add_parser("keygen", help="write a CURVE key pair for --curve-secret-key",
-                            description="Write NAME.key (public: give it to the peers' --curve-allow) and "
-                                        "NAME.key_secret (0600: this daemon's --curve-secret-key). An existing "
-                                        "pair is kept (the peers allow its public key) unless --force.")
-    keygen.add_argument("name", help="usually the node id")
+    keygen = sub.add_parser(
+        "keygen", help="write a cluster CA, or a node's CURVE key pair (and its cert)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write NAME.key (public) and NAME.key_secret (0600: this daemon's --curve-secret-key).\n"
+                    "With a cluster CA, every node admits every other without allow-lists:\n\n"
+                    "  kvd keygen --ca --dir D                                # D/ca.key, D/ca.key_secret (0600)\n"
+                    "  kvd keygen NODE --dir D --ca-secret D/ca.key_secret    # D/NODE.key, .key_secret, .cert\n"
+                    "  kvd serve --curve-secret-key D/NODE.key_secret --curve-ca D/ca.key ...\n\n"
+                    "The second command run again renews NODE's cert and keeps its key pair. Without --ca-secret,\n"
+                    "an existing pair is kept (the peers allow its public key) unless --force.")
+    keygen.add_argument("name", nargs="?", help="the node id (the cert is valid for this id only)")
+    keygen.add_argument("--ca", action="store_true", help="write a new cluster CA (ca.key, ca.key_secret) instead")
     keygen.add_argument("--dir", default=".", help="where to write the files (default: .)")
+    keygen.add_argument("--ca-secret", metavar="FILE", help="sign NAME.cert with this CA (its ca.key_secret)")
+    keygen.add_argument("--cluster", default="kvd", help="the cluster the cert is for, as kvd serve --cluster "
+                                                         "(default: kvd)")
+    keygen.add_argument("--valid-for", metavar="DURATION", default="30d",
+                        help="how long the cert admits its node (default: 30d); renew before it runs out")
     keygen.add_argument("--force", action="store_true",
-                        help="replace an existing pair (peers that allow the old key will refuse this node)")
+                        help="replace an existing pair or CA (whatever trusted the old one will refuse the new)")
     return parser
 
 
@@ -260,6 +272,31 @@ def client_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def keygen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .errors import KvdError
+    from .trust.keygen import keygen_ca, keygen_node
+    from .units import parse_duration
+
+    if args.ca == bool(args.name):
+        parser.error("keygen: give a node NAME, or --ca for a cluster CA")
+    try:
+        if args.ca:
+            made = keygen_ca(args.dir, force=args.force)
+            print(f"CA public key: {made.public} (every node's --curve-ca)\n"
+                  f"CA secret key: {made.secret} (keep it off the nodes: it admits nodes to the cluster)")
+            return 0
+        made = keygen_node(args.dir, args.name, force=args.force, ca_secret=args.ca_secret, cluster=args.cluster,
+                           valid_for=parse_duration(args.valid_for))
+    except (KvdError, OSError, ValueError) as exc:
+        print(f"kvd: {exc}", file=sys.stderr)
+        return 1
+    print(f"public key: {made.public}\nsecret key: {made.secret} (keep it private)")
+    if made.cert:
+        print(f"cert:       {made.cert} ({'renewed for the same key pair' if made.renewed else 'new'}, "
+              f"node {args.name} of cluster {args.cluster}, valid for {args.valid_for})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -269,14 +306,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "keygen":
-        from .daemon.peer.auth import keygen
-        from .errors import KvdError
-
-        try:
-            public_file, secret_file = keygen(args.dir, args.name, force=args.force)
-        except (KvdError, OSError) as exc:
-            print(f"kvd: {exc}", file=sys.stderr)
-            return 1
-        print(f"public key: {public_file}\nsecret key: {secret_file} (keep it private)")
-        return 0
+        return keygen(parser, args)
     return client_command(args)
