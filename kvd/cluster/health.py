@@ -7,6 +7,7 @@ from an injectable clock, so the tests step it by hand.
 - `Breaker`: after `threshold` consecutive failures the registry is known to be down and calls fail
   fast (design R5: a get must not spend its timeout discovering that again); every `retry_after`
   seconds one call goes through as a probe, and its success closes the breaker.
+- `Backoff`: the doubling wait between attempts at something that keeps failing.
 - `Membership`: whether this daemon is registered, and what it owes the registry. After a session
   loss (lease expired or revoked, server wiped) it must re-register *with the same incarnation* and
   re-publish a snapshot of its entries (R6); a name held by another live incarnation is never taken
@@ -57,6 +58,31 @@ class Breaker:
         self.failures += 1
         if self.failures == self.threshold:
             self._next_probe = self._clock() + self.retry_after
+
+
+class Backoff:
+    """A doubling wait: each failure pushes the next attempt out by twice the last delay, up to
+    `maximum`; `reset` after a success starts over from `first`."""
+
+    def __init__(self, first: float, maximum: float, clock: Clock = time.monotonic) -> None:
+        self.first, self.maximum = first, maximum
+        self.delay = first
+        self._clock = clock
+        self._next = 0.0
+
+    def due(self) -> bool:
+        return self._clock() >= self._next
+
+    def failed(self) -> float:
+        """Count a failure; returns how long to wait before the next attempt."""
+        wait = self.delay
+        self._next = self._clock() + wait
+        self.delay = min(self.delay * 2, self.maximum)
+        return wait
+
+    def reset(self) -> None:
+        self.delay = self.first
+        self._next = 0.0
 
 
 UNREGISTERED, REGISTERED, CONFLICT, CLOSED = "unregistered", "registered", "conflict", "closed"

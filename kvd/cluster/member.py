@@ -17,20 +17,28 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .backend import Added, Backend, Conflict, NodeEvent, RegistryUnavailable, Removed, Resync, Session, SessionLost
+from .backend import (
+    Added, Backend, Conflict, NodeEvent, RegistryRefused, RegistryUnavailable, Removed, Resync, Session, SessionLost,
+)
 from .directory import BATCH_OPS, OUTBOX_LIMIT, Candidate, Outbox, order_candidates
-from .health import Breaker, Membership
+from .health import Backoff, Breaker, Membership
 from .records import HolderRecord, NodeRecord
+from .signing import RecordSigner, RecordVerifier
 
 log = logging.getLogger(__name__)
 Snapshot = Callable[[], Iterable[HolderRecord]]
+MAX_LOOKUPS = 8  # unknown holder nodes read one by one per lookup (holder records name whom they like)
 
 
 class ClusterMember:
     def __init__(self, backend: Backend, record: NodeRecord, *, ttl: float = 5.0, snapshot: Snapshot = tuple,
                  breaker: Breaker | None = None, outbox_limit: int = OUTBOX_LIMIT, flush_interval: float = 0.005,
-                 resync_jitter: float = 2.0, on_node_event: Callable[[NodeEvent], None] | None = None) -> None:
-        self.backend, self.record, self.ttl = backend, record, ttl
+                 resync_jitter: float = 2.0, on_node_event: Callable[[NodeEvent], None] | None = None,
+                 signer: RecordSigner | None = None, verifier: RecordVerifier | None = None) -> None:
+        """With a cluster CA: `signer` signs this node's records, `verifier` decides which records of
+        others to believe (the view, holders, a conflicting record under our id)."""
+        self.signer, self.verifier = signer, verifier
+        self.backend, self.record, self.ttl = backend, signer.node(record) if signer else record, ttl
         self.snapshot = snapshot
         self.breaker = breaker or Breaker()
         self.membership = Membership(ttl)
@@ -41,7 +49,12 @@ class ClusterMember:
         self.ops: Counter[tuple[str, str]] = Counter()  # (op, ok|error) for kvd_registry_ops_total
         self.lookups: Counter[str] = Counter()  # hit | miss | stale | unavailable
         self.conflict: NodeRecord | None = None
-        self._view: dict[str, NodeRecord] = {}
+        self.last_error: str | None = None  # the registry's last refusal or failure, for status
+        self._view: dict[str, NodeRecord] = {}  # verified records only, when there is a verifier
+        self._certs: dict[str, object] = {}  # node id -> its verified NodeCert (with a verifier)
+        # node ids that holders named and the watch has not shown: looked up one at a time, backing off
+        self._missing: dict[str, Backoff] = {}
+        self._refusals_logged = 0.0
         self._session: Session | None = None
         self._work = asyncio.Event()
         self._registered = asyncio.Event()
@@ -83,7 +96,7 @@ class ClusterMember:
 
     # ---- what the daemon calls ----
     def publish(self, record: HolderRecord) -> None:
-        self.outbox.publish(record)
+        self.outbox.publish(self.signer.holder(record) if self.signer else record)
         self._work.set()
 
     def unpublish(self, rid: str, gen: int | None = None) -> None:
@@ -97,6 +110,10 @@ class ClusterMember:
 
     def node(self, node_id: str) -> NodeRecord | None:
         return self._view.get(node_id)
+
+    def cert_of(self, node_id: str):
+        """The verified cert of a node in the view (with a verifier; else None)."""
+        return self._certs.get(node_id)
 
     async def locate(self, rid: str, *, allow_streaming: bool = False, exclude: Iterable[str] = ()) -> list[Candidate]:
         """Holders of rid other than us, best first; fails fast while the registry is known down."""
@@ -127,6 +144,15 @@ class ClusterMember:
         self.lookups["hit"] += 1
         return cands
 
+    def renew(self, signer: RecordSigner) -> None:
+        """This node's cert was renewed: sign our records anew and write them again (same incarnation)."""
+        self.signer = signer
+        self.record = signer.node(self.record)
+        if self.membership.registered:
+            self.membership.on_session_lost()
+            self._registered.clear()
+            self._kick.set()
+
     def note_stale(self) -> None:
         """The daemon tried a candidate and the holder said no (identity or generation changed)."""
         self.lookups["stale"] += 1
@@ -143,16 +169,37 @@ class ClusterMember:
                 "endpoint": self.conflict.endpoint},
             "ops": {f"{op}:{res}": n for (op, res), n in sorted(self.ops.items())},
             "lookups": dict(self.lookups),
+            "dropped": {f"{kind}:{reason}": n for (kind, reason), n in sorted(self.dropped().items())},
+            "last_error": self.last_error,
+            "signed": self.signer is not None,
         }
+
+    def dropped(self) -> Counter[tuple[str, str]]:
+        """Records not believed, by (kind, reason): the backend's (malformed, oversized, under the
+        wrong key) and the verifier's (unsigned, bad signature, bad cert)."""
+        total: Counter[tuple[str, str]] = Counter(getattr(self.backend, "dropped", None) or {})
+        if self.verifier is not None:
+            total.update(self.verifier.dropped)
+        return total
 
     # ---- internals ----
     async def _guarded(self, op: str, coro) -> Any:
         """Run one registry call and feed its outcome to the breaker and the counters."""
         try:
             result = await coro
-        except RegistryUnavailable:
+        except RegistryRefused as e:
+            self.ops[(op, "refused")] += 1
+            self.breaker.failure()
+            self.last_error = str(e)
+            now = time.monotonic()
+            if now - self._refusals_logged >= 60.0:  # an operator must fix it; once a minute is enough
+                self._refusals_logged = now
+                log.error("%s (static peers keep working; retrying)", e)
+            raise
+        except RegistryUnavailable as e:
             self.ops[(op, "error")] += 1
             self.breaker.failure()
+            self.last_error = str(e)
             raise
         self.ops[(op, "ok")] += 1
         self.breaker.success()
@@ -174,12 +221,41 @@ class ClusterMember:
         return rev, cands
 
     async def _candidates(self, found: list[HolderRecord], allow_streaming: bool, skip: set[str]) -> list[Candidate]:
-        if any(h.node_id not in self._view for h in found if h.node_id != self.record.node_id):
-            # a holder our watch has not shown us yet (it just joined): read the listing once
-            _, nodes = await self._guarded("list_nodes", self.backend.list_nodes())
-            self._view.update({n.node_id: n for n in nodes})
+        unknown = {h.node_id for h in found if h.node_id != self.record.node_id and h.node_id not in self._view}
+        for node_id in sorted(unknown)[:MAX_LOOKUPS]:
+            await self._look_up(node_id)  # a holder our watch has not shown us yet (it just joined)
+        if self.verifier is not None:  # only holders their own node signed
+            found = [h for h in found if h.node_id in self._certs and self.verifier.holder(h, self._certs[h.node_id])]
         return order_candidates(found, self._view, self_id=self.record.node_id, now=time.time(), lost=skip,
                                 labels=self.record.labels, allow_streaming=allow_streaming)
+
+    async def _look_up(self, node_id: str) -> None:
+        """Read one node's record, at most once per backoff per node id: a holder record naming a
+        node that is not registered (stale, or forged) must not cost a registry read per waiting get
+        every 50 ms."""
+        backoff = self._missing.get(node_id)
+        if backoff is not None and not backoff.due():
+            return
+        if backoff is None:
+            if len(self._missing) >= 4096:  # bounded: names in holder records are anyone's to make up
+                self._missing.clear()
+            backoff = self._missing[node_id] = Backoff(0.5, 30.0)
+        backoff.failed()
+        node = await self._guarded("get_node", self.backend.get_node(node_id))
+        if node is not None and node.node_id == node_id and self._believe(node):
+            self._view[node_id] = node
+            self._missing.pop(node_id, None)
+
+    def _believe(self, node: NodeRecord) -> bool:
+        """Whether a node record is to be believed (always, without a CA); keeps its cert."""
+        if self.verifier is None:
+            return True
+        cert = self.verifier.node(node)
+        if cert is None:
+            self._certs.pop(node.node_id, None)
+            return False
+        self._certs[node.node_id] = cert
+        return True
 
     async def _session_loop(self) -> None:
         backoff = 0.1
@@ -200,8 +276,13 @@ class ClusterMember:
                     continue  # the writer saw the session die meanwhile
                 async with asyncio.timeout(max(self.ttl / 2, 0.05)):  # the keepalive watchdog (R8)
                     await self._guarded("keepalive", session.keepalive())
+                    intact = await self._guarded("check_node", self.backend.check_node(session, self.record))
                 self.membership.on_refreshed()
                 backoff = 0.1
+                if not intact:  # someone changed or deleted our record: a keepalive alone never notices
+                    log.warning("this node's record in the registry was changed or deleted: writing it again")
+                    self.membership.on_session_lost()
+                    self._registered.clear()
             except SessionLost as e:
                 self.breaker.success()  # the server answered: it is up, only our session is gone
                 log.warning("registry session lost (%s): registering again as %s", e, self.record.node_id)
@@ -222,6 +303,11 @@ class ClusterMember:
     async def _register(self) -> None:
         assert self._session is not None
         res = await self._guarded("register", self.backend.register_node(self._session, self.record))
+        if isinstance(res, Conflict) and self.verifier is not None and not self._believe(res.existing):
+            # under our id, a record this cluster's CA does not vouch for: forged, or left by hand
+            log.warning("node id %r is held in the registry by a record that does not verify: replacing it",
+                        self.record.node_id)
+            res = await self._guarded("register", self.backend.replace_node(self._session, self.record, res))
         if isinstance(res, Conflict):
             self.conflict = res.existing
             if self.membership.on_conflict():
@@ -298,7 +384,8 @@ class ClusterMember:
                 self._resync_timer = loop.call_at(self._resync_at, self._resync_due)
             return
         self._resync_at = None
-        self.outbox.resync(self.snapshot())
+        snapshot = self.snapshot()
+        self.outbox.resync([self.signer.holder(r) for r in snapshot] if self.signer else snapshot)
         self.membership.on_resynced()
 
     def _resync_due(self) -> None:
@@ -308,11 +395,25 @@ class ClusterMember:
     async def _watch_loop(self) -> None:
         async for ev in self.backend.watch_nodes():
             if isinstance(ev, Resync):
-                self._view = {n.node_id: n for n in ev.nodes}
+                self._certs = {}
+                view = {}
+                for i, node in enumerate(ev.nodes):
+                    if self._believe(node):
+                        view[node.node_id] = node
+                    if self.verifier is not None and i % 256 == 255:
+                        await asyncio.sleep(0)  # (verifying a big listing must not stall the loop)
+                self._view = view
+                if self.verifier is not None:
+                    ev = Resync(tuple(view.values()), ev.revision)
             elif isinstance(ev, Added):
-                self._view[ev.node.node_id] = ev.node
+                if self._believe(ev.node):
+                    self._view[ev.node.node_id] = ev.node
+                else:  # a forged record overwrote the node's key: the node's own record is gone
+                    self._view.pop(ev.node.node_id, None)
+                    ev = Removed(ev.node.node_id, ev.revision)
             elif isinstance(ev, Removed):
                 self._view.pop(ev.node_id, None)
+                self._certs.pop(ev.node_id, None)
             if self.on_node_event is not None:
                 try:
                     self.on_node_event(ev)

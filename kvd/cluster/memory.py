@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from .backend import (
     DEFAULT_OP_TIMEOUT, Added, Conflict, NodeEvent, Publish, PublishOp, Registered, RegistryUnavailable,
     Removed, Resync, SessionLost,
 )
-from .records import HolderRecord, NodeRecord
+from .records import HolderRecord, NodeRecord, encode_node
 
 _LOG_KEEP = 10_000  # node events kept for watchers; one that falls further behind gets a Resync
 _POLL = 0.05  # watchers re-check lease expiry this often when nothing else happens
@@ -70,6 +71,11 @@ class MemoryServer:
         self.rev += 1
         self._notify()
         return self.rev
+
+    def put_unleased(self, record: NodeRecord) -> None:
+        """Write a node record under no lease, as anyone who can write to a registry can (tests)."""
+        self.nodes[record.node_id] = (record, 0)
+        self.node_event(Added(record, self._bump()))
 
     def node_event(self, ev: NodeEvent) -> None:
         self.log.append((ev.revision, ev))
@@ -144,6 +150,7 @@ class MemoryBackend:
     def __init__(self, server: MemoryServer, op_timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         self.server = server
         self.op_timeout = op_timeout
+        self.dropped: Counter[tuple[str, str]] = Counter()  # (nothing here is ever malformed)
 
     async def open_session(self, ttl: float) -> MemorySession:
         srv = self.server
@@ -156,9 +163,28 @@ class MemoryBackend:
         await self.server.enter(self.op_timeout)
         session.check()
         held = self.server.nodes.get(record.node_id)
-        if held is not None and held[0].incarnation != record.incarnation:
-            return Conflict(held[0])
+        # a record under no lease (lease 0: written by hand, as an attacker would) is never a conflict
+        if held is not None and held[1] != 0 and held[0].incarnation != record.incarnation:
+            return Conflict(held[0], version=held)
         return Registered(self._put_node(session, record))
+
+    async def replace_node(self, session: MemorySession, record: NodeRecord, conflict: Conflict) -> Registered | Conflict:
+        await self.server.enter(self.op_timeout)
+        session.check()
+        held = self.server.nodes.get(record.node_id)
+        if held is not None and held is not conflict.version:
+            return Conflict(held[0], version=held)
+        return Registered(self._put_node(session, record))
+
+    async def check_node(self, session: MemorySession, record: NodeRecord) -> bool:
+        await self.server.enter(self.op_timeout)
+        held = self.server.nodes.get(record.node_id)
+        return held is not None and held[1] == session.lease and encode_node(held[0]) == encode_node(record)
+
+    async def get_node(self, node_id: str) -> NodeRecord | None:
+        await self.server.enter(self.op_timeout)
+        held = self.server.nodes.get(node_id)
+        return None if held is None else held[0]
 
     def _put_node(self, session: MemorySession, record: NodeRecord) -> int:
         self.server.nodes[record.node_id] = (record, session.lease)

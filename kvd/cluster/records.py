@@ -43,6 +43,11 @@ class NodeRecord:
     labels: dict[str, str] = field(default_factory=dict)  # zone, host, model, ... (free form)
     started_at: float = 0.0  # unix time of the daemon's start
     device: str = "cpu"
+    # with a cluster CA: the node's cert (base64) and its signature over the rest (base64); readers
+    # that know the CA drop a record without both (kvd.cluster.signing)
+    cert: str | None = None
+    sig: str | None = None
+    payload: bytes = field(default=b"", compare=False, repr=False)  # what sig covers, as read
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class HolderRecord:
     nbytes: int
     state: str = "complete"  # complete | streaming; plain gets only use complete ones
     expires_at: float | None = None  # unix time the entry's own TTL ends, None for no TTL
+    sig: str | None = None  # with a cluster CA: the holder node's signature (base64) over the rest
+    payload: bytes = field(default=b"", compare=False, repr=False)  # what sig covers, as read
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at <= now
@@ -69,22 +76,47 @@ def _dumps(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def encode_node(rec: NodeRecord) -> bytes:
-    return _dumps({
+def _node_fields(rec: NodeRecord) -> dict[str, Any]:
+    fields = {
         "v": RECORD_VERSION, "node_id": rec.node_id, "incarnation": f"{rec.incarnation:x}",
         "endpoint": rec.endpoint, "role": rec.role, "pool_bytes": rec.pool_bytes,
         "block_size": rec.block_size, "protocol": list(rec.protocol),
         "curve_public": rec.curve_public, "labels": dict(rec.labels),
         "started_at": rec.started_at, "device": rec.device,
-    })
+    }
+    if rec.cert is not None:
+        fields["cert"] = rec.cert
+    return fields
 
 
-def encode_holder(rec: HolderRecord) -> bytes:
-    return _dumps({
+def _holder_fields(rec: HolderRecord) -> dict[str, Any]:
+    return {
         "v": RECORD_VERSION, "rid": rec.rid, "node_id": rec.node_id,
         "incarnation": f"{rec.incarnation:x}", "gen": rec.gen, "nbytes": rec.nbytes,
         "state": rec.state, "expires_at": rec.expires_at,
-    })
+    }
+
+
+def _signed(fields: dict[str, Any], sig: str | None) -> bytes:
+    return _dumps(fields if sig is None else {**fields, "sig": sig})
+
+
+def encode_node(rec: NodeRecord) -> bytes:
+    return _signed(_node_fields(rec), rec.sig)
+
+
+def encode_holder(rec: HolderRecord) -> bytes:
+    return _signed(_holder_fields(rec), rec.sig)
+
+
+def node_payload(rec: NodeRecord) -> bytes:
+    """What a node record's signature covers: its encoding without "sig" (the exact bytes as read,
+    unknown fields included, for a decoded record; rebuilt for one made here)."""
+    return rec.payload or _dumps(_node_fields(rec))
+
+
+def holder_payload(rec: HolderRecord) -> bytes:
+    return rec.payload or _dumps(_holder_fields(rec))
 
 
 # ---- decode ----
@@ -103,6 +135,10 @@ class _Fields:
         if obj.get("v") != RECORD_VERSION:
             raise RecordError(f"{kind} record has version {obj.get('v')!r}, this kvd reads v{RECORD_VERSION}")
         self.obj = obj
+
+    def payload(self) -> bytes:
+        """The record's canonical encoding without its signature: what "sig" signs."""
+        return _dumps({k: v for k, v in self.obj.items() if k != "sig"}) if "sig" in self.obj else b""
 
     def fail(self, name: str, what: str) -> RecordError:
         return RecordError(f"{self.kind} record: field {name!r} {what}")
@@ -151,13 +187,17 @@ def decode_node(raw: bytes | str) -> NodeRecord:
     labels = f.obj.get("labels") or {}
     if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
         raise f.fail("labels", "must be an object of strings")
+    endpoint = f.str("endpoint")
+    if not valid_endpoint(endpoint):
+        raise f.fail("endpoint", f"must be tcp://HOST:PORT, not {endpoint[:80]!r}")
     return NodeRecord(
-        node_id=f.str("node_id"), incarnation=f.hex("incarnation"), endpoint=f.str("endpoint"),
+        node_id=f.str("node_id"), incarnation=f.hex("incarnation"), endpoint=endpoint,
         role=f.str("role", choices=ROLES) if "role" in f.obj else "any",
         pool_bytes=f.int("pool_bytes", 0), block_size=f.int("block_size", 0),
         protocol=(proto[0], proto[1]), curve_public=f.str("curve_public", optional=True),
         labels=dict(labels), started_at=f.num("started_at"),
         device=f.str("device") if "device" in f.obj else "cpu",
+        cert=f.str("cert", optional=True), sig=f.str("sig", optional=True), payload=f.payload(),
     )
 
 
@@ -167,8 +207,18 @@ def decode_holder(raw: bytes | str) -> HolderRecord:
         rid=f.str("rid"), node_id=f.str("node_id"), incarnation=f.hex("incarnation"),
         gen=f.int("gen"), nbytes=f.int("nbytes"),
         state=f.str("state", choices=HOLDER_STATES) if "state" in f.obj else "complete",
-        expires_at=f.num("expires_at", optional=True),
+        expires_at=f.num("expires_at", optional=True), sig=f.str("sig", optional=True), payload=f.payload(),
     )
+
+
+# a peer endpoint as a registry may name one: TCP only (never ipc://, which would skip the uid check
+# and reach local files), a host name or an IP literal, and a port
+_ENDPOINT_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?):([0-9]{1,5})$")
+
+
+def valid_endpoint(endpoint: str) -> bool:
+    match = _ENDPOINT_RE.match(endpoint)
+    return match is not None and 0 < int(match.group(2)) < 65536
 
 
 # ---- keys (design §3.3) ----

@@ -25,7 +25,7 @@ from kvd.errors import BadRequest
 from kvd.memory import open_staging_memory
 from kvd.memory.faults import with_fault_injection
 from kvd.units import format_size
-from kvd.wire.endpoints import unix_path
+from kvd.wire.endpoints import is_loopback_endpoint, unix_path
 
 from .config import Config
 from .directory import Directory
@@ -82,10 +82,15 @@ class Daemon:
         max_clients, max_peer_connections = fit_connection_caps(
             raise_open_file_limit(cfg.max_clients + cfg.max_peer_connections), cfg.max_clients,
             cfg.max_peer_connections)
+        # the cheap checks before the pool's prefault (seconds for a big pool)
+        curve = self.curve = self._load_curve(cfg) if cfg.curve_secret_key else None
+        if curve is None and not is_loopback_endpoint(cfg.listen) and not cfg.insecure:
+            raise BadRequest(insecure_refusal(cfg.listen))
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
-        curve = self.curve = load_keys(cfg.curve_secret_key, list(cfg.curve_allow)) if cfg.curve_secret_key else None
         if cfg.registry:  # the holder directory hears of every entry the store publishes or removes
-            self.directory = Directory(cfg, life.incarnation, curve.public.decode() if curve else None)
+            self.directory = Directory(cfg, life.incarnation, curve)
+            if curve is not None:  # a node found in the registry is dialled under the key its cert names
+                curve.registry_key = self.directory.key_of
         num_blocks = cfg.pool_size // cfg.block_size
         self.store = Store(BlockAllocator(num_blocks), cfg.block_size, cfg.default_ttl or None,
                            on_published=self.directory.entry_published if self.directory else None,
@@ -95,10 +100,10 @@ class Daemon:
         if curve is not None:
             self.authenticator = start_authenticator(self.ctx, curve)
         self._claim_socket_path(cfg.socket)  # before anything binds: a second daemon stops here
-        if curve is None and not _is_loopback(cfg.listen):
-            log.warning("peers are not authenticated: %s is reachable beyond this host and CURVE is off, so any "
-                        "host that reaches it can read and consume every entry (set --curve-secret-key, or "
-                        "firewall the port)", cfg.listen)
+        if curve is None and not is_loopback_endpoint(cfg.listen):
+            log.warning("--insecure: peers are not authenticated: %s is reachable beyond this host and CURVE is "
+                        "off, so any host that reaches it can read and consume every entry (set up a cluster CA: "
+                        "kvd keygen --help)", cfg.listen)
         self.local = LocalServer(max_clients)
         watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
         self.peers = PeerSet(cfg, self.ctx, life.incarnation, curve, self.metrics,
@@ -139,7 +144,12 @@ class Daemon:
                  "configured, metrics %s%s", cfg.node_id, format_size(cfg.pool_size), cfg.device, num_blocks,
                  format_size(cfg.block_size), cfg.socket, self.router.bound_endpoint, len(cfg.peers),
                  f"on http://{cfg.metrics_host}:{self.http.port}/metrics" if self.http else "off",
-                 f", CURVE on ({len(curve.allowed)} allowed keys)" if curve else "")
+                 curve_summary(curve))
+
+    @staticmethod
+    def _load_curve(cfg: Config):
+        return load_keys(cfg.curve_secret_key, list(cfg.curve_allow), ca_file=cfg.curve_ca, cert_file=cfg.curve_cert,
+                         deny_file=cfg.curve_deny, cluster=cfg.cluster, node_id=cfg.node_id)
 
     @staticmethod
     def _claim_socket_path(endpoint: str) -> None:
@@ -247,26 +257,45 @@ class Daemon:
         log.info("SIGHUP: configuration reloaded (%s)", ", ".join(sorted(changed & RELOADABLE)) or "no changes")
 
     def _reload_curve(self) -> set[str]:
-        """Re-read the CURVE allow list (files and directories: a node added or a key rotated needs
-        no restart). The ZAP handler checks the same set, changed in place (first the new keys
-        are added, then the old ones dropped: no key allowed before and after is ever missing).
-        Returns the peer names whose key changed: their links are dialled again."""
+        """Re-read the CURVE allow list, the deny list and this node's cert (files and directories:
+        a node added, a key rotated or revoked, a cert renewed need no restart). The ZAP handler
+        checks the same sets, changed in place (first the new keys are added, then the old ones
+        dropped: no key allowed before and after is ever missing). Peers that are no longer
+        admitted are cut at once, and their transfers fail. Returns the peer names whose key
+        changed: their links are dialled again."""
         try:
-            fresh = load_keys(self.config.curve_secret_key, list(self.config.curve_allow))
+            fresh = self._load_curve(self.config)
         except BadRequest as exc:
-            log.error("SIGHUP: CURVE allow list not reloaded: %s", exc)
+            log.error("SIGHUP: CURVE keys not reloaded: %s", exc)
             return set()
-        added, removed = fresh.allowed - self.curve.allowed, self.curve.allowed - fresh.allowed
-        self.curve.allowed.update(fresh.allowed)
-        self.curve.allowed.intersection_update(fresh.allowed)
-        rekeyed = {name for name in set(self.curve.peer_keys) | set(fresh.peer_keys)
-                   if self.curve.peer_keys.get(name) != fresh.peer_keys.get(name)}
-        self.curve.peer_keys.clear()
-        self.curve.peer_keys.update(fresh.peer_keys)
-        if added or removed or rekeyed:
-            log.info("SIGHUP: CURVE allow list reloaded: %d key(s) added, %d removed; peer keys changed for %s",
-                     len(added), len(removed), ", ".join(sorted(rekeyed)) or "none")
-        return rekeyed | ({"*"} if added or removed else set())
+        curve = self.curve
+        added, removed = fresh.allowed - curve.allowed, curve.allowed - fresh.allowed
+        newly_denied = fresh.denied - curve.denied
+        curve.allowed.update(fresh.allowed)
+        curve.denied = fresh.denied
+        if curve.authority is not None:
+            curve.authority.denied = fresh.denied
+        curve.names = fresh.names
+        curve.allowed.intersection_update(fresh.allowed)
+        rekeyed = {name for name in set(curve.peer_keys) | set(fresh.peer_keys)
+                   if curve.peer_keys.get(name) != fresh.peer_keys.get(name)}
+        curve.peer_keys.clear()
+        curve.peer_keys.update(fresh.peer_keys)
+        if fresh.cert is not None and curve.cert is not None and fresh.cert.raw != curve.cert.raw:
+            curve.signer = fresh.signer  # a renewed cert: new hellos show it, the registry record carries it
+            if self.directory is not None:
+                self.directory.renew(fresh.signer)
+            log.info("SIGHUP: this node's cert renewed, valid until %s",
+                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(fresh.cert.not_after)))
+        if added or removed or rekeyed or newly_denied:
+            log.info("SIGHUP: CURVE keys reloaded: %d key(s) added, %d removed, %d newly denied; peer keys changed "
+                     "for %s", len(added), len(removed), len(newly_denied), ", ".join(sorted(rekeyed)) or "none")
+        if removed or newly_denied:
+            if self.router is not None:
+                self.router.readmit()  # cut whoever is connected to us and no longer admitted
+            if self.peers is not None:  # and our links whose peer's key is now denied
+                rekeyed |= self.peers.names_with_keys(newly_denied)
+        return rekeyed | ({"*"} if added or removed or newly_denied else set())
 
     # --- housekeeping ------------------------------------------------------------------------------
 
@@ -373,17 +402,25 @@ def fit_connection_caps(fd_limit: int, max_clients: int, max_peer_connections: i
     return clients, peers
 
 
-def _is_loopback(endpoint: str) -> bool:
-    """tcp://127.0.0.1:7470, tcp://[::1]:7470, tcp://localhost:7470 (a wildcard or a name is not)."""
-    import ipaddress
+def curve_summary(curve) -> str:
+    if curve is None:
+        return ""
+    ways = ([f"cluster CA, this node's cert valid until "
+             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(curve.cert.not_after))}"] if curve.authority else [])
+    ways += [f"{len(curve.allowed)} allowed keys"] if curve.allowed else []
+    ways += [f"{len(curve.denied)} denied"] if curve.denied else []
+    return f", CURVE on ({', '.join(ways)})"
 
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+
+def insecure_refusal(listen: str) -> str:
+    """Why a daemon with a --listen beyond loopback and no peer authentication does not start (as
+    Redis' protected mode refuses), and the ways out."""
+    return (f"refusing to listen for peers on {listen} without peer authentication: any host that reaches it "
+            "could read, consume and inject KV caches. Set up a cluster CA (three commands):\n"
+            "  kvd keygen --ca --dir /etc/kvd\n"
+            "  kvd keygen NODE --dir /etc/kvd --ca-secret /etc/kvd/ca.key_secret\n"
+            "  kvd serve --curve-secret-key /etc/kvd/NODE.key_secret --curve-ca /etc/kvd/ca.key ...\n"
+            "or listen on loopback only, or pass --insecure if the network is trusted (and firewalled).")
 
 
 def _socket_in_use(path: str) -> bool:

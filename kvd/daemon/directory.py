@@ -15,34 +15,52 @@ import logging
 import time
 
 from kvd.cluster import Candidate, ClusterMember, HolderRecord, NodeRecord, open_backend
+from kvd.cluster.signing import RecordSigner, RecordVerifier
 from kvd.cluster.url import redact
 from kvd.errors import BadRequest
+from kvd.wire.endpoints import is_loopback_endpoint
 from kvd.wire.protocol import PROTOCOL_VERSION
 
 from .config import Config
+from .logs import Throttle
+from .peer.auth import CurveKeys
 from .store.entries import Entry, State
 
 log = logging.getLogger(__name__)
 
 
 class Directory:
-    def __init__(self, config: Config, incarnation: int, curve_public: str | None) -> None:
+    def __init__(self, config: Config, incarnation: int, curve: CurveKeys | None) -> None:
+        """With a cluster CA (`curve.authority`) our records are signed and only verified ones are
+        believed. Without peer authentication only loopback endpoints are dialled (unless
+        --insecure): a registry record cannot send this daemon's pushes off the host."""
         self.node_id = config.node_id
+        self.loopback_only = curve is None and not config.insecure
         self.incarnation = incarnation
         self.policy = config.registry_publish
         self.url = redact(config.registry)
         record = NodeRecord(
             node_id=config.node_id, incarnation=incarnation, endpoint=config.advertised, role=config.role,
             pool_bytes=config.pool_size, block_size=config.block_size, protocol=(PROTOCOL_VERSION, PROTOCOL_VERSION),
-            curve_public=curve_public, labels=dict(config.labels), started_at=time.time(), device=config.device)
+            curve_public=curve.public.decode() if curve else None, labels=dict(config.labels), started_at=time.time(),
+            device=config.device)
         try:
             backend = open_backend(config.registry, cluster=config.cluster,
                                    password_file=config.registry_password_file, ca_file=config.registry_ca,
                                    cert_file=config.registry_cert, key_file=config.registry_key)
         except ImportError as exc:
             raise BadRequest(f"--registry {config.registry} needs {exc.name}: pip install redis") from None
-        self.member = ClusterMember(backend, record, ttl=config.registry_ttl, snapshot=self.snapshot)
+        signed = curve is not None and curve.authority is not None and curve.signer is not None
+        self.member = ClusterMember(backend, record, ttl=config.registry_ttl, snapshot=self.snapshot,
+                                    signer=RecordSigner(curve.signer) if signed else None,
+                                    verifier=RecordVerifier(curve.authority) if signed else None)
+        self._refused_endpoints = Throttle()
         self._listed: dict[str, HolderRecord] = {}  # request id -> the holder record we published
+
+    def renew(self, signer) -> None:
+        """SIGHUP brought a renewed cert (kvd.trust.NodeSigner): our records carry it from now on."""
+        if self.member.signer is not None:
+            self.member.renew(RecordSigner(signer))
 
     async def start(self) -> None:
         await self.member.start()  # returns at once: registration goes on in the background
@@ -80,7 +98,20 @@ class Directory:
     def endpoint_of(self, node_id: str) -> str | None:
         """Where a cluster node listens, as it published it (peers by name)."""
         node = self.member.node(node_id) if node_id != self.node_id else None
-        return node.endpoint if node is not None else None
+        if node is None:
+            return None
+        if self.loopback_only and not is_loopback_endpoint(node.endpoint):
+            if self._refused_endpoints.allow(node_id):
+                log.warning("not dialling node %s at %s, as its registry record says: without peer authentication "
+                            "(CURVE) this daemon dials only loopback endpoints (set up a cluster CA, or --insecure)",
+                            node_id, node.endpoint)
+            return None
+        return node.endpoint
+
+    def key_of(self, node_id: str) -> bytes | None:
+        """The CURVE key a node's verified cert names (None without a CA, or for an unknown node)."""
+        cert = self.member.cert_of(node_id)
+        return cert.curve_z85 if cert is not None else None
 
     async def holders(self, request_id: str, timeout: float, exclude: set[str]) -> list[Candidate]:
         """Holders of request_id other than us, best first, waiting up to timeout for one to be

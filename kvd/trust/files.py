@@ -1,4 +1,4 @@
-"""Key, cert and deny-list files (`kvd keygen`, and the daemon reading them at start and on SIGHUP).
+"""Key, cert and deny-list files (the `kvd keygen` process, and the daemon process reading them at start and on SIGHUP).
 
 Formats (text, so that they fit a Kubernetes Secret or a config-management template):
 - `ca.key` / `ca.key_secret`: the cluster CA's Ed25519 public key / secret seed, Z85, ZPL-style

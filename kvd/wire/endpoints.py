@@ -41,3 +41,16 @@ def default_runtime_dir() -> str:
 
 def default_socket() -> str:
     return os.environ.get("KVD_SOCKET") or f"unix://{default_runtime_dir()}/kvd.sock"
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """tcp://127.0.0.1:7470, tcp://[::1]:7470, tcp://localhost:7470 (a wildcard or a name is not)."""
+    import ipaddress
+
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

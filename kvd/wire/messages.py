@@ -266,6 +266,8 @@ class PeerHello(Message):
     node_id: str
     incarnation: int
     features: list = field(default_factory=list, metadata=EXTENSION)  # optional parts it speaks (FEATURES)
+    # with a cluster CA: the sender's cert (kvd.trust), naming node_id and the CURVE key it connected with
+    cert: bytes | None = field(default=None, metadata=EXTENSION)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import itertools
 import os
+import time
 import uuid
 
 import pytest
@@ -127,11 +128,72 @@ class Harness:
         else:
             self.server.restart(wipe=True)
 
+    # ---- what anyone who can write to the registry can do (the attacker of the fleet-trust tests) ----
+    async def forge_node(self, node_id: str, record, leased: bool = True) -> None:
+        """Write `record` (any content) under node_id's key, bound to a lease (TTL) of its own or to none."""
+        from kvd.cluster.records import EtcdKeys, RedisKeys, encode_node
+
+        if self.kind == "memory":
+            srv = self.server
+            if not leased:
+                srv.put_unleased(record)
+                return
+            lid = next(srv._ids)
+            srv.leases[lid] = (60.0, srv.clock() + 60.0)
+            srv.nodes[node_id] = (record, lid)
+            from kvd.cluster.backend import Added
+            srv.node_event(Added(record, srv._bump()))
+        elif self.kind == "etcd":
+            put = {"key": _b64(EtcdKeys(self.cluster).node(node_id)), "value": _b64(encode_node(record))}
+            if leased:
+                put["lease"] = _etcd(self.server, "/v3/lease/grant", {"TTL": 60})["ID"]
+            _etcd(self.server, "/v3/kv/put", put)
+        else:
+            import redis
+            keys = RedisKeys(self.cluster)
+            r = redis.Redis(port=self.server.port)
+            r.set(keys.node(node_id), encode_node(record), px=60_000 if leased else None)
+            r.zadd(keys.nodes, {keys.node(node_id): int(time.time() * 1000) + 60_000})
+            r.incr(keys.nodes_version)
+            r.close()
+
+    async def forge_holder(self, record) -> None:
+        """Write a holder record for record.rid under record.node_id's name."""
+        from kvd.cluster.records import EtcdKeys, RedisKeys, encode_holder, key_part
+
+        if self.kind == "memory":
+            self.server.holders[(record.rid, record.node_id)] = (record, 0)
+            self.server._bump()
+        elif self.kind == "etcd":
+            _etcd(self.server, "/v3/kv/put", {"key": _b64(EtcdKeys(self.cluster).holder(record.rid, record.node_id)),
+                                              "value": _b64(encode_holder(record))})
+        else:
+            import redis
+            r = redis.Redis(port=self.server.port)
+            key = RedisKeys(self.cluster).holders(record.rid)
+            r.hset(key, key_part(record.node_id), encode_holder(record))
+            r.pexpire(key, 60_000)
+            r.close()
+
     def heal(self) -> None:
         """Leave a shared server running and answering for the next test."""
         self.server.resume()
         if isinstance(self.server, Server) and not self.server.alive():
             self.server.start()
+
+
+def _b64(value: str | bytes) -> str:
+    import base64
+    return base64.b64encode(value.encode() if isinstance(value, str) else value).decode()
+
+
+def _etcd(server, path: str, body: dict) -> dict:
+    import json
+    import urllib.request
+    req = urllib.request.Request(f"http://127.0.0.1:{server.client_port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return json.loads(resp.read())
 
 
 @pytest.fixture(params=["memory", "etcd", "redis"])

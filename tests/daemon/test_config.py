@@ -38,14 +38,14 @@ def test_parse_size_rejects(bad):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("250ms", 0.25), ("5m", 300.0), ("30s", 30.0), ("1h", 3600.0), ("2min", 120.0), ("100us", 1e-4),
+    ("250ms", 0.25), ("2d", 172800.0), ("5m", 300.0), ("30s", 30.0), ("1h", 3600.0), ("2min", 120.0), ("100us", 1e-4),
     ("1.5", 1.5), ("0", 0.0), (10, 10.0), (0.5, 0.5),
 ])
 def test_parse_duration(text, expected):
     assert parse_duration(text) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("bad", ["", "soon", "5d", "-1s", "ms", -1, False])
+@pytest.mark.parametrize("bad", ["", "soon", "5y", "-1s", "ms", -1, False])
 def test_parse_duration_rejects(bad):
     with pytest.raises(ValueError):
         parse_duration(bad)

@@ -1,26 +1,34 @@
-"""CurveZMQ authentication and encryption between daemons (daemon process; `kvd keygen` too).
+"""CurveZMQ authentication and encryption between daemons (daemon process).
 
 With `--curve-secret-key FILE` (a key pair written by `kvd keygen`) the peer listener becomes a
 CURVE server and every peer link a CURVE client. Encryption alone is not access control: a
-CURVE server without a ZAP handler accepts any client key. So a ZAP authenticator thread
-checks each connecting key against `--curve-allow` (public key files, directories of them, or
-Z85 strings), and the daemon refuses to start when it cannot enforce that.
+CURVE server without a ZAP handler accepts any client key. Two ways admit a peer, either one:
 
-To dial a named peer we need its public key: a key file named `<peer name>.key` among the
-allowed keys provides it (the same file that lets that peer connect to us).
+- `--curve-ca ca.key`: any peer whose cert the cluster CA signed. ZeroMQ's handshake proves the
+  peer holds the CURVE key; its peer_hello carries the cert, which must name that key and the node
+  id the peer claims (`admits`). To dial a node, its key comes from its cert in the registry record
+  (verified) or from a NAME.key file below.
+- `--curve-allow`: public key files (NAME.key: that key may only call itself NAME), directories
+  of them, or Z85 strings (such a key may call itself anything). A file NAME.key also gives the
+  key to dial peer NAME.
+
+`--curve-deny FILE` lists revoked keys: refused by either way, and cut at once on SIGHUP. The
+daemon refuses to start when it cannot enforce any of this.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvd.errors import BadRequest
+from kvd.errors import BadRequest, KvdError
+from kvd.trust import Authority, CertError, NodeCert, NodeSigner, load_ca_public, load_cert, load_deny, load_node_keys
 
 log = logging.getLogger(__name__)
 
@@ -33,34 +41,75 @@ class CurveKeys:
     public: bytes
     secret: bytes
     allowed: set[bytes] = field(default_factory=set)
-    peer_keys: dict[str, bytes] = field(default_factory=dict)  # peer name -> its public key
+    peer_keys: dict[str, bytes] = field(default_factory=dict)  # peer name -> its public key (NAME.key)
+    names: dict[bytes, str] = field(default_factory=dict)  # allowed key -> the only node id it may claim
+    denied: frozenset[bytes] = frozenset()  # revoked keys (--curve-deny)
+    authority: Authority | None = None  # the cluster CA (--curve-ca)
+    signer: NodeSigner | None = None  # our signing key and cert, with a CA
+    # a cluster node's key from its registry record, once that record's cert verified (the daemon sets it)
+    registry_key: Callable[[str], bytes | None] = lambda name: None
+
+    @property
+    def cert(self) -> NodeCert | None:
+        return self.signer.cert if self.signer is not None else None
 
     def server_key_for(self, peer_name: str) -> bytes:
-        try:
-            return self.peer_keys[peer_name]
-        except KeyError:
-            if peer_name.startswith("tcp://"):  # an endpoint that is no configured peer's
-                raise BadRequest(
-                    f"CURVE is on and {peer_name} is not the endpoint of a configured peer, so this daemon has no "
-                    f"key to check it by: add it as --peer NAME={peer_name} (TOML [peers]) with NAME.key among "
-                    "--curve-allow, then SIGHUP; with a cluster registry, name the node by its id instead"
-                ) from None
+        key = self.peer_keys.get(peer_name) or self.registry_key(peer_name)
+        if key is not None:
+            if key in self.denied:
+                raise BadRequest(f"the CURVE key of peer {peer_name!r} is on the deny list (--curve-deny)")
+            return key
+        if peer_name.startswith("tcp://"):  # an endpoint that is no configured peer's
             raise BadRequest(
-                f"CURVE is on but there is no public key for peer {peer_name!r}: put {peer_name}.key "
-                "among --curve-allow (then SIGHUP to reload the allow list)"
-            ) from None
+                f"CURVE is on and {peer_name} is not the endpoint of a configured peer, so this daemon has no "
+                f"key to check it by: add it as --peer NAME={peer_name} (TOML [peers]) with NAME.key among "
+                "--curve-allow, then SIGHUP; with a cluster registry, name the node by its id instead"
+            )
+        if self.authority is not None:
+            raise BadRequest(f"CURVE is on and no key of peer {peer_name!r} is known: it is not (yet) in the cluster "
+                             f"registry with a cert of this cluster's CA, and {peer_name}.key is not among "
+                             "--curve-allow")
+        raise BadRequest(
+            f"CURVE is on but there is no public key for peer {peer_name!r}: put {peer_name}.key "
+            "among --curve-allow (then SIGHUP to reload the allow list)"
+        )
+
+    def zap_admits(self, key: bytes) -> bool:
+        """ZeroMQ's handshake (the ZAP thread): may this key connect at all? With a CA any key not
+        denied may, since the cert it must show comes in its hello (`admits`)."""
+        return key not in self.denied and (key in self.allowed or self.authority is not None)
+
+    def admits(self, key: bytes, node_id: str, cert: bytes | None) -> str | None:
+        """May the peer that authenticated with `key` call itself `node_id`? None if so, else why not."""
+        if key in self.denied:
+            return "its CURVE key is on the deny list (--curve-deny)"
+        if key in self.allowed:
+            bound = self.names.get(key)
+            if bound is None or bound == node_id:
+                return None
+            if self.authority is None or cert is None:
+                return f"its key is allowed as {bound!r} ({bound}.key among --curve-allow), not as {node_id!r}"
+        if self.authority is None:
+            return "its CURVE key is not among --curve-allow"
+        if cert is None:
+            return "it showed no cert, and its key is not among --curve-allow"
+        try:
+            verified = self.authority.verify(cert, node_id)
+        except CertError as exc:
+            return exc.message
+        if verified.curve_z85 != key:
+            return f"its cert for {node_id!r} names another CURVE key than the one it connected with"
+        return None
 
 
-def load_keys(secret_key_file: str, allow: list[str]) -> CurveKeys:
+def load_keys(secret_key_file: str, allow: list[str], *, ca_file: str = "", cert_file: str = "",
+              deny_file: str = "", cluster: str = "kvd", node_id: str | None = None) -> CurveKeys:
     if not zmq.has("curve"):
         raise BadRequest("--curve-secret-key given, but this libzmq was built without CURVE support")
-    try:
-        public, secret = zmq.auth.load_certificate(secret_key_file)
-    except (OSError, ValueError) as exc:
-        raise BadRequest(f"cannot read the CURVE key pair {secret_key_file}: {exc}") from None
-    if not secret:
+    own = load_node_keys(secret_key_file)
+    if not own.curve_secret:
         raise BadRequest(f"{secret_key_file} holds no secret key (use the .key_secret file from `kvd keygen`)")
-    keys = CurveKeys(public, secret)
+    keys = CurveKeys(own.curve_public, own.curve_secret)
     for item in allow:
         if os.path.isdir(item):
             for name in sorted(os.listdir(item)):
@@ -70,11 +119,40 @@ def load_keys(secret_key_file: str, allow: list[str]) -> CurveKeys:
             _add_key_file(keys, item)
         elif len(item) == Z85_KEY_LENGTH:
             keys.allowed.add(item.encode())
+            log.warning("--curve-allow %s... names no node: that key may call itself any node id (a key file "
+                        "NAME.key binds it to NAME)", item[:8])
         else:
             raise BadRequest(f"--curve-allow {item!r} is neither a key file, a directory, nor a Z85 public key")
-    if not keys.allowed:
-        raise BadRequest("--curve-secret-key without --curve-allow: no peer could ever connect")
+    if deny_file:
+        keys.denied = load_deny(deny_file)
+    if ca_file:
+        keys.authority = Authority(load_ca_public(ca_file), cluster, keys.denied)
+        keys.signer = _own_cert(keys.authority, own, secret_key_file, cert_file, node_id)
+    if not keys.allowed and keys.authority is None:
+        raise BadRequest("--curve-secret-key without --curve-allow or --curve-ca: no peer could ever connect")
     return keys
+
+
+def _own_cert(authority: Authority, own, secret_key_file: str, cert_file: str, node_id: str | None) -> NodeSigner:
+    """Our cert, checked as a peer would check it: a daemon whose cert would be refused says so now."""
+    path = cert_file or secret_key_file.removesuffix(".key_secret") + ".cert"
+    if not os.path.exists(path):
+        raise BadRequest(f"--curve-ca needs this node's cert: {path} does not exist (make it with `kvd keygen "
+                         f"{node_id or 'NODE'} --dir DIR --ca-secret ca.key_secret`, or name it with --curve-cert)")
+    cert = load_cert(path)
+    try:
+        authority.verify(cert.raw, node_id)
+    except CertError as exc:
+        raise BadRequest(f"this node's cert {path} would be refused by its peers: {exc.message}") from None
+    if cert.curve_z85 != own.curve_public:
+        raise BadRequest(f"{path} is the cert of another key pair than {secret_key_file} (re-run kvd keygen with "
+                         "--ca-secret to issue one for this pair)")
+    if own.sign_seed is None:
+        raise BadRequest(f"{secret_key_file} holds no signing key: re-run `kvd keygen` with --ca-secret for it")
+    try:
+        return NodeSigner(own.sign_seed, cert)
+    except KvdError as exc:
+        raise BadRequest(f"{path}: {exc.message}") from None
 
 
 def _add_key_file(keys: CurveKeys, path: str) -> None:
@@ -82,29 +160,31 @@ def _add_key_file(keys: CurveKeys, path: str) -> None:
         public, _ = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
         raise BadRequest(f"cannot read public key {path}: {exc}") from None
+    name = os.path.basename(path).removesuffix(".key").removesuffix(".key_secret")
     keys.allowed.add(public)
-    keys.peer_keys[os.path.basename(path).removesuffix(".key").removesuffix(".key_secret")] = public
+    keys.peer_keys[name] = public
+    keys.names[public] = name
 
 
 REFUSAL_LOG_INTERVAL = 60.0  # seconds: a refused peer dials again every 2 s; say so once a minute
 
 
 class _AllowList:
-    def __init__(self, allowed: set[bytes]) -> None:
-        self.allowed = allowed
+    def __init__(self, keys: CurveKeys) -> None:
+        self.keys = keys  # read on every handshake: a reload changes what it admits at once
         self._logged: dict[bytes, float] = {}  # refused key -> when it was last logged
 
     def callback(self, domain: str, key: bytes) -> bool:
         z85 = zmq.utils.z85.encode(key) if len(key) == 32 else key
-        ok = z85 in self.allowed
+        ok = self.keys.zap_admits(z85)
         if not ok:
             now = time.monotonic()
             if now - self._logged.get(z85, -REFUSAL_LOG_INTERVAL) >= REFUSAL_LOG_INTERVAL:
                 if len(self._logged) > 1024:  # (keys are cheap to make: the memo stays bounded)
                     self._logged.clear()
                 self._logged[z85] = now
-                log.warning("refused a peer with an unknown CURVE key %s (again at most once a minute)",
-                            z85.decode(errors="replace"))
+                log.warning("refused a peer with %s CURVE key %s (again at most once a minute)",
+                            "a denied" if z85 in self.keys.denied else "an unknown", z85.decode(errors="replace"))
         return ok
 
 
@@ -112,7 +192,7 @@ def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticato
     """Run the ZAP handler that enforces the allow list; fail if it does not come up."""
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvd.daemon.peer.auth.zap"))
     auth.start()
-    auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_AllowList(keys.allowed))
+    auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_AllowList(keys))
     if not auth.is_alive():
         raise BadRequest("the ZAP authenticator did not start: refusing to run CURVE without access control")
     return auth
@@ -129,24 +209,3 @@ def make_client(sock: zmq.Socket, keys: CurveKeys, peer_name: str) -> None:
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = keys.server_key_for(peer_name)
-
-
-def keygen(directory: str, name: str, *, force: bool = False) -> tuple[str, str]:
-    """Write NAME.key (public, share it) and NAME.key_secret (0600, keep it) into directory.
-
-    Refuses (BadRequest) when either file exists, unless force: the peers' --curve-allow hold the
-    old public key, so a new pair would lock this node out of every one of them."""
-    files = (os.path.join(directory, f"{name}.key"), os.path.join(directory, f"{name}.key_secret"))
-    existing = [path for path in files if os.path.lexists(path)]
-    if existing and not force:
-        raise BadRequest(f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: not "
-                         "overwritten, since every peer that allows the old key would refuse this node; "
-                         "--force replaces the pair")
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    old_umask = os.umask(0o077)
-    try:
-        public_file, secret_file = zmq.auth.create_certificates(directory, name)
-    finally:
-        os.umask(old_umask)
-    os.chmod(secret_file, 0o600)
-    return public_file, secret_file
