@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import select
 import socket
+import struct
 from typing import Any, Callable
 
-from kvd.errors import KvdError, ProtocolError, Timeout, error_from_code
+from kvd.errors import KvdError, ProtocolError, Timeout, Unauthorized, error_from_code
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import default_socket, tcp_address, unix_path
 from kvd.wire.framing import MessageReader, encode_message
@@ -37,7 +39,20 @@ def _connect_socket(endpoint: str, timeout: float) -> socket.socket:
         raise KvdError(f"no kvd daemon at {endpoint} ({exc.strerror or exc}); start one with `kvd serve`") from None
     if path is None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    else:
+        _check_daemon_user(sock, endpoint)
     return sock
+
+
+def _check_daemon_user(sock: socket.socket, endpoint: str) -> None:
+    """Only our own user's daemon (or root's) may answer: another user could have taken the socket
+    path first, and a worker must never write a KV cache into its pool, nor read caches from it."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid not in (os.getuid(), 0):
+        sock.close()
+        raise Unauthorized(f"the process answering on {endpoint} (pid {pid}) runs as uid {uid}, not as this worker's "
+                           f"uid {os.getuid()} or root: refusing to hand it any KV cache (is the socket directory "
+                           "another user's?)")
 
 
 class BlockingConnection:

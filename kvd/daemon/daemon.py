@@ -157,7 +157,9 @@ class Daemon:
         path = unix_path(endpoint)
         if path is None:
             return
-        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        check_runtime_dir(directory)
         if os.path.exists(path):
             if _socket_in_use(path):
                 raise BadRequest(f"{endpoint} is in use by another daemon")
@@ -400,6 +402,27 @@ def fit_connection_caps(fd_limit: int, max_clients: int, max_peer_connections: i
                 "LimitNOFILE / ulimit -n, or lower those)", fd_limit, max(budget, 0), FD_HEADROOM, wanted, clients,
                 peers)
     return clients, peers
+
+
+def check_runtime_dir(directory: str) -> None:
+    """The client socket's directory must be ours (or root's) and writable by nobody else: another
+    user who made it first (e.g. /tmp/kvd-UID, mode 0777) could swap the socket for one of theirs."""
+    import stat
+
+    info = os.lstat(directory)
+    if stat.S_ISLNK(info.st_mode):
+        raise BadRequest(f"the socket directory {directory} is a symbolic link: refusing it (remove it, or give "
+                         "--socket a path in a directory of this user's)")
+    problems = []
+    if info.st_uid not in (os.getuid(), 0):
+        problems.append(f"owned by uid {info.st_uid}, not by this daemon's uid {os.getuid()}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problems.append(f"writable by {'others' if info.st_mode & stat.S_IWOTH else 'its group'} "
+                        f"(mode {stat.S_IMODE(info.st_mode):o})")
+    if problems:
+        raise BadRequest(f"refusing the socket directory {directory}: {' and '.join(problems)}; another user could "
+                         f"replace the daemon's socket there. Remove it (or chmod 700 it, if it is yours), or set "
+                         "KVD_RUNTIME_DIR / --socket to a directory of this user's")
 
 
 def curve_summary(curve) -> str:

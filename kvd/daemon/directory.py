@@ -17,7 +17,7 @@ import time
 from kvd.cluster import Candidate, ClusterMember, HolderRecord, NodeRecord, open_backend
 from kvd.cluster.signing import RecordSigner, RecordVerifier
 from kvd.cluster.url import redact
-from kvd.errors import BadRequest
+from kvd.errors import BadRequest, PeerUnavailable
 from kvd.wire.endpoints import is_loopback_endpoint
 from kvd.wire.protocol import PROTOCOL_VERSION
 
@@ -27,6 +27,9 @@ from .peer.auth import CurveKeys
 from .store.entries import Entry, State
 
 log = logging.getLogger(__name__)
+LOCATE_CACHE = 0.5  # seconds a /cluster/locate answer is served again (routers ask the same id in bursts)
+LOCATE_CACHE_KEEP = 1024
+LOCATE_AT_ONCE = 16  # registry reads for locate in flight; past that, "try again"
 
 
 class Directory:
@@ -55,6 +58,8 @@ class Directory:
                                     signer=RecordSigner(curve.signer) if signed else None,
                                     verifier=RecordVerifier(curve.authority) if signed else None)
         self._refused_endpoints = Throttle()
+        self._located: dict[str, tuple[float, list[dict]]] = {}  # request id -> (when, holders): /cluster/locate
+        self._locating = 0
         self._listed: dict[str, HolderRecord] = {}  # request id -> the holder record we published
 
     def renew(self, signer) -> None:
@@ -119,8 +124,25 @@ class Directory:
         return await self.member.find(request_id, timeout, exclude=exclude)
 
     async def locate(self, request_id: str) -> list[dict]:
-        return [{"node_id": c.node.node_id, "endpoint": c.node.endpoint, "gen": c.holder.gen,
-                 "bytes": c.holder.nbytes, "state": c.holder.state} for c in await self.member.locate(request_id)]
+        """Who holds request_id (for /cluster/locate and `kvd cluster locate`): answered from a
+        short-lived cache, with at most LOCATE_AT_ONCE registry reads in flight (past that, a
+        PeerUnavailable to try again), so that callers cannot turn this daemon into a registry flood."""
+        now = time.monotonic()
+        cached = self._located.get(request_id)
+        if cached is not None and now - cached[0] < LOCATE_CACHE:
+            return cached[1]
+        if self._locating >= LOCATE_AT_ONCE:
+            raise PeerUnavailable(f"{LOCATE_AT_ONCE} registry lookups are in flight already: try again")
+        self._locating += 1
+        try:
+            found = [{"node_id": c.node.node_id, "endpoint": c.node.endpoint, "gen": c.holder.gen,
+                      "bytes": c.holder.nbytes, "state": c.holder.state} for c in await self.member.locate(request_id)]
+        finally:
+            self._locating -= 1
+        if len(self._located) >= LOCATE_CACHE_KEEP:
+            self._located.clear()
+        self._located[request_id] = (now, found)
+        return found
 
     def note_stale(self) -> None:
         self.member.note_stale()

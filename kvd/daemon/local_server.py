@@ -158,7 +158,7 @@ class _ClientConnection(asyncio.Protocol):
         if sock is not None and sock.family != socket.AF_UNIX:
             uid = foreign_user(TcpConnection.of_fd(sock.fileno()))
             if uid is not None:
-                refusal = foreign_user_refusal(uid, "this client connection (on loopback)",
+                refusal = foreign_user_refusal(uid, "this client connection (from this host)",
                                                "run the client as the daemon's user")
                 log.warning("refused a client connection from another user (%s)",
                             "unknown" if uid < 0 else f"uid {uid}")

@@ -11,7 +11,7 @@ import time
 from typing import Callable
 
 from kvd.cluster import RegistryUnavailable
-from kvd.errors import KvdError, NotFound, PeerUnavailable, Timeout
+from kvd.errors import KvdError, NotFound, PoolFull, ShuttingDown, Timeout
 
 from .directory import Directory
 from .peer.transfers import Expectation, Transfers
@@ -21,6 +21,7 @@ from .watch import EntryWatch
 log = logging.getLogger(__name__)
 
 RETRY_LOOKUP = 0.2  # seconds between lookups of a get while the registry does not answer
+OURS = (PoolFull, ShuttingDown)  # failures of a pull that are this daemon's, not the holder's
 
 
 class SharedPulls:
@@ -91,7 +92,9 @@ class SharedPulls:
                 left = deadline - time.monotonic()
                 try:  # timeout 0: the hint says it is complete there; if it is not, try the next
                     return await self.join(conn, holder.node.node_id, request_id, 0.0, keep, expect, left)
-                except (NotFound, PeerUnavailable) as exc:
+                except OURS:
+                    raise  # (our pool is full, or we are stopping: another holder would not help)
+                except KvdError as exc:  # whatever one holder answers (or a liar in its place), try the next
                     directory.note_stale()
                     log.info("holder %s of %r did not serve it (%s): trying the next", holder.node.node_id,
                              request_id, exc)

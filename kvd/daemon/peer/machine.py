@@ -276,7 +276,8 @@ class Machine:
             if msg.request_id != inbound.request_id:
                 raise ProtocolError(f"offer for {msg.request_id!r}, but {inbound.request_id!r} was pulled")
             specs = [TensorSpec.from_wire(t) for t in msg.tensors]
-            entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.RECEIVING, None)
+            entry = self.store.reserve(msg.request_id, specs, peer_ttl(msg.ttl, self.store.default_ttl), msg.meta,
+                                       State.RECEIVING, None)
             if entry.total_bytes != msg.total_bytes:
                 self.store.remove(entry)
                 raise ProtocolError(f"offer says {msg.total_bytes} bytes, its tensors need {entry.total_bytes}")
@@ -423,3 +424,11 @@ _HANDLERS: dict[type, Callable] = {
     p.Abort: Machine._peer_abort, Cancel: Machine._cancel, ChannelLost: Machine._channel_lost,
     Deadline: Machine._deadline,
 }
+
+
+def peer_ttl(offered: float | None, limit: float | None) -> float | None:
+    """A peer's ttl for an entry it sends us, held to ours: a peer may shorten an entry's life, never
+    make it outlive our own default (0, "forever", included); without a default of ours, as offered."""
+    if limit is None or offered is None:
+        return offered
+    return limit if offered == 0 else min(offered, limit)

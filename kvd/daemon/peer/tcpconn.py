@@ -44,8 +44,9 @@ class TcpConnection:
         return _ip(self.remote[0]).is_loopback
 
     def owner_uid(self, tables: tuple[str, ...] = PROC_TABLES) -> int | None:
-        """The uid owning the other end of a loopback connection; None if it cannot be found
-        (the connection is gone, or the other end is not on this host)."""
+        """The uid owning the other end of a connection within this host (loopback or one of its own
+        addresses); None if it cannot be found (the connection is gone, or the other end is not on
+        this host, or in another network namespace)."""
         wanted = (_normal(self.remote), _normal(self.local))
         for path in tables:
             try:
@@ -89,16 +90,20 @@ class TcpConnection:
 
 
 def foreign_user(conn: TcpConnection | None) -> int | None:
-    """The uid at the other end of a loopback connection when it is neither ours nor root's (-1
-    when it cannot be told); None when the connection is not on loopback, or is one of ours.
+    """The uid at the other end of a connection from this host when it is neither ours nor root's
+    (-1 when a loopback peer cannot be told); None when the other end is another host's, or ours.
 
-    Loopback is shared by every user of a host, so without CURVE this is what keeps another
-    user's process from pulling (or being pushed) caches through the peer port, or from using
-    a tcp:// client socket."""
-    if conn is None or not conn.on_loopback():
+    Every address of a host is reachable by every user on it, so without CURVE this is what keeps
+    another user's process from pulling (or being pushed) caches through the peer port, or from
+    using a tcp:// client socket."""
+    if conn is None:
         return None
+    # any local connection, not only loopback: another user may connect through the host's own
+    # address (10.0.0.5 -> 10.0.0.5). The kernel's tables list the other end iff it is on this host.
     uid = conn.owner_uid()
-    return None if uid in (os.getuid(), 0) else (-1 if uid is None else uid)
+    if uid is None:
+        return -1 if conn.on_loopback() else None  # (off loopback and not in the tables: another host)
+    return None if uid in (os.getuid(), 0) else uid
 
 
 def foreign_user_refusal(uid: int, what: str,
