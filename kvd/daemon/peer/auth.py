@@ -10,7 +10,7 @@ CURVE server without a ZAP handler accepts any client key. Two ways admit a peer
   (verified) or from a NAME.key file below.
 - `--curve-allow`: public key files (NAME.key: that key may only call itself NAME), directories
   of them, or Z85 strings (such a key may call itself anything). A file NAME.key also gives the
-  key to dial peer NAME.
+  key to dial peer NAME; with a CA, so does a peer's NAME.cert (for static peers, no registry).
 
 `--curve-deny FILE` lists revoked keys: refused by either way, and cut at once on SIGHUP. The
 daemon refuses to start when it cannot enforce any of this.
@@ -110,10 +110,15 @@ def load_keys(secret_key_file: str, allow: list[str], *, ca_file: str = "", cert
     if not own.curve_secret:
         raise BadRequest(f"{secret_key_file} holds no secret key (use the .key_secret file from `kvd keygen`)")
     keys = CurveKeys(own.curve_public, own.curve_secret)
+    if deny_file:
+        keys.denied = load_deny(deny_file)
+    if ca_file:
+        keys.authority = Authority(load_ca_public(ca_file), cluster, keys.denied)
+        keys.signer = _own_cert(keys.authority, own, secret_key_file, cert_file, node_id)
     for item in allow:
         if os.path.isdir(item):
             for name in sorted(os.listdir(item)):
-                if name.endswith(".key"):
+                if name.endswith((".key", ".cert")) and name != "ca.key":  # (a CA key beside the nodes' is no node's)
                     _add_key_file(keys, os.path.join(item, name))
         elif os.path.isfile(item):
             _add_key_file(keys, item)
@@ -123,11 +128,6 @@ def load_keys(secret_key_file: str, allow: list[str], *, ca_file: str = "", cert
                         "NAME.key binds it to NAME)", item[:8])
         else:
             raise BadRequest(f"--curve-allow {item!r} is neither a key file, a directory, nor a Z85 public key")
-    if deny_file:
-        keys.denied = load_deny(deny_file)
-    if ca_file:
-        keys.authority = Authority(load_ca_public(ca_file), cluster, keys.denied)
-        keys.signer = _own_cert(keys.authority, own, secret_key_file, cert_file, node_id)
     if not keys.allowed and keys.authority is None:
         raise BadRequest("--curve-secret-key without --curve-allow or --curve-ca: no peer could ever connect")
     return keys
@@ -156,6 +156,15 @@ def _own_cert(authority: Authority, own, secret_key_file: str, cert_file: str, n
 
 
 def _add_key_file(keys: CurveKeys, path: str) -> None:
+    if path.endswith(".cert"):  # a peer's cert: the key to dial it by, as the CA vouches (it admits it anyway)
+        if keys.authority is None:
+            raise BadRequest(f"--curve-allow {path}: a cert is checked against the cluster CA, and --curve-ca is not set")
+        try:
+            cert = keys.authority.verify(load_cert(path).raw)
+        except CertError as exc:
+            raise BadRequest(f"--curve-allow {path}: {exc.message}") from None
+        keys.peer_keys[cert.node_id] = cert.curve_z85
+        return
     try:
         public, _ = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
