@@ -1,10 +1,15 @@
 """The etcd backend (daemon and router processes): the registry contract on etcd v3, through its JSON
-gateway (etcd_http.py).
+gateway (etcd_http.py), with user/password auth (etcd_auth.py) and TLS when the URL asks for them.
 
 Runs in the daemon and in routers. Key schema: records.EtcdKeys. A session is an etcd lease; the
 node key and every holder key are put under it, so a dead daemon's records all vanish when the lease
 expires (design §3.3). Registration is a Txn on create_revision == 0; unpublish a Txn on the exact
 value written. Works with etcd 3.4 and 3.5 (both serve /v3/).
+
+Whoever can write the registry may have planted anything, so every read is bounded and filtered:
+listings page (LIST_PAGE keys a call, at one revision) and stop at MAX_LISTING_BYTES; holder reads
+stop at MAX_HOLDERS; a value over MAX_RECORD_BYTES, undecodable, under a key that is not its node
+id's, or (a node record) bound to no lease is skipped and counted in `dropped`.
 """
 from __future__ import annotations
 
@@ -13,23 +18,39 @@ import base64
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from ssl import SSLContext
 from typing import Any
 from urllib.parse import unquote
 
 from .backend import (
-    DEFAULT_OP_TIMEOUT, Added, Conflict, NodeEvent, Publish, PublishOp, Registered, RegistryUnavailable,
-    Removed, Resync, SessionLost,
+    DEFAULT_OP_TIMEOUT, LIST_PAGE, MAX_HOLDERS, MAX_LISTING_BYTES, MAX_RECORD_BYTES, Added, Conflict, NodeEvent,
+    Publish, PublishOp, Registered, RegistryRefused, RegistryUnavailable, Removed, Resync, SessionLost,
 )
-from .etcd_http import GatewayClient, GatewayError
+from .etcd_auth import TokenAuth, refusal
+from .etcd_http import BodyTooLarge, GatewayClient, GatewayError, TLSError
 from .records import (
     EtcdKeys, HolderRecord, NodeRecord, RecordError, decode_holder, decode_node, encode_holder, encode_node,
 )
+from .skips import Skips
 
 log = logging.getLogger(__name__)
-_NOT_FOUND = 5  # gRPC status of "requested lease not found"
+_NOT_FOUND, _OUT_OF_RANGE = 5, 11  # gRPC status codes: "requested lease not found", "revision compacted"
+_VALUE_B64_MAX = (MAX_RECORD_BYTES + 2) // 3 * 4  # a value at the size cap, in the gateway's base64
+# what one page of a range may weigh: a page of records under the size cap always fits
+_PAGE_BODY = 2 * LIST_PAGE * MAX_RECORD_BYTES
+_HOLDERS_BODY = 2 * MAX_HOLDERS * MAX_RECORD_BYTES
+
+
+class _TooLarge(RegistryUnavailable):
+    """A range answer over its cap: read it again in smaller pages."""
+
+
+class _Compacted(RegistryUnavailable):
+    """The revision a paged listing is pinned to was compacted meanwhile: list again."""
 
 
 def _b64(s: str | bytes) -> str:
@@ -48,6 +69,10 @@ def _prefix_end(prefix: str) -> str:
 
 def _rev(resp: dict[str, Any]) -> int:
     return int(resp.get("header", {}).get("revision", 0))
+
+
+def _key(kv: dict[str, Any]) -> str:
+    return _unb64(kv.get("key")).decode("utf-8", "replace")
 
 
 @dataclass
@@ -75,151 +100,294 @@ class EtcdSession:
 
 class EtcdBackend:
     def __init__(self, endpoints: list[tuple[str, int]], cluster: str = "kvd",
-                 op_timeout: float = DEFAULT_OP_TIMEOUT) -> None:
+                 op_timeout: float = DEFAULT_OP_TIMEOUT, *, username: str = "", password: str = "",
+                 tls: SSLContext | None = None, name: str = "") -> None:
+        """`name`: the registry as messages show it (a redacted URL); `tls`: https with that context."""
         self.keys = EtcdKeys(cluster)
         self.op_timeout = op_timeout
-        self._http = GatewayClient(endpoints)
+        self.name = name or ("etcds://" if tls else "etcd://") + ",".join(f"{h}:{p}" for h, p in endpoints)
+        self._http = GatewayClient(endpoints, tls)
+        self._auth = TokenAuth(username, password) if username else None
+        self._skip = Skips(log, self.name)
+        self.dropped: Counter[tuple[str, str]] = self._skip.dropped
+        self.list_page, self.max_listing_bytes = LIST_PAGE, MAX_LISTING_BYTES
+
+    # ---- calls ----
 
     async def _call(self, path: str, req: dict[str, Any], *, stream: bool = False,
-                    timeout: float | None = None) -> dict[str, Any]:
-        """One call under the deadline; every failure becomes RegistryUnavailable or SessionLost."""
+                    timeout: float | None = None, max_body: int | None = None) -> dict[str, Any]:
+        """One call under the deadline (a login it needs included); every failure becomes
+        RegistryUnavailable, SessionLost or RegistryRefused."""
         t = self.op_timeout if timeout is None else timeout
         try:
             async with asyncio.timeout(t):
-                if not stream:
-                    return await self._http.call(path, req)
-                gen = self._http.stream(path, req)
-                try:
-                    async for msg in gen:
-                        return msg
-                finally:
-                    await gen.aclose()
-                raise ConnectionError("etcd: empty stream")
+                return await self._authed(path, req, stream, max_body)
         except TimeoutError:
-            raise RegistryUnavailable(f"etcd did not answer {path} within {t:.2f} s") from None
+            raise RegistryUnavailable(f"etcd at {self.name} did not answer {path} within {t:.2f} s") from None
         except GatewayError as e:
-            if e.code == _NOT_FOUND and "lease" in e.message:
-                raise SessionLost(f"etcd: {e.message}") from None
-            raise RegistryUnavailable(str(e)) from None
+            raise self._mapped(e) from None
+        except TLSError as e:
+            raise RegistryRefused(f"etcd at {self.name}: TLS failed ({e}); check --registry-ca, and "
+                                  "--registry-cert/--registry-key where the server asks for a client certificate")
+        except BodyTooLarge as e:
+            raise _TooLarge(str(e)) from None
         except (OSError, EOFError, ValueError) as e:
-            raise RegistryUnavailable(f"etcd {path}: {e}") from None
+            raise RegistryUnavailable(f"etcd at {self.name} {path}: {e}") from None
+
+    async def _authed(self, path: str, req: dict[str, Any], stream: bool, max_body: int | None) -> dict[str, Any]:
+        auth = self._auth
+        if auth is not None and auth.token is None:
+            await auth.login(self._http)
+        stale = auth.token if auth is not None else None
+        try:
+            return await self._once(path, req, stream, max_body)
+        except GatewayError as e:
+            if auth is None or not auth.should_retry(e):
+                raise
+        await auth.login(self._http, stale)  # expired: once more with a fresh token
+        return await self._once(path, req, stream, max_body)
+
+    async def _once(self, path: str, req: dict[str, Any], stream: bool, max_body: int | None) -> dict[str, Any]:
+        headers = self._auth.headers() if self._auth is not None else ()
+        if not stream:
+            return await self._http.call(path, req, headers=headers, max_body=max_body)
+        async with aclosing(self._http.stream(path, req, headers=headers)) as gen:
+            async for msg in gen:
+                return msg
+        raise ConnectionError("etcd: empty stream")
+
+    def _mapped(self, e: GatewayError) -> RegistryUnavailable:
+        if e.code == _NOT_FOUND and "lease" in e.message:
+            return SessionLost(f"etcd: {e.message}")
+        if (msg := refusal(e, self.name, self._auth.user if self._auth else "")) is not None:
+            return RegistryRefused(msg)
+        if e.code == _OUT_OF_RANGE and "compacted" in e.message:
+            return _Compacted(f"etcd at {self.name}: {e.message}")
+        return RegistryUnavailable(f"etcd at {self.name}: {e}")
+
+    async def _login(self) -> None:
+        """Before a stream: a watch carries the token from its first byte."""
+        if self._auth is not None and self._auth.token is None:
+            await self._call("/v3/maintenance/status", {})
+
+    # ---- what a read believes ----
+
+    def _node_of(self, kv: dict[str, Any]) -> NodeRecord | None:
+        """The record in a node kv, or None (counted) when it is not to be read."""
+        key = _key(kv)
+        if len(kv.get("value") or "") > _VALUE_B64_MAX:
+            self._skip("node", "too_large", key)
+            return None
+        if int(kv.get("lease") or 0) == 0:  # kvd writes node records only under a lease
+            self._skip("node", "unleased", key)
+            return None
+        try:
+            rec = decode_node(_unb64(kv.get("value")))
+        except (RecordError, ValueError) as e:
+            self._skip("node", "undecodable", f"{key}: {e}")
+            return None
+        if key != self.keys.node(rec.node_id):
+            self._skip("node", "key_mismatch", f"{key} holds node {rec.node_id!r}")
+            return None
+        return rec
+
+    def _holder_of(self, rid: str, kv: dict[str, Any], now: float) -> HolderRecord | None:
+        key = _key(kv)
+        if len(kv.get("value") or "") > _VALUE_B64_MAX:
+            self._skip("holder", "too_large", key)
+            return None
+        try:
+            rec = decode_holder(_unb64(kv.get("value")))
+        except (RecordError, ValueError) as e:
+            self._skip("holder", "undecodable", f"{key}: {e}")
+            return None
+        if rec.rid != rid or rec.expired(now):  # rid_key hashes long ids: check the full id
+            return None
+        if key != self.keys.holder(rid, rec.node_id):
+            self._skip("holder", "key_mismatch", f"{key} holds node {rec.node_id!r}")
+            return None
+        return rec
+
+    def _node_id_of(self, key: str) -> str | None:
+        """The node id a node key names, or None for a key no node record is ever under."""
+        node_id = unquote(key[len(self.keys.nodes):])
+        return node_id if key.startswith(self.keys.nodes) and self.keys.node(node_id) == key else None
+
+    # ---- nodes ----
 
     async def open_session(self, ttl: float) -> EtcdSession:
         # leases are whole seconds; etcd raises TTLs below its minimum (1.5 x election timeout)
         resp = await self._call("/v3/lease/grant", {"TTL": max(1, math.ceil(ttl))})
         return EtcdSession(self, int(resp["ID"]), float(resp.get("TTL", ttl)))
 
+    def _put(self, session: EtcdSession, record: NodeRecord) -> dict[str, Any]:
+        return {"request_put": {"key": _b64(self.keys.node(record.node_id)), "value": _b64(encode_node(record)),
+                                "lease": str(session.lease)}}
+
     async def register_node(self, session: EtcdSession, record: NodeRecord,
                             _tries: int = 3) -> Registered | Conflict:
         if _tries == 0:
             raise RegistryUnavailable(f"etcd: node key {record.node_id} keeps changing under registration")
         key = _b64(self.keys.node(record.node_id))
-        put = {"request_put": {"key": key, "value": _b64(encode_node(record)), "lease": str(session.lease)}}
         resp = await self._call("/v3/kv/txn", {
             "compare": [{"target": "CREATE", "key": key, "create_revision": "0", "result": "EQUAL"}],
-            "success": [put], "failure": [{"request_range": {"key": key}}]})
+            "success": [self._put(session, record)], "failure": [{"request_range": {"key": key}}]},
+            max_body=_HOLDERS_BODY)
         if resp.get("succeeded"):
             return Registered(_rev(resp))
         kvs = resp["responses"][0].get("response_range", {}).get("kvs", [])
         if not kvs:  # deleted between the compare and now: try again
             return await self.register_node(session, record, _tries - 1)
-        kv = kvs[0]
-        try:
-            existing = decode_node(_unb64(kv.get("value")))
-        except RecordError:
-            existing = None
-        if existing is not None and existing.incarnation != record.incarnation:
-            return Conflict(existing)
-        # our own record from a previous session (or garbage): replace it, unless it changed meanwhile
+        existing = self._node_of(kvs[0])
+        if existing is not None and existing.node_id == record.node_id and existing.incarnation != record.incarnation:
+            return Conflict(existing, version=int(kvs[0]["mod_revision"]))
+        # our own record from a previous session, or one kvd never wrote (garbage, oversized, another
+        # node's id, no lease): replace it, unless it changed meanwhile
+        return await self._put_over(session, record, int(kvs[0]["mod_revision"]), _tries)
+
+    async def _put_over(self, session: EtcdSession, record: NodeRecord, mod: int, tries: int) -> Registered | Conflict:
+        key = _b64(self.keys.node(record.node_id))
         resp = await self._call("/v3/kv/txn", {
-            "compare": [{"target": "MOD", "key": key, "mod_revision": kv["mod_revision"], "result": "EQUAL"}],
-            "success": [put], "failure": []})
+            "compare": [{"target": "MOD", "key": key, "mod_revision": str(mod), "result": "EQUAL"}],
+            "success": [self._put(session, record)], "failure": []})
         if resp.get("succeeded"):
             return Registered(_rev(resp))
-        return await self.register_node(session, record, _tries - 1)
+        return await self.register_node(session, record, tries - 1)
+
+    async def replace_node(self, session: EtcdSession, record: NodeRecord, conflict: Conflict) -> Registered | Conflict:
+        if not isinstance(conflict.version, int):  # not a conflict this backend reported
+            return await self.register_node(session, record)
+        return await self._put_over(session, record, conflict.version, 3)
+
+    async def check_node(self, session: EtcdSession, record: NodeRecord) -> bool:
+        key = _b64(self.keys.node(record.node_id))
+        resp = await self._call("/v3/kv/txn", {
+            "compare": [{"target": "VALUE", "key": key, "value": _b64(encode_node(record)), "result": "EQUAL"},
+                        {"target": "LEASE", "key": key, "lease": str(session.lease), "result": "EQUAL"}],
+            "success": [], "failure": []})
+        return bool(resp.get("succeeded"))
+
+    async def get_node(self, node_id: str) -> NodeRecord | None:
+        resp = await self._call("/v3/kv/range", {"key": _b64(self.keys.node(node_id))}, max_body=_HOLDERS_BODY)
+        kvs = resp.get("kvs", [])
+        return self._node_of(kvs[0]) if kvs else None
 
     async def update_node(self, session: EtcdSession, record: NodeRecord) -> None:
         key = _b64(self.keys.node(record.node_id))
         resp = await self._call("/v3/kv/txn", {
             "compare": [{"target": "LEASE", "key": key, "lease": str(session.lease), "result": "EQUAL"}],
-            "success": [{"request_put": {"key": key, "value": _b64(encode_node(record)),
-                                         "lease": str(session.lease)}}],
-            "failure": []})
+            "success": [self._put(session, record)], "failure": []})
         if not resp.get("succeeded"):
             raise SessionLost(f"node {record.node_id} is not registered under lease {session.token}")
 
-    def _decode_nodes(self, kvs: list[dict[str, Any]]) -> list[NodeRecord]:
-        out = []
-        for kv in kvs:
+    async def _range(self, prefix: str, kind: str, *, page: int, most: int, page_body: int,
+                     budget: int) -> tuple[int, list[dict[str, Any]]]:
+        """Up to `most` kvs under a prefix, `page` keys a call, all at the first page's revision; a page
+        over `page_body` is read again in smaller ones. Stops (counted as truncated) at `most` kvs or
+        once the answers weigh `budget` bytes."""
+        for _ in range(3):
             try:
-                out.append(decode_node(_unb64(kv.get("value"))))
-            except RecordError as e:  # one bad record must not hide the others
-                log.warning("etcd: skipping node key %s: %s", _unb64(kv.get("key")), e)
-        return out
+                return await self._pages(prefix, kind, page=page, most=most, page_body=page_body, budget=budget)
+            except _Compacted:
+                continue  # compacted under a long listing: start over at the new revision
+        raise RegistryUnavailable(f"etcd at {self.name}: {prefix} compacted under three listings in a row")
+
+    async def _pages(self, prefix: str, kind: str, *, page: int, most: int, page_body: int,
+                     budget: int) -> tuple[int, list[dict[str, Any]]]:
+        start, end = prefix.encode(), _prefix_end(prefix)
+        rev, used, limit, out = 0, 0, page, []
+        while True:
+            req: dict[str, Any] = {"key": _b64(start), "range_end": end, "limit": str(min(limit, most - len(out)))}
+            if rev:
+                req["revision"] = str(rev)
+            try:
+                resp = await self._call("/v3/kv/range", req, max_body=page_body)
+            except _TooLarge:
+                used += page_body
+                if limit == 1 or used >= budget:
+                    self._skip(kind, "truncated", f"{prefix}: a record too large to read, after {len(out)} records")
+                    return rev, out
+                limit = max(1, limit // 16)  # oversized values in this page: smaller pages over them
+                continue
+            rev = rev or _rev(resp)
+            kvs = resp.get("kvs", [])
+            out += kvs
+            used += sum(len(kv.get("key") or "") + len(kv.get("value") or "") for kv in kvs)
+            if not resp.get("more") or not kvs:
+                return rev, out
+            if len(out) >= most or used >= budget:
+                self._skip(kind, "truncated", f"{prefix}: stopped after {len(out)} records ({used} bytes)")
+                return rev, out
+            start, limit = _unb64(kvs[-1]["key"]) + b"\0", page
 
     async def list_nodes(self) -> tuple[int, list[NodeRecord]]:
-        p = self.keys.nodes
-        resp = await self._call("/v3/kv/range", {"key": _b64(p), "range_end": _prefix_end(p)})
-        return _rev(resp), self._decode_nodes(resp.get("kvs", []))
+        rev, kvs = await self._range(self.keys.nodes, "node", page=self.list_page, most=1 << 62,
+                                     page_body=_PAGE_BODY, budget=self.max_listing_bytes)
+        return rev, [rec for kv in kvs if (rec := self._node_of(kv)) is not None]
 
     async def watch_nodes(self) -> AsyncIterator[NodeEvent]:
-        p = self.keys.nodes
         backoff = 0.05
         while True:
             try:
                 rev, nodes = await self.list_nodes()
                 yield Resync(tuple(nodes), rev)
                 backoff = 0.05
-                async with aclosing(self._watch(p, rev + 1)) as events:
+                async with aclosing(self._watch(self.keys.nodes, rev + 1)) as events:
                     async for ev in events:
-                        kv = ev.get("kv", {})
-                        mod = int(kv.get("mod_revision", 0))
-                        if ev.get("type") == "DELETE":
-                            yield Removed(unquote(_unb64(kv.get("key")).decode()[len(p):]), mod)
-                        else:
-                            for node in self._decode_nodes([kv]):
-                                yield Added(node, mod)
+                        if (node_ev := self._node_event(ev)) is not None:
+                            yield node_ev
             except RegistryUnavailable as e:
                 log.debug("etcd node watch: %s; re-listing", e)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
 
+    def _node_event(self, ev: dict[str, Any]) -> NodeEvent | None:
+        kv = ev.get("kv", {})
+        node_id = self._node_id_of(_key(kv))
+        if node_id is None:  # not a key any node is registered under: nothing to add or remove
+            return None
+        mod = int(kv.get("mod_revision", 0))
+        if ev.get("type") != "DELETE" and (rec := self._node_of(kv)) is not None:
+            return Added(rec, mod)
+        return Removed(node_id, mod)  # deleted, or overwritten with a record no listing would show
+
     async def _watch(self, prefix: str, start: int) -> AsyncIterator[dict]:
         """Events on a prefix from revision `start`; RegistryUnavailable when the stream breaks or the
         revision was compacted (the caller re-lists). No deadline of its own: a watch idles by design,
         and the caller bounds it from outside."""
+        await self._login()
+        # fragment: etcd splits a big batch of events into messages under its request limit
         req = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
-                                  "start_revision": str(start)}}
-        gen = self._http.stream("/v3/watch", req)
+                                  "start_revision": str(start), "fragment": True}}
+        headers = self._auth.headers() if self._auth is not None else ()
         try:
-            async for msg in gen:
-                if msg.get("canceled") or msg.get("compact_revision"):
-                    raise RegistryUnavailable(f"etcd watch cancelled (compacted at {msg.get('compact_revision')})")
-                for ev in msg.get("events", []):
-                    yield ev
+            async with aclosing(self._http.stream("/v3/watch", req, headers=headers)) as gen:
+                async for msg in gen:
+                    if msg.get("canceled") or msg.get("compact_revision"):
+                        raise self._cancelled(msg)
+                    for ev in msg.get("events", []):
+                        yield ev
             raise RegistryUnavailable("etcd watch stream ended")
+        except TLSError as e:
+            raise RegistryRefused(f"etcd at {self.name}: TLS failed ({e})") from None
         except (OSError, EOFError, ValueError, GatewayError) as e:
             raise RegistryUnavailable(f"etcd watch: {e}") from None
-        finally:
-            await gen.aclose()
+
+    def _cancelled(self, msg: dict[str, Any]) -> RegistryUnavailable:
+        reason = str(msg.get("cancel_reason") or "")
+        if self._auth is not None and "auth token" in reason:
+            self._auth.invalidate()  # the next call logs in again
+        elif (refused := refusal(reason, self.name, self._auth.user if self._auth else "")) is not None:
+            return RegistryRefused(refused)
+        return RegistryUnavailable(f"etcd watch cancelled ({reason or 'compacted at ' + str(msg.get('compact_revision'))})")
+
+    # ---- holders ----
 
     async def holders(self, rid: str) -> tuple[int, list[HolderRecord]]:
-        p = self.keys.holders(rid)
-        resp = await self._call("/v3/kv/range", {"key": _b64(p), "range_end": _prefix_end(p)})
-        return _rev(resp), self._decode_holders(rid, resp.get("kvs", []))
-
-    def _decode_holders(self, rid: str, kvs: list[dict[str, Any]]) -> list[HolderRecord]:
+        rev, kvs = await self._range(self.keys.holders(rid), "holder", page=MAX_HOLDERS, most=MAX_HOLDERS,
+                                     page_body=_HOLDERS_BODY, budget=_HOLDERS_BODY)
         now = time.time()
-        out = []
-        for kv in kvs:
-            try:
-                rec = decode_holder(_unb64(kv.get("value")))
-            except RecordError as e:
-                log.warning("etcd: skipping holder key %s: %s", _unb64(kv.get("key")), e)
-                continue
-            if rec.rid == rid and not rec.expired(now):  # rid_key hashes long ids: check the full id
-                out.append(rec)
-        return out
+        return rev, [rec for kv in kvs if (rec := self._holder_of(rid, kv, now)) is not None]
 
     async def wait_holders(self, rid: str, from_rev: int, timeout: float) -> tuple[int, list[HolderRecord]]:
         loop = asyncio.get_running_loop()
@@ -233,10 +401,9 @@ class EtcdBackend:
                 # a watch from from_rev + 1 sees every put after the caller's lookup: no gap
                 async with asyncio.timeout(left), aclosing(self._watch(self.keys.holders(rid), start)) as evs:
                     async for ev in evs:
-                        if ev.get("type") != "DELETE":
-                            found = self._decode_holders(rid, [ev.get("kv", {})])
-                            if found:
-                                return int(ev["kv"].get("mod_revision", rev)), found
+                        kv = ev.get("kv", {})
+                        if ev.get("type") != "DELETE" and (rec := self._holder_of(rid, kv, time.time())):
+                            return int(kv.get("mod_revision", rev)), [rec]
             except TimeoutError:
                 return rev, []
             except RegistryUnavailable:

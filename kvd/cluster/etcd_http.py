@@ -1,22 +1,39 @@
 """A small asyncio HTTP/1.1 JSON client for etcd's v3 gRPC gateway (POST /v3/...), in whichever
 process talks to etcd.
 
-Runs in the daemon and in routers, under etcd.py. Owns the TCP connections to the etcd endpoints:
-a few idle keep-alive connections for unary calls, one dedicated connection per stream (watch).
-Standard library only: the gateway speaks plain HTTP/1.1 and JSON, so kvd needs neither grpcio nor
-protobuf (which vLLM pins) to use etcd. Deadlines are the caller's (`asyncio.timeout`); a connection
-that saw an error or a cancellation mid-request is closed, never reused.
+Runs in the daemon and in routers, under etcd.py. Owns the TCP (or TLS) connections to the etcd
+endpoints: a few idle keep-alive connections for unary calls, one dedicated connection per stream
+(watch). The gateway speaks plain HTTP/1.1 and JSON, so kvd needs neither grpcio nor protobuf (which
+vLLM pins) to use etcd.
+
+The HTTP framing is h11's (sans-IO: it parses, we do the I/O). It replaced a hand-written parser
+once the registry became something an attacker may answer for: h11 is small, pure Python, widely used
+and fuzzed, and gets chunk extensions, trailers, header limits and keep-alive state right, while the
+connections, deadlines (the caller's `asyncio.timeout`) and TLS (asyncio's ssl) stay ours. httpx was
+not taken: its own pool, timeouts and anyio layer would sit between our deadlines and the socket, for
+nothing the gateway needs. What h11 leaves to us is bounding what we keep: a unary answer is capped
+in total (`max_body`, not per chunk), a stream per message. A connection that saw an error or a
+cancellation mid-request is closed, never reused.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import ssl
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-MAX_BODY = 64 << 20  # a range of every key in a big cluster stays well under this
-MAX_LINE = 64 << 10
+try:
+    import h11
+except ImportError:  # the etcd extra: pip install 'kvd-daemon[etcd]'
+    h11 = None  # type: ignore[assignment]
+
+MAX_BODY = 64 << 20  # one unary answer, in total; a listing pages far below it
+MAX_LINE = 64 << 10  # the status line and headers of an answer, together
+_READ = 256 << 10
 _IDLE_KEEP = 4  # idle keep-alive connections kept per client
+
+Headers = Sequence[tuple[str, str]]
 
 
 class GatewayError(Exception):
@@ -27,54 +44,76 @@ class GatewayError(Exception):
         self.status, self.code, self.message = status, code, message
 
 
+class BodyTooLarge(ConnectionError):
+    """The answer went past the cap it was read under; its connection is closed."""
+
+
+class TLSError(ConnectionError):
+    """The TLS handshake or session failed: an untrusted certificate, or the server refused ours."""
+
+
+def _refused(e: BaseException) -> bool:
+    """A TLS failure that retrying will not cure (a certificate, an alert), not a session cut short."""
+    return isinstance(e, ssl.SSLError) and not isinstance(e, (ssl.SSLEOFError, ssl.SSLZeroReturnError))
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    return (OSError, EOFError, asyncio.IncompleteReadError, ValueError, h11.RemoteProtocolError)
+
+
 class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
         self.reader, self.writer, self.host = reader, writer, host
+        self.h = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_LINE)
 
     def close(self) -> None:
         self.writer.close()
 
-    async def send(self, path: str, body: bytes) -> None:
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
-        self.writer.write(head + body)
+    async def send(self, path: str, body: bytes, headers: Headers) -> None:
+        req = h11.Request(method="POST", target=path, headers=[
+            ("Host", self.host), ("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+            *headers])
+        self.writer.write(self.h.send(req) + self.h.send(h11.Data(data=body)) + self.h.send(h11.EndOfMessage()))
         await self.writer.drain()
 
-    async def _line(self) -> bytes:
-        line = await self.reader.readuntil(b"\r\n")
-        if len(line) > MAX_LINE:
-            raise ConnectionError("etcd: header line too long")
-        return line[:-2]
+    async def _event(self) -> Any:
+        while (ev := self.h.next_event()) is h11.NEED_DATA:
+            self.h.receive_data(await self.reader.read(_READ))  # b"" at EOF: h11 says what that means
+        return ev
 
     async def head(self) -> tuple[int, dict[str, str]]:
-        status_line = await self._line()
-        parts = status_line.split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-            raise ConnectionError(f"etcd: not an HTTP response: {status_line[:80]!r}")
-        headers: dict[str, str] = {}
-        while line := await self._line():
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        return int(parts[1]), headers
+        ev = await self._event()
+        while isinstance(ev, h11.InformationalResponse):
+            ev = await self._event()
+        if not isinstance(ev, h11.Response):
+            raise ConnectionError(f"etcd: expected a response, got {type(ev).__name__}")
+        return ev.status_code, {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
 
-    async def chunks(self, headers: dict[str, str]) -> AsyncIterator[bytes]:
-        """The body's pieces as they arrive (chunked transfer) or all of it (Content-Length)."""
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            while True:
-                size = int((await self._line()).split(b";")[0], 16)
-                if size > MAX_BODY:
-                    raise ConnectionError("etcd: chunk too large")
-                if size == 0:
-                    await self._line()  # no trailers from the gateway; the empty line ends the body
-                    return
-                data = await self.reader.readexactly(size)
-                await self._line()
-                yield data
-        else:
-            n = int(headers.get("content-length", "0"))
-            if n > MAX_BODY:
-                raise ConnectionError("etcd: response too large")
-            yield await self.reader.readexactly(n)
+    async def chunks(self, cap: float) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive; BodyTooLarge once they add up to more than `cap`."""
+        total = 0
+        while True:
+            ev = await self._event()
+            if isinstance(ev, h11.EndOfMessage):
+                return
+            if not isinstance(ev, h11.Data):
+                raise ConnectionError(f"etcd: connection ended mid-body ({type(ev).__name__})")
+            total += len(ev.data)
+            if total > cap:
+                raise BodyTooLarge(f"etcd: answer larger than {int(cap)} bytes")
+            yield bytes(ev.data)
+
+    async def body(self, headers: dict[str, str], cap: int) -> bytes:
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise BodyTooLarge(f"etcd: answer of {declared} bytes, over the {cap} read")
+        return b"".join([c async for c in self.chunks(cap)])
+
+    def reusable(self) -> bool:
+        if self.h.our_state is h11.DONE and self.h.their_state is h11.DONE:
+            self.h.start_next_cycle()
+            return True
+        return False
 
 
 def _error(status: int, body: bytes) -> GatewayError:
@@ -86,35 +125,59 @@ def _error(status: int, body: bytes) -> GatewayError:
 
 
 class GatewayClient:
-    """JSON calls to one etcd cluster; `endpoints` are tried in turn when one cannot be reached."""
+    """JSON calls to one etcd cluster; `endpoints` are tried in turn when one cannot be reached.
+    `tls`: the client context for https (etcds://), hostname checked against each endpoint's host."""
 
-    def __init__(self, endpoints: list[tuple[str, int]]) -> None:
+    def __init__(self, endpoints: list[tuple[str, int]], tls: ssl.SSLContext | None = None,
+                 max_body: int = MAX_BODY) -> None:
+        if h11 is None:
+            raise RuntimeError("the etcd registry needs h11: pip install 'kvd-daemon[etcd]' (or pip install h11)")
         if not endpoints:
             raise ValueError("etcd: no endpoints")
         self.endpoints = list(endpoints)
+        self.tls = tls
+        self.max_body = max_body
         self._current = 0
         self._idle: list[_Conn] = []
+
+    async def _open(self, host: str, port: int) -> _Conn:
+        try:
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=self.tls, server_hostname=host if self.tls else None)
+        except ssl.SSLError as e:
+            if not _refused(e):
+                raise ConnectionError(f"etcd {host}:{port}: {e}") from None
+            raise TLSError(f"etcd {host}:{port}: {e}") from None
+        return _Conn(reader, writer, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
     async def _connect(self) -> _Conn:
         last: Exception | None = None
         for i in range(len(self.endpoints)):
             host, port = self.endpoints[(self._current + i) % len(self.endpoints)]
             try:
-                reader, writer = await asyncio.open_connection(host, port, limit=MAX_LINE * 2)
-            except OSError as e:
+                conn = await self._open(host, port)
+            except TLSError as e:
                 last = e
                 continue
+            except OSError as e:
+                last = last if isinstance(last, TLSError) else e
+                continue
             self._current = (self._current + i) % len(self.endpoints)
-            return _Conn(reader, writer, f"{host}:{port}")
+            return conn
+        if isinstance(last, TLSError):
+            raise last
         raise ConnectionError(f"etcd: no endpoint reachable ({last})")
 
     def _failover(self) -> None:
         self._current = (self._current + 1) % len(self.endpoints)
 
-    async def call(self, path: str, req: dict[str, Any]) -> dict[str, Any]:
-        """One unary call. Raises GatewayError for an etcd error, OSError/ConnectionError/
-        IncompleteReadError for transport trouble; the caller bounds it with a deadline."""
+    async def call(self, path: str, req: dict[str, Any], *, headers: Headers = (),
+                   max_body: int | None = None) -> dict[str, Any]:
+        """One unary call. Raises GatewayError for an etcd error, TLSError, BodyTooLarge (the answer
+        is over `max_body`, default the client's), ConnectionError for other transport trouble; the
+        caller bounds it with a deadline."""
         body = json.dumps(req).encode()
+        cap = self.max_body if max_body is None else max_body
         # a pooled connection may have been closed by the server while idle: one retry on a fresh
         # one, and only if no byte of the answer came (every request kvd sends is safe to repeat)
         for attempt in (0, 1):
@@ -122,54 +185,61 @@ class GatewayClient:
             conn = self._idle.pop() if reused else await self._connect()
             got_head = False
             try:
-                await conn.send(path, body)
-                status, headers = await conn.head()
+                await conn.send(path, body, headers)
+                status, head = await conn.head()
                 got_head = True
-                data = b"".join([c async for c in conn.chunks(headers)])
-            except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
+                data = await conn.body(head, cap)
+            except BodyTooLarge:
+                conn.close()
+                raise
+            except _transport_errors() as e:
                 conn.close()
                 if reused and not got_head:
                     continue
+                if _refused(e):
+                    raise TLSError(f"etcd: {e}") from None
                 self._failover()
                 raise ConnectionError(f"etcd: {type(e).__name__}: {e}") from None
             except BaseException:
                 conn.close()  # cancelled (deadline) mid-request: the stream is in an unknown state
                 raise
-            if headers.get("connection", "").lower() == "close" or len(self._idle) >= _IDLE_KEEP:
-                conn.close()
-            else:
+            if conn.reusable() and len(self._idle) < _IDLE_KEEP:
                 self._idle.append(conn)
+            else:
+                conn.close()
             if status != 200:
                 raise _error(status, data)
             return json.loads(data)
         raise AssertionError("unreachable")
 
-    async def stream(self, path: str, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, path: str, req: dict[str, Any], *, headers: Headers = ()) -> AsyncIterator[dict[str, Any]]:
         """A streaming call (watch): yields each JSON message's "result" as it arrives; ends when the
-        server ends the stream. Closing the generator closes the connection, which cancels the watch."""
+        server ends the stream. One message is capped at the client's max_body. Closing the generator
+        closes the connection, which cancels the watch."""
         conn = await self._connect()
         try:
-            await conn.send(path, json.dumps(req).encode())
-            status, headers = await conn.head()
+            await conn.send(path, json.dumps(req).encode(), headers)
+            status, head = await conn.head()
             if status != 200:
-                raise _error(status, b"".join([c async for c in conn.chunks(headers)]))
+                raise _error(status, await conn.body(head, MAX_LINE))
             buf = b""
-            async for piece in conn.chunks(headers):
+            async for piece in conn.chunks(float("inf")):
                 buf += piece
                 # the gateway writes one JSON object per message, newline-delimited; a message may
                 # span chunks
                 *lines, buf = buf.split(b"\n")
+                if len(buf) > self.max_body:
+                    raise BodyTooLarge(f"etcd stream: a message larger than {self.max_body} bytes")
                 for line in lines:
                     if line.strip():
-                        msg = json.loads(line)
-                        if "error" in msg:
-                            err = msg["error"]
-                            raise GatewayError(status, int(err.get("grpc_code", err.get("code", 2))),
-                                               str(err.get("message")))
-                        yield msg.get("result", msg)
+                        yield _message(status, line)
             if buf.strip():
                 yield json.loads(buf).get("result", {})
-        except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
+        except BodyTooLarge:
+            raise
+        except _transport_errors() as e:
+            if _refused(e):
+                raise TLSError(f"etcd stream: {e}") from None
             self._failover()
             raise ConnectionError(f"etcd stream: {type(e).__name__}: {e}") from None
         finally:
@@ -179,3 +249,11 @@ class GatewayClient:
         for conn in self._idle:
             conn.close()
         self._idle.clear()
+
+
+def _message(status: int, line: bytes) -> dict[str, Any]:
+    msg = json.loads(line)
+    if "error" in msg:
+        err = msg["error"]
+        raise GatewayError(status, int(err.get("grpc_code", err.get("code", 2))), str(err.get("message")))
+    return msg.get("result", msg)

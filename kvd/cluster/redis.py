@@ -9,120 +9,53 @@ carries another incarnation. There is no revision and no reliable event stream (
 are lossy), so watches and waits poll. A node watch polls only the listing's version (a counter every
 change to the listing bumps, expiries included), and reads the listing when it moved: an idle cluster of
 N daemons costs N tiny calls per poll period, not N listings of N records.
+
+Credentials are an ACL user and password (or the default user's password); TLS (rediss://) uses the
+client context url.py built, its CA alone. Whoever can write the registry may have planted anything, so
+the scripts (redis_lua.py) bound every read server-side, and this module skips, and counts in
+`dropped`, what they flag: records over MAX_RECORD_BYTES, undecodable ones, a node key or holder field
+that does not name its value's node id, a node record without a TTL. Listings page (ZSCAN, LIST_PAGE
+members a call) and stop at MAX_LISTING_BYTES; holder reads stop at MAX_HOLDERS.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import secrets
+import ssl
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import redis_lua as lua
 from .backend import (
-    DEFAULT_OP_TIMEOUT, Added, Conflict, NodeEvent, Publish, PublishOp, Registered, RegistryUnavailable,
-    Removed, Resync, SessionLost,
+    DEFAULT_OP_TIMEOUT, LIST_PAGE, MAX_HOLDERS, MAX_LISTING_BYTES, MAX_RECORD_BYTES, Added, Conflict, NodeEvent,
+    Publish, PublishOp, Registered, RegistryRefused, RegistryUnavailable, Removed, Resync, SessionLost,
 )
 from .records import (
     HolderRecord, NodeRecord, RecordError, RedisKeys, decode_holder, decode_node, encode_holder, encode_node,
     key_part,
 )
+from .skips import Skips
 
 log = logging.getLogger(__name__)
 NO_TTL_HOLDER_MS = 24 * 3600 * 1000  # a holder hash always expires; entries without a TTL get a day
 RELIST_EVERY = 10.0  # seconds: a node watch reads the whole listing this often even if its version holds
+_REASONS = {b"L": "too_large", b"N": "unleased", b"T": "undecodable", b"P": "key_mismatch"}
 
-# Every script that changes the node listing bumps its version key (KEYS[3]), so that watchers need
-# not read the listing to learn that it did not change. A missing version starts at a random base (the
-# last ARGV), so that a wiped server never repeats a version a watcher saw before the wipe.
-_BUMP = """
-local function bump(key, base)
-  if redis.call('INCR', key) == 1 then redis.call('SET', key, base) end
-end
-"""
-# KEYS: nodes zset, version. ARGV: version base. Drops index members whose score (expiry) has passed.
-_PRUNE = """
-local function prune(index, version, base)
-  local t = redis.call('TIME')
-  if redis.call('ZREMRANGEBYSCORE', index, '-inf', t[1] * 1000 + math.floor(t[2] / 1000)) > 0 then
-    bump(version, base)
-  end
-end
-"""
-# KEYS: node key, nodes zset, version. ARGV: value, incarnation, ttl ms, version base.
-# -> nil (registered) | the holder's value
-_REGISTER = _BUMP + """
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  local ok, rec = pcall(cjson.decode, cur)
-  if ok and type(rec) == 'table' and rec['incarnation'] ~= ARGV[2] then return cur end
-end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[2], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[3]), KEYS[1])
-bump(KEYS[3], ARGV[4])
-return false
-"""
-# KEYS: node key, nodes zset, version. ARGV: incarnation, ttl ms, new value or '', version base.
-# -> 1 ok, 0 gone, -1 not ours. A plain refresh leaves the listing (and its version) as it was.
-_REFRESH = _BUMP + """
-local cur = redis.call('GET', KEYS[1])
-if not cur then return 0 end
-local ok, rec = pcall(cjson.decode, cur)
-if not ok or type(rec) ~= 'table' or rec['incarnation'] ~= ARGV[1] then return -1 end
-if ARGV[3] ~= '' then
-  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
-  bump(KEYS[3], ARGV[4])
-else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[2], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[2]), KEYS[1])
-return 1
-"""
-# KEYS: node key, nodes zset, version. ARGV: incarnation, version base
-_UNREGISTER = _BUMP + """
-local cur = redis.call('GET', KEYS[1])
-local gone = 0
-if cur then
-  local ok, rec = pcall(cjson.decode, cur)
-  if ok and type(rec) == 'table' and rec['incarnation'] == ARGV[1] then gone = redis.call('DEL', KEYS[1]) end
-end
-if redis.call('ZREM', KEYS[2], KEYS[1]) + gone > 0 then bump(KEYS[3], ARGV[2]) end
-return 1
-"""
-# KEYS: nodes zset, version. ARGV: version base, the version the caller has read ('' = none).
-# -> {version, 0} when the listing is still at that version, else {version, 1, values of the live node keys}
-_LIST = _BUMP + _PRUNE + """
-prune(KEYS[1], KEYS[2], ARGV[1])
-local version = redis.call('GET', KEYS[2])
-if ARGV[2] ~= '' and version == ARGV[2] then return {version, 0} end
-local members = redis.call('ZRANGE', KEYS[1], 0, -1)
-local out = {version, 1}
-if #members == 0 then return out end
-for _, v in ipairs(redis.call('MGET', unpack(members))) do out[#out + 1] = v end
-return out
-"""
-# KEYS: holders hash. ARGV: node key prefix -> {field, holder value, node value or false, ...}
-_HOLDERS = """
-local all = redis.call('HGETALL', KEYS[1])
-local out = {}
-for i = 1, #all, 2 do
-  out[#out + 1] = all[i]; out[#out + 1] = all[i + 1]
-  out[#out + 1] = redis.call('GET', ARGV[1] .. all[i])
-end
-return out
-"""
-# KEYS: holders hash. ARGV: field, value, ttl ms (the hash lives as long as its longest entry)
-_PUBLISH = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
-return 1
-"""
-# KEYS: holders hash. ARGV: field, value: delete only the exact record that was written
-_UNPUBLISH = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
-return 0
-"""
+
+def _tls_connection(context: ssl.SSLContext) -> type:
+    """A redis-py connection class that does TLS with our context (redis-py's own ssl_* options
+    would add the system CAs to --registry-ca's)."""
+    from redis.asyncio.connection import Connection
+
+    class TLSConnection(Connection):
+        def _connection_arguments(self) -> Any:
+            return {**super()._connection_arguments(), "ssl": context}
+
+    return TLSConnection
 
 
 @dataclass
@@ -137,8 +70,8 @@ class RedisSession:
         if not self.nodes:
             await b._run(b._r.ping)
         for node_id, inc in self.nodes.items():
-            res = await b._run(b._refresh, keys=b._node_keys(node_id), args=[f"{inc:x}", b._ms(self.ttl), "",
-                                                                              b._base()])
+            res = await b._run(b._refresh, keys=b._node_keys(node_id),
+                               args=[f"{inc:x}", b._ms(self.ttl), "", b._base(), MAX_RECORD_BYTES])
             if res != 1:
                 raise SessionLost(f"redis: node key of {node_id} is {'gone' if res == 0 else 'not ours'}")
 
@@ -146,7 +79,7 @@ class RedisSession:
         b = self.backend
         for node_id, inc in self.nodes.items():
             try:
-                await b._run(b._unregister, keys=b._node_keys(node_id), args=[f"{inc:x}", b._base()])
+                await b._run(b._unregister, keys=b._node_keys(node_id), args=[f"{inc:x}", b._base(), MAX_RECORD_BYTES])
             except RegistryUnavailable as e:  # the key expires by itself anyway
                 log.debug("redis: unregistering %s: %s", node_id, e)
         self.nodes.clear()
@@ -155,7 +88,9 @@ class RedisSession:
 class RedisBackend:
     def __init__(self, host: str, port: int, db: int = 0, cluster: str = "kvd",
                  op_timeout: float = DEFAULT_OP_TIMEOUT, poll: float = 0.25,
-                 relist: float = RELIST_EVERY) -> None:
+                 relist: float = RELIST_EVERY, *, username: str = "", password: str = "",
+                 tls: ssl.SSLContext | None = None, name: str = "") -> None:
+        """`name`: the registry as messages show it (a redacted URL); `tls`: rediss:// with that context."""
         try:
             import redis.asyncio as aioredis
             from redis.backoff import NoBackoff
@@ -164,18 +99,29 @@ class RedisBackend:
             raise RuntimeError("the Redis registry needs redis-py: pip install redis") from None
         self.keys = RedisKeys(cluster)
         self.op_timeout = op_timeout
+        self.name = name or f"redis{'s' if tls else ''}://{host}:{port}" + (f"/{db}" if db else "")
         self.poll = poll  # how often watch_nodes looks: Redis has no reliable change stream
         # ... and how often it reads the listing even at an unchanged version (a record deleted by hand,
         # or written by a kvd that does not bump the version)
         self.relist = relist
         self.version_key = self.keys.nodes_version
+        self.user = username
+        self._skip = Skips(log, self.name)
+        self.dropped: Counter[tuple[str, str]] = self._skip.dropped
+        self.list_page, self.max_listing_bytes = LIST_PAGE, MAX_LISTING_BYTES
         # no retries inside redis-py: the deadline is ours, and a failure must surface within it
-        self._r = aioredis.Redis(host=host, port=port, db=db, socket_timeout=op_timeout,
-                                 socket_connect_timeout=op_timeout, retry=Retry(NoBackoff(), 0))
+        opts: dict[str, Any] = dict(host=host, port=port, db=db, username=username or None, password=password or None,
+                                    socket_timeout=op_timeout, socket_connect_timeout=op_timeout,
+                                    retry=Retry(NoBackoff(), 0))
+        if tls is None:
+            self._r = aioredis.Redis(**opts)
+        else:
+            pool = aioredis.ConnectionPool(connection_class=_tls_connection(tls), **opts)
+            self._r = aioredis.Redis.from_pool(pool)
         s = self._r.register_script
-        self._register, self._refresh, self._unregister = s(_REGISTER), s(_REFRESH), s(_UNREGISTER)
-        self._list, self._holders, self._publish, self._unpublish = (
-            s(_LIST), s(_HOLDERS), s(_PUBLISH), s(_UNPUBLISH))
+        self._register, self._refresh, self._unregister = s(lua.REGISTER), s(lua.REFRESH), s(lua.UNREGISTER)
+        self._check, self._get_node, self._list = s(lua.CHECK), s(lua.GET_NODE), s(lua.LIST)
+        self._holders, self._publish, self._unpublish = s(lua.HOLDERS), s(lua.PUBLISH), s(lua.UNPUBLISH)
 
     @staticmethod
     def _ms(seconds: float) -> int:
@@ -189,17 +135,25 @@ class RedisBackend:
         return [self.keys.node(node_id), self.keys.nodes, self.version_key]
 
     async def _run(self, fn, *args: Any, **kw: Any) -> Any:
-        """One command or script under the deadline; every failure becomes RegistryUnavailable."""
-        from redis.exceptions import RedisError
+        """One command or script under the deadline; every failure becomes RegistryUnavailable (or
+        RegistryRefused: credentials or a certificate the server does not accept)."""
+        from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
         task = asyncio.current_task()
         cancels = task.cancelling()
         try:
             async with asyncio.timeout(self.op_timeout):
                 return await fn(*args, **kw)
         except TimeoutError:
-            raise RegistryUnavailable(f"redis did not answer within {self.op_timeout:.2f} s") from None
+            raise RegistryUnavailable(f"redis at {self.name} did not answer within {self.op_timeout:.2f} s") from None
+        except (AuthenticationError, NoPermissionError) as e:
+            who = f"user {self.user!r}" if self.user else "the default user"
+            raise RegistryRefused(f"redis at {self.name} refused kvd's credentials ({who}): {e}") from None
         except (RedisError, OSError) as e:
-            raise RegistryUnavailable(f"redis: {type(e).__name__}: {e}") from None
+            if (tls := _tls_failure(e)) is not None:
+                raise RegistryRefused(f"redis at {self.name}: TLS failed ({tls}); check --registry-ca, and "
+                                      "--registry-cert/--registry-key where the server asks for a client "
+                                      "certificate") from None
+            raise RegistryUnavailable(f"redis at {self.name}: {type(e).__name__}: {e}") from None
         finally:
             # redis-py sometimes absorbs a cancellation that lands mid-command (seen: ~1 in 50 cancels
             # of a polling watch) and answers or fails as usual; the caller's loop would then carry on
@@ -207,23 +161,79 @@ class RedisBackend:
             if task.cancelling() > cancels:
                 raise asyncio.CancelledError()
 
+    # ---- what a read believes ----
+
+    def _node_of(self, key: bytes | str, code: bytes, value: Any) -> NodeRecord | None:
+        """The record a node key holds by the scripts' report, or None (counted, unless simply absent)."""
+        key = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        if code != b"V":
+            if code in _REASONS:
+                self._skip("node", _REASONS[code], key)
+            return None
+        try:
+            rec = decode_node(value)
+        except RecordError as e:
+            self._skip("node", "undecodable", f"{key}: {e}")
+            return None
+        if key != self.keys.node(rec.node_id):
+            self._skip("node", "key_mismatch", f"{key} holds node {rec.node_id!r}")
+            return None
+        return rec
+
+    def _conflicting(self, record: NodeRecord, cur: bytes) -> NodeRecord | None:
+        """The live record of another incarnation in `cur`, or None when registration may replace it
+        (the script judged only its JSON shape; this is the full decode)."""
+        try:
+            existing = decode_node(cur)
+        except RecordError:
+            return None
+        if existing.node_id != record.node_id or existing.incarnation == record.incarnation:
+            return None
+        return existing
+
+    # ---- nodes ----
+
     async def open_session(self, ttl: float) -> RedisSession:
         await self._run(self._r.ping)
         return RedisSession(self, ttl)
 
-    async def register_node(self, session: RedisSession, record: NodeRecord) -> Registered | Conflict:
-        cur = await self._run(self._register, keys=self._node_keys(record.node_id),
-                              args=[encode_node(record), f"{record.incarnation:x}", self._ms(session.ttl),
-                                    self._base()])
-        if cur is None:
-            session.nodes[record.node_id] = record.incarnation
-            return Registered(0)
-        return Conflict(decode_node(cur))
+    async def _put(self, session: RedisSession, record: NodeRecord, judged: bytes = b"") -> bytes | None:
+        return await self._run(self._register, keys=self._node_keys(record.node_id),
+                               args=[encode_node(record), f"{record.incarnation:x}", self._ms(session.ttl),
+                                     self._base(), MAX_RECORD_BYTES, record.node_id, judged])
+
+    async def register_node(self, session: RedisSession, record: NodeRecord, _tries: int = 3) -> Registered | Conflict:
+        return await self._claim(session, record, b"", _tries)
+
+    async def _claim(self, session: RedisSession, record: NodeRecord, judged: bytes, tries: int) -> Registered | Conflict:
+        for _ in range(tries):
+            cur = await self._put(session, record, judged)
+            if cur is None:
+                session.nodes[record.node_id] = record.incarnation
+                return Registered(0)
+            if (existing := self._conflicting(record, cur)) is not None:
+                return Conflict(existing, version=cur)
+            judged = cur  # not a record kvd would write: replace exactly that value
+        raise RegistryUnavailable(f"redis: node key {record.node_id} keeps changing under registration")
+
+    async def replace_node(self, session: RedisSession, record: NodeRecord, conflict: Conflict) -> Registered | Conflict:
+        judged = conflict.version if isinstance(conflict.version, bytes) else b""
+        return await self._claim(session, record, judged, 3)
+
+    async def check_node(self, session: RedisSession, record: NodeRecord) -> bool:
+        if session.nodes.get(record.node_id) != record.incarnation:
+            return False
+        return await self._run(self._check, keys=[self.keys.node(record.node_id)], args=[encode_node(record)]) == 1
+
+    async def get_node(self, node_id: str) -> NodeRecord | None:
+        key = self.keys.node(node_id)
+        code, value = await self._run(self._get_node, keys=[key], args=[MAX_RECORD_BYTES])
+        return self._node_of(key, code, value)
 
     async def update_node(self, session: RedisSession, record: NodeRecord) -> None:
         res = await self._run(self._refresh, keys=self._node_keys(record.node_id),
                               args=[f"{record.incarnation:x}", self._ms(session.ttl), encode_node(record),
-                                    self._base()])
+                                    self._base(), MAX_RECORD_BYTES])
         if res != 1:
             raise SessionLost(f"redis: node {record.node_id} is not registered by this incarnation")
 
@@ -233,21 +243,30 @@ class RedisBackend:
         return 0, nodes
 
     async def _listing(self, known: bytes | None) -> tuple[bytes | None, list[NodeRecord] | None]:
-        """(version, live nodes); nodes is None when the listing is still at version `known`."""
-        reply = await self._run(self._list, keys=[self.keys.nodes, self.version_key],
-                                args=[self._base(), known if known is not None else ""])
-        version, changed, values = reply[0], reply[1], reply[2:]
-        if not changed:
-            return version, None
-        out = []
-        for v in values:
-            if v is None:
-                continue  # expired between the index and the key
-            try:
-                out.append(decode_node(v))
-            except RecordError as e:
-                log.warning("redis: skipping a node record: %s", e)
-        return version, out
+        """(version, live nodes); nodes is None when the listing is still at version `known`. Pages
+        through the index; the version is the first page's, so a change while paging shows at the
+        next poll."""
+        cursor, version, used, seen = b"0", None, 0, {}
+        while True:
+            reply = await self._run(self._list, keys=[self.keys.nodes, self.version_key],
+                                    args=[self._base(), known if known is not None else "", cursor,
+                                          self.list_page, self.keys.node(""), MAX_RECORD_BYTES])
+            if cursor == b"0":
+                version = reply[0]
+                if not reply[1]:
+                    return version, None
+            cursor, flat = reply[2], reply[3:]
+            for i in range(0, len(flat), 3):
+                member, code, value = flat[i:i + 3]
+                if member not in seen:  # ZSCAN may return a member twice
+                    seen[member] = self._node_of(member, code, value)
+                    used += len(member) + (len(value) if isinstance(value, bytes) else 0)
+            if cursor == b"0":
+                break
+            if used >= self.max_listing_bytes:
+                self._skip("node", "truncated", f"{self.keys.nodes}: stopped after {len(seen)} members ({used} bytes)")
+                break
+        return version, [rec for rec in seen.values() if rec is not None]
 
     async def watch_nodes(self) -> AsyncIterator[NodeEvent]:
         loop = asyncio.get_running_loop()
@@ -279,21 +298,42 @@ class RedisBackend:
                 view = now
             await asyncio.sleep(self.poll)
 
+    # ---- holders ----
+
     async def holders(self, rid: str) -> tuple[int, list[HolderRecord]]:
-        flat = await self._run(self._holders, keys=[self.keys.holders(rid)], args=[self.keys.node("")])
+        key = self.keys.holders(rid)
+        flat = await self._run(self._holders, keys=[key], args=[self.keys.node(""), MAX_HOLDERS, MAX_RECORD_BYTES])
+        if len(flat) == 1:  # not a hash: none, or planted with another type
+            if flat[0] != b"none":
+                self._skip("holder", "undecodable", f"{key} is a {flat[0]!r}")
+            return 0, []
         now = time.time()
         out = []
-        for i in range(0, len(flat), 3):
-            try:
-                rec = decode_holder(flat[i + 1])
-                node = decode_node(flat[i + 2]) if flat[i + 2] else None
-            except RecordError as e:
-                log.warning("redis: skipping a holder of %r: %s", rid, e)
-                continue
+        for i in range(0, len(flat), 5):
+            fld, code, value, ncode, nvalue = flat[i:i + 5]
+            rec = self._holder_of(rid, fld, code, value, now)
             # the reader-side liveness filter: Redis cannot tie holders to the node's TTL
-            if rec.rid == rid and not rec.expired(now) and node is not None and node.incarnation == rec.incarnation:
+            node = self._node_of(self.keys.node("") + fld.decode("utf-8", "replace"), ncode, nvalue) if rec else None
+            if rec is not None and node is not None and node.incarnation == rec.incarnation:
                 out.append(rec)
         return 0, out
+
+    def _holder_of(self, rid: str, fld: bytes, code: bytes, value: Any, now: float) -> HolderRecord | None:
+        where = f"{self.keys.holders(rid)} field {fld[:64]!r}"
+        if code != b"V":
+            self._skip("holder", "too_large", where)
+            return None
+        try:
+            rec = decode_holder(value)
+        except RecordError as e:
+            self._skip("holder", "undecodable", f"{where}: {e}")
+            return None
+        if rec.rid != rid or rec.expired(now):  # rid_key hashes long ids: check the full id
+            return None
+        if fld != key_part(rec.node_id).encode():
+            self._skip("holder", "key_mismatch", f"{where} holds node {rec.node_id!r}")
+            return None
+        return rec
 
     async def wait_holders(self, rid: str, from_rev: int, timeout: float) -> tuple[int, list[HolderRecord]]:
         # polling with backoff; pub/sub would be lossy, so it could only ever be an optimisation
@@ -328,3 +368,15 @@ class RedisBackend:
             await self._r.aclose()
         except Exception as e:
             log.debug("redis close: %s", e)
+
+
+def _tls_failure(e: BaseException) -> ssl.SSLError | None:
+    """The certificate or TLS alert under a redis-py connection error, if that is what it was."""
+    seen: BaseException | None = e
+    for _ in range(4):
+        if seen is None:
+            return None
+        if isinstance(seen, ssl.SSLError) and not isinstance(seen, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
