@@ -123,6 +123,10 @@ class EtcdBackend:
             async with asyncio.timeout(t):
                 return await self._authed(path, req, stream, max_body)
         except TimeoutError:
+            if self._auth is not None:
+                # etcd holds a call whose token names a raft index it has not reached (the token of a
+                # server since wiped) until that index comes: log in afresh rather than wait again
+                self._auth.invalidate()
             raise RegistryUnavailable(f"etcd at {self.name} did not answer {path} within {t:.2f} s") from None
         except GatewayError as e:
             raise self._mapped(e) from None

@@ -106,6 +106,7 @@ class RedisBackend:
         self.relist = relist
         self.version_key = self.keys.nodes_version
         self.user = username
+        self._credentials = bool(password)
         self._skip = Skips(log, self.name)
         self.dropped: Counter[tuple[str, str]] = self._skip.dropped
         self.list_page, self.max_listing_bytes = LIST_PAGE, MAX_LISTING_BYTES
@@ -146,8 +147,7 @@ class RedisBackend:
         except TimeoutError:
             raise RegistryUnavailable(f"redis at {self.name} did not answer within {self.op_timeout:.2f} s") from None
         except (AuthenticationError, NoPermissionError) as e:
-            who = f"user {self.user!r}" if self.user else "the default user"
-            raise RegistryRefused(f"redis at {self.name} refused kvd's credentials ({who}): {e}") from None
+            raise RegistryRefused(self._refusal(e)) from None
         except (RedisError, OSError) as e:
             if (tls := _tls_failure(e)) is not None:
                 raise RegistryRefused(f"redis at {self.name}: TLS failed ({tls}); check --registry-ca, and "
@@ -160,6 +160,16 @@ class RedisBackend:
             # forever. A cancel asked for meanwhile, and not our own deadline's, is raised here.
             if task.cancelling() > cancels:
                 raise asyncio.CancelledError()
+
+    def _refusal(self, e: Exception) -> str:
+        who = f"user {self.user!r}" if self.user else "the default user"
+        from redis.exceptions import NoPermissionError
+        if isinstance(e, NoPermissionError):
+            return f"redis at {self.name} refused kvd ({who}): no permission ({e}); its ACL needs ~kvd:* +@all"
+        if not self._credentials:
+            return (f"redis at {self.name} requires credentials and kvd gave none: put them in the URL "
+                    f"(redis://USER:PASS@HOST:PORT) or the password in --registry-password-file ({e})")
+        return f"redis at {self.name} refused kvd's credentials ({who}): {e}"
 
     # ---- what a read believes ----
 
