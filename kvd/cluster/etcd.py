@@ -110,7 +110,7 @@ class EtcdBackend:
         self._auth = TokenAuth(username, password) if username else None
         self._skip = Skips(log, self.name)
         self.dropped: Counter[tuple[str, str]] = self._skip.dropped
-        self.list_page, self.max_listing_bytes = LIST_PAGE, MAX_LISTING_BYTES
+        self.list_page, self.page_body, self.max_listing_bytes = LIST_PAGE, _PAGE_BODY, MAX_LISTING_BYTES
 
     # ---- calls ----
 
@@ -326,7 +326,7 @@ class EtcdBackend:
 
     async def list_nodes(self) -> tuple[int, list[NodeRecord]]:
         rev, kvs = await self._range(self.keys.nodes, "node", page=self.list_page, most=1 << 62,
-                                     page_body=_PAGE_BODY, budget=self.max_listing_bytes)
+                                     page_body=self.page_body, budget=self.max_listing_bytes)
         return rev, [rec for kv in kvs if (rec := self._node_of(kv)) is not None]
 
     async def watch_nodes(self) -> AsyncIterator[NodeEvent]:
