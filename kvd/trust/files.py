@@ -7,7 +7,8 @@ Formats (text, so that they fit a Kubernetes Secret or a config-management templ
   node's Ed25519 signing key beside the CURVE pair in the `metadata` section. Old pairs without a
   signing key still work for `--curve-allow`; a cert needs one.
 - `NODE.cert`: `cert = "<base64>"` of the cert's encoding, and a comment saying what it says.
-- the deny list: one Z85 CURVE public key a line; `#` starts a comment.
+- the deny list: one Z85 CURVE public key a line, optionally followed by a `# comment`; a line
+  whose first word starts with `#` (and is not a 40-character key: `#` is a Z85 digit) is a comment.
 """
 from __future__ import annotations
 
@@ -217,10 +218,11 @@ def load_deny(path: str) -> frozenset[bytes]:
         raise BadRequest(f"cannot read the deny list {path}: {exc}") from None
     keys = set()
     for number, line in enumerate(lines, 1):
-        key = line.split("#", 1)[0].strip()
-        if not key:
-            continue
-        if len(key) != Z85_KEY_LENGTH:
+        words = line.split()
+        if not words or (words[0].startswith("#") and len(words[0]) != Z85_KEY_LENGTH):
+            continue  # blank, or a comment ('#' is also a Z85 digit: a key is the 40-character word)
+        key = words[0]
+        if len(key) != Z85_KEY_LENGTH or (len(words) > 1 and not words[1].startswith("#")):
             raise BadRequest(f"{path}:{number}: not a Z85 CURVE public key ({Z85_KEY_LENGTH} characters, as in a "
                              "NODE.key's public-key line)")
         keys.add(key.encode())

@@ -58,7 +58,7 @@ def test_sighup_reloads_the_allow_list(daemons, keys):
             cc.put("knock", {"x": torch.ones(1)}, dest="A")
     shutil.copy(made["C"][0], root / "allow-A" / "C.key")  # the operator adds the new node...
     a.proc.send_signal(signal.SIGHUP)  # ...and reloads, without a restart
-    eventually(lambda: "CURVE allow list reloaded: 1 key(s) added" in a.log(), timeout=5)
+    eventually(lambda: "CURVE keys reloaded: 1 key(s) added" in a.log(), timeout=5)
     with c.client() as cc, a.client() as ca:
         deadline = time.monotonic() + 10
         while True:  # C's refused link dials again by itself (every 2 s)
@@ -72,3 +72,12 @@ def test_sighup_reloads_the_allow_list(daemons, keys):
     (root / "allow-A" / "C.key").unlink()  # and a key taken away is refused from the next handshake
     a.proc.send_signal(signal.SIGHUP)
     eventually(lambda: "1 removed" in a.log(), timeout=5)
+    # ...and its live connection is cut at once: C's next push is refused, not carried on the old link
+    assert "peer C is no longer admitted" in a.log()
+    with c.client() as cc:
+        started = time.monotonic()
+        with pytest.raises(kvd.Unauthorized):
+            cc.put("after-revocation", {"x": torch.ones(1)}, dest="A")
+        assert time.monotonic() - started < 5
+    with a.client() as ca:
+        assert "after-revocation" not in {e["request_id"] for e in ca.list()}

@@ -57,7 +57,9 @@ def curve_pair(daemons, keys, *, a_key="A", a_allow=None, connect_timeout="1s"):
 def test_keygen_writes_a_private_secret(keys):
     made, _, secrets = keys
     assert stat.S_IMODE(os.stat(made["A"]).st_mode) == 0o600
-    assert (secrets / "A.key").read_text().count("public-key") == 1
+    lines = [line.strip() for line in (secrets / "A.key").read_text().splitlines()]
+    assert sum(line.startswith("public-key") for line in lines) == 1
+    assert not any("secret-key" in line for line in lines)  # the public file holds no secret of either key
 
 
 def run_keygen(directory: pathlib.Path, name: str, *extra: str) -> subprocess.CompletedProcess:
@@ -128,8 +130,9 @@ def test_a_refused_link_dials_again_once_the_peer_lets_it_in(daemons, keys):
     with a.client() as ca:
         with pytest.raises(kvd.Unauthorized):
             ca.put("too-early", {"x": torch.ones(4)}, dest="B")
-        # the operator allows A's key on B and restarts B on the same address
-        (allowed / "intruder.key").write_bytes((secrets / "intruder.key").read_bytes())
+        # the operator allows A's new key on B (as A's: a NAME.key file binds its key to node NAME)
+        # and restarts B on the same address
+        (allowed / "A.key").write_bytes((secrets / "intruder.key").read_bytes())
         assert b.stop() == 0
         b = daemons.start("B", port=int(b.listen.rsplit(":", 1)[1]),
                           extra=["--curve-secret-key", str(made["B"]), "--curve-allow", str(allowed)])

@@ -90,9 +90,10 @@ def test_a_bad_ca_file_writes_nothing(tmp_path):
 
 def test_the_deny_list_reads_z85_keys_and_names_a_bad_line(tmp_path):
     public, _ = zmq.curve_keypair()
+    hashed = b"#" + public[1:]  # '#' is a Z85 digit: a key may begin with it
     path = tmp_path / "deny"
-    path.write_text(f"# revoked 2026-12-03\n{public.decode()}  # gpu-17\n\n")
-    assert load_deny(str(path)) == {public}
+    path.write_text(f"# revoked 2026-12-03\n{public.decode()}  # gpu-17\n\n  {hashed.decode()}\n#another comment\n")
+    assert load_deny(str(path)) == {public, hashed}
     path.write_text("not-a-key\n")
     with pytest.raises(BadRequest, match=r"deny:1: not a Z85"):
         load_deny(str(path))

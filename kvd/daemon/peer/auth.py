@@ -214,7 +214,10 @@ def make_server(sock: zmq.Socket, keys: CurveKeys) -> None:
     sock.zap_domain = ZAP_DOMAIN.encode()
 
 
-def make_client(sock: zmq.Socket, keys: CurveKeys, peer_name: str) -> None:
+def make_client(sock: zmq.Socket, keys: CurveKeys, peer_name: str) -> bytes:
+    """Make sock a CURVE client of peer_name; returns the server key it will hold the peer to."""
+    server_key = keys.server_key_for(peer_name)
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
-    sock.curve_serverkey = keys.server_key_for(peer_name)
+    sock.curve_serverkey = server_key
+    return server_key

@@ -59,6 +59,7 @@ class PeerSet:
         self._router_seen: dict[bytes, float] = {}  # routing id -> last message
         self._router_conns: dict[bytes, TcpConnection] = {}  # routing id -> its TCP connection
         self._router_channels: dict[bytes, Channel] = {}  # routing id -> the channel replies go on
+        self._router_identities: dict[bytes, tuple[bytes, str, bytes | None]] = {}  # routing id -> key, id, cert
         self._last_ping = 0.0
         # a silent peer's connection -> the byte count it had when the silence began (see `_moving`)
         self._silent_since_bytes: dict[object, int] = {}
@@ -181,10 +182,13 @@ class PeerSet:
         if rid in self._router_peers:
             self._router_seen[rid] = time.monotonic()
 
-    def router_hello(self, rid: bytes, msg: p.PeerHello, conn: TcpConnection | None, channel: Channel) -> None:
+    def router_hello(self, rid: bytes, msg: p.PeerHello, conn: TcpConnection | None, channel: Channel,
+                     key: bytes | None = None) -> None:
         if self._router_peers.get(rid) != msg.node_id:
             log.info("peer %s (incarnation %x) connected to us", msg.node_id, msg.incarnation)
         self._router_peers[rid] = msg.node_id
+        if key is not None:  # who it proved to be, for the checks a reload or an expiry makes again
+            self._router_identities[rid] = (key, msg.node_id, msg.cert)
         self._router_seen[rid] = time.monotonic()
         self._router_channels[rid] = channel
         if conn is not None:
@@ -196,7 +200,19 @@ class PeerSet:
         self._silent_since_bytes.pop(rid, None)
         self._router_conns.pop(rid, None)
         self._router_channels.pop(rid, None)
+        self._router_identities.pop(rid, None)
         return self._router_peers.pop(rid, None) is not None
+
+    def router_identities(self) -> dict[bytes, tuple[bytes, str, bytes | None]]:
+        """Routing id -> (CURVE key, node id, cert) of every peer admitted under CURVE."""
+        return dict(self._router_identities)
+
+    def router_connection(self, rid: bytes) -> TcpConnection | None:
+        return self._router_conns.get(rid)
+
+    def names_with_keys(self, keys: frozenset[bytes] | set[bytes]) -> set[str]:
+        """Our links to peers whose CURVE key is among keys (a reload denied them)."""
+        return {name for name, link in self.links.items() if link.server_key in keys}
 
     def cut_router(self, rid: bytes) -> bool:
         """Cut the TCP connection of a peer connected to our ROUTER (ZeroMQ then drops it and the
@@ -236,6 +252,7 @@ class PeerSet:
                 self._silent_since_bytes.pop(rid, None)
                 self._router_conns.pop(rid, None)
                 self._router_channels.pop(rid, None)
+                self._router_identities.pop(rid, None)
                 name = self._router_peers.pop(rid, rid.hex())
                 log.warning("peer %s (connected to us) lost: silent for %.1fs", name, now - seen)
                 self._on_lost(("router", rid), f"peer {name} stopped answering")
