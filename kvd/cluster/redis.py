@@ -266,9 +266,10 @@ class RedisBackend:
                 if not reply[1]:
                     return version, None
             cursor, flat = reply[2], reply[3:]
-            for i in range(0, len(flat), 3):
-                member, code, value = flat[i:i + 3]
+            for i in range(0, len(flat), 2):
+                member, value = flat[i], flat[i + 1]
                 if member not in seen:  # ZSCAN may return a member twice
+                    code = b"V" if isinstance(value, bytes) else lua.LIST_CODES.get(value, b"T")
                     seen[member] = self._node_of(member, code, value)
                     used += len(member) + (len(value) if isinstance(value, bytes) else 0)
             if cursor == b"0":

@@ -106,7 +106,9 @@ return {code, value}
 # One page of the node listing. KEYS: nodes zset, version. ARGV: version base, the version the caller
 # has read ('' = none), ZSCAN cursor ('0' = the first page), page size, node key prefix, max bytes.
 # -> {version, 0} when the first page finds the listing still at that version, else
-#    {version, 1, next cursor ('0' = done), member, code, value, member, code, value, ...}
+#    {version, 1, next cursor ('0' = done), member, value, member, value, ...}, where a skipped
+#    member's value is the integer LIST_CODES gives its code (two replies a member, not three: at 100k
+#    members redis-py's parsing is a good part of a listing's cost)
 # The first page drops index members whose score (expiry) has passed. ZSCAN returns every member
 # present for the whole scan at least once (duplicates possible), however scores change meanwhile.
 LIST = _BUMP + _READ_NODE + """
@@ -119,14 +121,16 @@ if ARGV[3] == '0' and ARGV[2] ~= '' and version == ARGV[2] then return {version,
 local scan = redis.call('ZSCAN', KEYS[1], ARGV[3], 'COUNT', ARGV[4])
 local out = {version, 1, scan[1]}
 local items, prefix, max = scan[2], ARGV[5], tonumber(ARGV[6])
+local codes = {L = 1, N = 2, T = 3, P = 4}
 for i = 1, #items, 2 do
   local m = items[i]
   local code, value = 'P', ''
   if string.sub(m, 1, #prefix) == prefix then code, value = read_node(m, max) end
-  if code ~= '' then out[#out + 1] = m; out[#out + 1] = code; out[#out + 1] = value end
+  if code ~= '' then out[#out + 1] = m; out[#out + 1] = code == 'V' and value or codes[code] end
 end
 return out
 """
+LIST_CODES = {1: b"L", 2: b"N", 3: b"T", 4: b"P"}
 # KEYS: holders hash. ARGV: node key prefix, max holders, max bytes.
 # -> {field, code, holder value, node code, node value, ...}: at most max holders (a random choice
 # of that many when a flood planted more; HRANDFIELD returns fields only, values stay in Redis)

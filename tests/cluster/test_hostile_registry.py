@@ -81,8 +81,12 @@ class Attacker:
             r.pexpire(f"kvd:{self.c}:req:{rid_key(rid)}", 120_000)
 
 
+def inc_of(i: int) -> int:
+    return i % 1000 + 1  # node()'s endpoint port is 7000 + incarnation
+
+
 def records(n: int, prefix: str = "n") -> list[tuple[str, bytes]]:
-    return [(f"{prefix}{i}", encode_node(node(f"{prefix}{i}", inc=i + 1))) for i in range(n)]
+    return [(f"{prefix}{i}", encode_node(node(f"{prefix}{i}", inc=inc_of(i)))) for i in range(n)]
 
 
 def big_record(node_id: str, size: int) -> bytes:
@@ -230,7 +234,7 @@ async def _flood(h: Harness):
     n = 2 * MAX_HOLDERS + 88
     if h.kind == "redis":  # live nodes, so that every flooded holder would pass the liveness filter
         attacker.nodes(records(n))
-    attacker.holders("r1", [(key_part(f"n{i}"), encode_holder(holder("r1", f"n{i}", inc=i + 1))) for i in range(n)])
+    attacker.holders("r1", [(key_part(f"n{i}"), encode_holder(holder("r1", f"n{i}", inc=inc_of(i)))) for i in range(n)])
     b = h.backend(op_timeout=5.0)
     try:
         _, found = await b.holders("r1")
