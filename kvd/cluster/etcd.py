@@ -118,10 +118,13 @@ class EtcdBackend:
                     timeout: float | None = None, max_body: int | None = None) -> dict[str, Any]:
         """One call under the deadline (a login it needs included); every failure becomes
         RegistryUnavailable, SessionLost or RegistryRefused."""
+        return await self._bounded(path, self._authed(path, req, stream, max_body), timeout)
+
+    async def _bounded(self, path: str, coro: Any, timeout: float | None = None) -> Any:
         t = self.op_timeout if timeout is None else timeout
         try:
             async with asyncio.timeout(t):
-                return await self._authed(path, req, stream, max_body)
+                return await coro
         except TimeoutError:
             if self._auth is not None:
                 # etcd holds a call whose token names a raft index it has not reached (the token of a
@@ -172,7 +175,7 @@ class EtcdBackend:
     async def _login(self) -> None:
         """Before a stream: a watch carries the token from its first byte."""
         if self._auth is not None and self._auth.token is None:
-            await self._call("/v3/maintenance/status", {})
+            await self._bounded("/v3/auth/authenticate", self._auth.login(self._http))
 
     # ---- what a read believes ----
 

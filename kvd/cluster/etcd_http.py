@@ -58,7 +58,9 @@ def _refused(e: BaseException) -> bool:
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
-    return (OSError, EOFError, asyncio.IncompleteReadError, ValueError, h11.RemoteProtocolError)
+    # h11.ProtocolError: a malformed answer, or one that would make our next request malformed (a
+    # token with a line break in it, say)
+    return (OSError, EOFError, asyncio.IncompleteReadError, ValueError, h11.ProtocolError)
 
 
 class _Conn:
@@ -222,19 +224,22 @@ class GatewayClient:
             status, head = await conn.head()
             if status != 200:
                 raise _error(status, await conn.body(head, MAX_LINE))
-            buf = b""
+            # the gateway writes one JSON object per message, newline-delimited; a message may span
+            # chunks, which wait in `pending` (joined once, when its end comes: no quadratic copying)
+            pending: list[bytes] = []
+            size = 0
             async for piece in conn.chunks(float("inf")):
-                buf += piece
-                # the gateway writes one JSON object per message, newline-delimited; a message may
-                # span chunks
-                *lines, buf = buf.split(b"\n")
-                if len(buf) > self.max_body:
-                    raise BodyTooLarge(f"etcd stream: a message larger than {self.max_body} bytes")
-                for line in lines:
+                while (end := piece.find(b"\n")) >= 0:
+                    line, piece = b"".join([*pending, piece[:end]]), piece[end + 1:]
+                    pending, size = [], 0
                     if line.strip():
                         yield _message(status, line)
-            if buf.strip():
-                yield json.loads(buf).get("result", {})
+                pending.append(piece)
+                size += len(piece)
+                if size > self.max_body:
+                    raise BodyTooLarge(f"etcd stream: a message larger than {self.max_body} bytes")
+            if (rest := b"".join(pending)).strip():
+                yield _message(status, rest)
         except BodyTooLarge:
             raise
         except _transport_errors() as e:

@@ -32,6 +32,6 @@ class Skips:
             return
         self._logged_at[what] = now
         more = self._unlogged.pop(what, 0)
-        text = repr(detail) if not isinstance(detail, str) else detail
+        text = ascii(detail if isinstance(detail, str) else repr(detail))[1:-1]  # no line breaks of theirs
         self.log.warning("%s: skipped a %s record (%s): %s%s", self.registry, kind, reason, text[:_DETAIL],
                          f" (and {more} more since the last such line)" if more else "")
