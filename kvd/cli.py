@@ -222,9 +222,13 @@ def client_command(args: argparse.Namespace) -> int:
             registry = stats.get("registry")
             if registry:
                 print(f"registry   {registry['url']} {registry['state']} ("
-                      f"{'registered' if registry['registered'] else 'NOT registered'}, "
                       f"{'up' if registry['up'] else 'unreachable'}, {registry['nodes']} nodes seen, "
-                      f"{registry['listed']} entries listed)")
+                      f"{registry['listed']} entries listed"
+                      f"{', records signed and verified' if registry.get('signed') else ''})")
+                if registry.get("last_error") and not registry["up"]:
+                    print(f"           last error: {registry['last_error']}")
+                if registry.get("dropped"):
+                    print(f"           records dropped: {registry['dropped']}")
             print(f"counters   {stats['counters']}")
             for error in stats["recent_errors"][-5:]:
                 when = time.strftime("%H:%M:%S", time.localtime(error["time"]))

@@ -50,6 +50,7 @@ class ClusterMember:
         self.lookups: Counter[str] = Counter()  # hit | miss | stale | unavailable
         self.conflict: NodeRecord | None = None
         self.last_error: str | None = None  # the registry's last refusal or failure, for status
+        self.refused = False  # the registry refuses our credentials (until a call succeeds)
         self._view: dict[str, NodeRecord] = {}  # verified records only, when there is a verifier
         self._certs: dict[str, object] = {}  # node id -> its verified NodeCert (with a verifier)
         # node ids that holders named and the watch has not shown: looked up one at a time, backing off
@@ -171,6 +172,7 @@ class ClusterMember:
             "lookups": dict(self.lookups),
             "dropped": {f"{kind}:{reason}": n for (kind, reason), n in sorted(self.dropped().items())},
             "last_error": self.last_error,
+            "refused": self.refused,
             "signed": self.signer is not None,
         }
 
@@ -190,7 +192,7 @@ class ClusterMember:
         except RegistryRefused as e:
             self.ops[(op, "refused")] += 1
             self.breaker.failure()
-            self.last_error = str(e)
+            self.last_error, self.refused = str(e), True
             now = time.monotonic()
             if now - self._refusals_logged >= 60.0:  # an operator must fix it; once a minute is enough
                 self._refusals_logged = now
@@ -203,6 +205,7 @@ class ClusterMember:
             raise
         self.ops[(op, "ok")] += 1
         self.breaker.success()
+        self.refused = False
         return result
 
     async def _lookup(self, rid: str, allow_streaming: bool, skip: set[str],

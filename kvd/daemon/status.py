@@ -127,6 +127,14 @@ def registry_metrics(status: dict) -> Iterator:
         lookups.add_metric([result], status["lookups"].get(result, 0))
     yield lookups
     yield CounterMetricFamily("kvd_registry_resyncs", "Re-registrations with a full re-publication", value=status["resyncs"])
+    dropped = CounterMetricFamily("kvd_registry_records_dropped", "Registry records not believed, by kind and reason "
+                                  "(unsigned, bad_signature, wrong_node, expired, too_large, key_mismatch, ...)",
+                                  labels=["kind", "reason"])
+    for key, count in status["dropped"].items():  # (reasons are a fixed set of words: the series stay few)
+        dropped.add_metric(key.split(":", 1), count)
+    yield dropped
+    yield GaugeMetricFamily("kvd_registry_refused", "1 while the registry refuses this daemon's credentials",
+                            value=1 if status.get("refused") else 0)
 
 
 # the totals `kvd status` shows, in this order (recorded in Metrics.tally by handlers and transfers)

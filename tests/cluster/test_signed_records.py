@@ -198,3 +198,36 @@ async def _missing_node(reg):
 
 def test_a_holder_of_an_unknown_node_costs_one_lookup_per_backoff(reg):
     _missing_node(reg)
+
+
+@run
+async def _router_view(reg):
+    from kvd.cluster import Registry
+
+    ca = CA(reg.cluster)
+    b = member(reg, ca, "b", 2)
+    try:
+        await b.start()
+        assert await b.wait_registered(3)
+        put(b, "real")
+        await reg.forge_node("ghost", record("ghost", 9, port=6666))  # unsigned, under a lease of its own
+        await reg.forge_holder(HolderRecord("fake", "b", 2, 7, 10, expires_at=None))
+        async with Registry(reg.url, cluster=reg.cluster, ca=bytes(ca.key.verify_key)) as router, \
+                Registry(reg.url, cluster=reg.cluster) as blind:
+            assert [n.node_id for n in await router.nodes()] == ["b"]
+            assert {n.node_id for n in await blind.nodes()} == {"b", "ghost"}  # (without the CA: hints)
+            t0 = time.monotonic()
+            while not await router.locate("real"):
+                assert time.monotonic() - t0 < 3, "b's holder record never showed"
+                await asyncio.sleep(0.05)
+            assert [c.node.node_id for c in await router.locate("real")] == ["b"]
+            assert await router.locate("fake") == [] and len(await blind.locate("fake")) == 1
+    finally:
+        await b.stop()
+
+
+def test_a_router_with_the_ca_believes_only_what_verifies(reg):
+    if reg.kind == "memory":
+        import pytest
+        pytest.skip("a Registry opens a URL: etcd and Redis only")
+    _router_view(reg)
