@@ -12,7 +12,7 @@ from .daemon.config import DEFAULT_METRICS_PORT, DEFAULT_PEER_PORT, load_config,
 PRECEDENCE = "Precedence: command-line flags > KVD_* environment variables > --config file > defaults."
 
 
-def _serve_parser(sub) -> None:
+def _serve_parser(sub) -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="run the daemon",
         description="Run the kvd daemon. Every option can also be set in the TOML config file "
@@ -24,14 +24,17 @@ def _serve_parser(sub) -> None:
     add("--listen", metavar="tcp://HOST:PORT",
         help=f"peer-facing endpoint (default: tcp://127.0.0.1:{DEFAULT_PEER_PORT}; loopback unless you say)")
     add("--socket", metavar="ENDPOINT",
-        help="endpoint for local clients: unix://PATH (ipc://PATH is the same) or tcp://HOST:PORT "
-             "(default: unix://$XDG_RUNTIME_DIR/kvd/kvd.sock, or unix:///tmp/kvd-$UID/kvd.sock)")
+        help="endpoint for local clients: unix:///ABSOLUTE/PATH (ipc:// is the same) or tcp://HOST:PORT "
+             "(default: unix://$KVD_RUNTIME_DIR/kvd.sock, else unix://$XDG_RUNTIME_DIR/kvd/kvd.sock, else "
+             "unix:///tmp/kvd-$UID/kvd.sock; env KVD_SOCKET)")
     add("--pool-size", metavar="SIZE", help="staging pool size, e.g. 512MiB, 4GiB (default: 1GiB)")
     add("--block-size", metavar="SIZE", help="pool block size, a power of two (default: 64KiB)")
     add("--pool-path", metavar="FILE",
         help="back the host pool with this file (on a tmpfs) instead of an anonymous memfd")
     add("--no-prefault", dest="pool_prefault", action="store_const", const=False,
         help="do not allocate the pool's pages at start")
+    add("--pool-overcommit", action="store_const", const=True,
+        help="start even when the pool is bigger than the RAM available (the host's OOM killer may strike)")
     add("--device", metavar="cpu|cuda:N", help="where the pool lives (default: cpu)")
     add("--peer", dest="peers", action="append", metavar="NAME=ENDPOINT",
         help="a peer daemon, e.g. B=tcp://10.0.0.2:7470 (repeatable)")
@@ -96,6 +99,7 @@ def _serve_parser(sub) -> None:
     add("--curve-allow", action="append", metavar="KEY|FILE|DIR",
         help="public keys allowed to connect (repeatable): a .key file, a directory of them, or a Z85 "
              "key; a file named PEER.key also gives the key used to dial peer PEER")
+    return serve
 
 
 def _client_parser(sub, name: str, help_text: str):
@@ -111,21 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `kvd serve --help` for the daemon's options. " + PRECEDENCE,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _serve_parser(sub)
-    _client_parser(sub, "status", "summary of a running daemon: pool, entries, peers")
-    _client_parser(sub, "ls", "list the entries a running daemon holds")
-    rm = _client_parser(sub, "rm", "delete an entry from a running daemon")
+    commands = parser.commands = {}  # "status", "cluster ls", ...: each command's own parser, for its errors
+    commands["serve"] = _serve_parser(sub)
+    commands["status"] = _client_parser(sub, "status", "summary of a running daemon: pool, entries, peers")
+    commands["ls"] = _client_parser(sub, "ls", "list the entries a running daemon holds")
+    rm = commands["rm"] = _client_parser(sub, "rm", "delete an entry from a running daemon")
     rm.add_argument("request_id")
     cluster = sub.add_parser("cluster", help="the cluster registry, as a running daemon sees it",
                              description="The cluster registry, as the local daemon (started with --registry) sees it.")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", metavar="COMMAND", required=True)
     for name, help_text in (("ls", "the nodes of the cluster"), ("locate", "which nodes hold a request (a hint)")):
-        command = cluster_sub.add_parser(name, help=help_text, description=help_text)
+        command = commands[f"cluster {name}"] = cluster_sub.add_parser(name, help=help_text, description=help_text)
         command.add_argument("--socket", metavar="ENDPOINT", help="daemon's client endpoint (default as for serve)")
         command.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "locate":
             command.add_argument("request_id")
-    keygen = sub.add_parser(
+    keygen = commands["keygen"] = sub.add_parser(
         "keygen", help="write a cluster CA, or a node's CURVE key pair (and its cert)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Write NAME.key (public) and NAME.key_secret (0600: this daemon's --curve-secret-key).\n"
@@ -164,11 +169,11 @@ def serve(args: argparse.Namespace) -> int:
     from .daemon.logs import setup_logging
 
     cli = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    if cli.get("peers"):
-        cli["peers"] = parse_peers(cli["peers"])
-    if cli.get("labels"):
-        cli["labels"] = parse_labels(cli["labels"])
     try:
+        if cli.get("peers"):
+            cli["peers"] = parse_peers(cli["peers"])
+        if cli.get("labels"):
+            cli["labels"] = parse_labels(cli["labels"])
         config = load_config(cli, config_file=args.config)
     except (ValueError, OSError) as exc:
         print(f"kvd: {exc}", file=sys.stderr)
@@ -252,6 +257,10 @@ def client_command(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(nodes, indent=2))
                 return 0
+            registry = ask(p.Stats(req=1), args.socket).get("registry") or {}
+            if not registry.get("up", True):
+                print(f"(the registry {registry.get('url')} is unreachable: these are the nodes this daemon saw "
+                      f"last; {registry.get('last_error') or ''})", file=sys.stderr)
             print(f"{'NODE':24} {'ROLE':8} {'ENDPOINT':28} {'POOL':>9}  LABELS")
             for n in nodes:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items()))
@@ -262,6 +271,8 @@ def client_command(args: argparse.Namespace) -> int:
                 print(json.dumps(holders, indent=2))
             for h in [] if args.json else holders:
                 print(f"{h['node_id']:24} {h['endpoint']:28} {format_size(h['bytes']):>9} {h['state']}")
+            if not holders and not args.json:
+                print(f"no holder of {args.request_id} in the cluster registry", file=sys.stderr)
             return 0 if holders else 1
         elif args.command == "rm":
             removed = bool(ask(p.Delete(req=1, request_id=args.request_id), args.socket))
@@ -303,7 +314,10 @@ def keygen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, with its own usage (argparse would print the top-level one)
+        name = " ".join(filter(None, (args.command, getattr(args, "cluster_command", None))))
+        parser.commands.get(name, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -56,6 +56,7 @@ class ClusterMember:
         # node ids that holders named and the watch has not shown: looked up one at a time, backing off
         self._missing: dict[str, Backoff] = {}
         self._refusals_logged = 0.0
+        self._unreachable_logged = -60.0
         self._session: Session | None = None
         self._work = asyncio.Event()
         self._registered = asyncio.Event()
@@ -295,7 +296,11 @@ class ClusterMember:
                     log.warning("registry unreachable for a whole TTL (%s): presuming the session lost", e)
                     self._lost()
                 elif self._session is None or not self.membership.registered:
-                    log.debug("registry unavailable: %s", e)
+                    now = time.monotonic()
+                    if now - self._unreachable_logged >= 60.0 and not isinstance(e, RegistryRefused):
+                        self._unreachable_logged = now  # (a refusal is logged by _guarded, as an error)
+                        log.warning("cannot reach the cluster registry to register %s (%s): serving static peers "
+                                    "meanwhile, retrying", self.record.node_id, e)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, max(self.ttl / 3, 0.1))
             except Exception:  # a bug here must not end the daemon's membership for good

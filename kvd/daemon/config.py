@@ -15,8 +15,9 @@ from typing import Any, Mapping
 
 from kvd.units import parse_duration, parse_size
 from kvd.wire.checksum import ALGORITHMS
-from kvd.wire.endpoints import LOCAL_SCHEMES, default_socket
+from kvd.wire.endpoints import LOCAL_SCHEMES, default_socket, unix_path
 
+UNIX_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux, the terminating NUL included
 DEFAULT_PEER_PORT = 7470
 DEFAULT_METRICS_PORT = 9470
 
@@ -30,6 +31,7 @@ class Config:
     block_size: int = 64 << 10
     pool_path: str = ""  # empty: memfd (see kvd.memory.host)
     pool_prefault: bool = True
+    pool_overcommit: bool = False  # start even when the pool is bigger than the RAM available
     scratch_max: int = 4 << 20  # puts up to this size take one round trip (blocks lent ahead); 0 = off
     device: str = "cpu"
     peers: Mapping[str, str] = field(default_factory=dict)  # name -> tcp:// endpoint
@@ -79,6 +81,13 @@ class Config:
             problems.append(f"listen must be a tcp:// endpoint, got {self.listen!r}")
         if not self.socket.startswith(LOCAL_SCHEMES):
             problems.append(f"socket must be a unix://PATH (or tcp://) endpoint, got {self.socket!r}")
+        elif (path := unix_path(self.socket)) is not None:
+            if not os.path.isabs(path):
+                problems.append(f"socket {self.socket!r}: the path must be absolute (unix:///dir/kvd.sock): clients "
+                                "elsewhere would look for it relative to their own directory")
+            elif len(os.fsencode(path)) >= UNIX_PATH_MAX:
+                problems.append(f"socket path {path} is {len(os.fsencode(path))} bytes; a unix socket path has at most "
+                                f"{UNIX_PATH_MAX - 1}: choose a shorter --socket (or KVD_RUNTIME_DIR)")
         if self.block_size < 4096 or self.block_size & (self.block_size - 1):
             problems.append(f"block_size must be a power of two >= 4096, got {self.block_size}")
         if self.pool_size < self.block_size:
@@ -168,7 +177,7 @@ _SIZES = {"pool_size", "block_size", "chunk_size", "scratch_max"}
 _DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "heartbeat_interval",
               "heartbeat_timeout", "drain_timeout", "registry_ttl"}
 _INTS = {"window", "metrics_port", "io_threads", "max_clients", "max_peer_connections", "max_entries"}
-_BOOLS = {"pool_prefault", "insecure"}
+_BOOLS = {"pool_prefault", "insecure", "pool_overcommit"}
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
 
 

@@ -22,7 +22,7 @@ import zmq
 
 from kvd import __version__
 from kvd.errors import BadRequest
-from kvd.memory import open_staging_memory
+from kvd.memory import check_fits_in_ram, open_staging_memory
 from kvd.memory.faults import with_fault_injection
 from kvd.units import format_size
 from kvd.wire.endpoints import is_loopback_endpoint, unix_path
@@ -52,6 +52,7 @@ HOUSEKEEPING_INTERVAL = 0.2  # seconds between expiry/deadline sweeps
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value
 MALLOC_TRIM_THRESHOLD = 64 << 20
 RELOADABLE = {"peers", "log_level", "curve_allow"}  # what SIGHUP can change without a restart
+# (SIGHUP also re-reads the files behind curve_allow, curve_deny and this node's cert)
 
 
 class Daemon:
@@ -73,6 +74,7 @@ class Daemon:
         self.handlers: LocalHandlers | None = None
         self.http: HttpEndpoint | None = None
         self._housekeeping: asyncio.Task | None = None
+        self._made_dirs: list[str] = []  # socket directories this start created
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -86,6 +88,9 @@ class Daemon:
         curve = self.curve = self._load_curve(cfg) if cfg.curve_secret_key else None
         if curve is None and not is_loopback_endpoint(cfg.listen) and not cfg.insecure:
             raise BadRequest(insecure_refusal(cfg.listen))
+        if cfg.device == "cpu":
+            check_fits_in_ram(cfg.pool_size, cfg.pool_path, cfg.pool_overcommit)
+        self._claim_socket_path(cfg.socket)  # before anything binds: a second daemon stops here
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
         if cfg.registry:  # the holder directory hears of every entry the store publishes or removes
             self.directory = Directory(cfg, life.incarnation, curve)
@@ -99,7 +104,6 @@ class Daemon:
         self.ctx = zmq.Context(io_threads=cfg.io_threads)
         if curve is not None:
             self.authenticator = start_authenticator(self.ctx, curve)
-        self._claim_socket_path(cfg.socket)  # before anything binds: a second daemon stops here
         if curve is None and not is_loopback_endpoint(cfg.listen):
             log.warning("--insecure: peers are not authenticated: %s is reachable beyond this host and CURVE is "
                         "off, so any host that reaches it can read and consume every entry (set up a cluster CA: "
@@ -144,21 +148,32 @@ class Daemon:
                  "configured, metrics %s%s", cfg.node_id, format_size(cfg.pool_size), cfg.device, num_blocks,
                  format_size(cfg.block_size), cfg.socket, self.router.bound_endpoint, len(cfg.peers),
                  f"on http://{cfg.metrics_host}:{self.http.port}/metrics" if self.http else "off",
-                 curve_summary(curve))
+                 curve_summary(curve) + (f", registry {self.directory.url} (registering in the background)"
+                                         if self.directory else ""))
 
     @staticmethod
     def _load_curve(cfg: Config):
         return load_keys(cfg.curve_secret_key, list(cfg.curve_allow), ca_file=cfg.curve_ca, cert_file=cfg.curve_cert,
                          deny_file=cfg.curve_deny, cluster=cfg.cluster, node_id=cfg.node_id)
 
-    @staticmethod
-    def _claim_socket_path(endpoint: str) -> None:
+    def _claim_socket_path(self, endpoint: str) -> None:
         """Make room for the client socket file: refuse a live daemon's, remove a stale one."""
         path = unix_path(endpoint)
         if path is None:
             return
         directory = os.path.dirname(path) or "."
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        missing = []  # the directories made here: a failed start takes them away again
+        parent = directory
+        while parent and not os.path.lexists(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise BadRequest(f"cannot make the socket directory {directory} for {endpoint}: {exc.strerror}"
+                             f"{' (' + exc.filename + ' is not a directory)' if exc.errno in (17, 20) and exc.filename else ''}"
+                             ) from None
+        self._made_dirs = missing
         check_runtime_dir(directory)
         if os.path.exists(path):
             if _socket_in_use(path):
@@ -186,10 +201,12 @@ class Daemon:
         life = self.lifecycle
         if life.draining:
             return
+        served = life.ready  # (a start that failed has nothing to drain: its error is what the log should say)
         life.draining = True
         life.ready = False  # /readyz fails from the start of the drain: send no new work here
         self.notifier.notify("STOPPING=1")
-        log.info("kvd %s shutting down (draining up to %gs)", self.config.node_id, self.config.drain_timeout)
+        (log.info if served else log.debug)("kvd %s shutting down (draining up to %gs)", self.config.node_id,
+                                            self.config.drain_timeout)
         if self.directory is not None:  # leave the registry first: nobody should pull from us any more
             try:
                 await asyncio.wait_for(self.directory.stop(), 2.0)
@@ -227,7 +244,13 @@ class Daemon:
             self.ctx.destroy(linger=500)  # closes any socket a failed start left open
         if self.memory is not None:
             self.memory.close()
-        log.info("kvd %s stopped", self.config.node_id)
+        if not served:
+            for made in self._made_dirs:  # (innermost first; only what is still empty)
+                try:
+                    os.rmdir(made)
+                except OSError:
+                    break
+        (log.info if served else log.debug)("kvd %s stopped", self.config.node_id)
 
     # --- reload ------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import typing
 
 from kvd.errors import BadRequest
 
-from .host import HostMemory
+from .host import HostMemory, check_fits_in_ram
 from .io import PoolIO
 
 

@@ -102,6 +102,57 @@ class HostMemory:
             self._unlink_path = ""
 
 
+RAM_MARGIN = 512 << 20  # bytes of MemAvailable a pool leaves to everything else on the host
+TMPFS_MAGIC = 0x01021994  # statfs f_type of a tmpfs (/dev/shm): its pages are RAM too
+
+
+def ram_available() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def in_ram(path: str) -> bool:
+    """Whether a pool there takes RAM: a memfd (no path) or a file on a tmpfs."""
+    if not path:
+        return True
+    import ctypes
+    import ctypes.util
+
+    class StatFs(ctypes.Structure):
+        _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    buf = StatFs()
+    directory = os.path.dirname(os.path.abspath(path)) or "/"
+    if libc.statfs(os.fsencode(directory), ctypes.byref(buf)) != 0:
+        return False
+    return buf.f_type == TMPFS_MAGIC
+
+
+def check_fits_in_ram(size: int, path: str = "", overcommit: bool = False) -> None:
+    """Refuse a pool in RAM bigger than the RAM available (less RAM_MARGIN): prefaulting it would
+    call the host's OOM killer, which may pick another process (memfd pages do not count in kvd's
+    RSS), and without prefault the first transfers would. `overcommit` (--pool-overcommit) lets it
+    start anyway, with a warning."""
+    available = ram_available()
+    if available is None or not in_ram(path) or size <= available - RAM_MARGIN:
+        return
+    what = (f"the {format_size(size)} pool is more than this host's available RAM ({format_size(available)}, "
+            f"of which kvd leaves {format_size(RAM_MARGIN)} to the rest)")
+    if overcommit:
+        log.warning("%s: starting anyway (--pool-overcommit); the host's OOM killer may end this or another "
+                    "process when the pool fills", what)
+        return
+    raise BadRequest(f"{what}: give a smaller --pool-size, or --pool-overcommit to start anyway")
+
+
 def _check_room(path: str, size: int) -> None:
     """Refuse a pool file on a file system without room for it (before creating anything)."""
     try:

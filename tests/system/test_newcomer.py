@@ -1,0 +1,98 @@
+"""What a newcomer meets at the keyboard: every mistake gets one clear line, cheap checks come
+before the pool is allocated, and a failed start leaves nothing behind. Real `kvd` processes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvd.memory.host import ram_available
+from kvd.testing import free_port
+
+
+def kvd(*args: str, cwd=None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+
+
+def serve(tmp_path, *args: str, **kw) -> subprocess.CompletedProcess:
+    return kvd("serve", "--listen", f"tcp://127.0.0.1:{free_port()}", "--metrics-port", "0",
+               "--socket", f"unix://{tmp_path}/s/k.sock", "--pool-size", "4MiB", *args, **kw)
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    return result.stderr
+
+
+def test_a_malformed_peer_is_one_line(tmp_path):
+    err = one_line_error(serve(tmp_path, "--peer", "B"))
+    assert err.strip() == "kvd: peer must be NAME=tcp://HOST:PORT, got 'B'"
+
+
+def test_a_bad_flag_is_shown_with_its_own_commands_usage():
+    err = one_line_error(kvd("status", "--bogus"))
+    assert "usage: kvd status" in err and "unrecognized arguments: --bogus" in err
+
+
+@pytest.mark.parametrize("socket, words", [
+    ("unix://relative/kvd.sock", "must be absolute"),
+    ("unix:///tmp/" + "x" * 120 + "/kvd.sock", "a unix socket path has at most 107"),
+    ("unix:///etc/hostname/kvd.sock", "/etc/hostname is not a directory"),
+])
+def test_a_bad_socket_path_says_what_is_wrong_and_leaves_nothing(tmp_path, socket, words):
+    result = kvd("serve", "--socket", socket, "--listen", f"tcp://127.0.0.1:{free_port()}", "--metrics-port", "0",
+                 "--pool-size", "4MiB", cwd=tmp_path)
+    err = one_line_error(result)
+    assert words in err, err
+    assert not (tmp_path / "relative").exists() and not os.path.exists("/tmp/" + "x" * 120)
+
+
+def test_a_failed_start_says_why_first_and_leaves_no_directory(tmp_path):
+    first = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--listen", f"tcp://127.0.0.1:{free_port()}",
+                              "--metrics-port", "0", "--socket", f"unix://{tmp_path}/s/k.sock", "--pool-size", "4MiB"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "s" / "k.sock").exists():
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.05)
+        started = time.monotonic()
+        second = serve(tmp_path, "--pool-size", "2GiB")  # a big pool: the socket check must come first
+        assert time.monotonic() - started < 5
+        err = one_line_error(second)
+        assert "is in use by another daemon" in err
+        assert "shutting down" not in err and "stopped" not in err  # the reason, not a drain that never began
+    finally:
+        first.terminate()
+        first.wait(15)
+    gone = kvd("serve", "--listen", f"tcp://127.0.0.1:{free_port()}", "--metrics-port", "0", "--pool-size", "4MiB",
+               "--socket", f"unix://{tmp_path}/new/deeper/k.sock", "--curve-secret-key", "/nonexistent")
+    one_line_error(gone)
+    assert not (tmp_path / "new").exists()  # the directories it made went with the failed start
+
+
+def test_a_pool_bigger_than_ram_is_refused_unless_overcommitted(tmp_path):
+    available = ram_available()
+    if available is None:
+        pytest.skip("no MemAvailable in /proc/meminfo")
+    too_big = f"{(available >> 30) + 8}GiB"
+    for extra in ((), ("--no-prefault",)):
+        err = one_line_error(serve(tmp_path, "--pool-size", too_big, *extra))
+        assert f"the {too_big}".replace("GiB", ".0GiB") in err and "available RAM" in err and "--pool-overcommit" in err
+    proc = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--listen", f"tcp://127.0.0.1:{free_port()}",
+                             "--metrics-port", "0", "--socket", f"unix://{tmp_path}/o/k.sock", "--pool-size", too_big,
+                             "--no-prefault", "--pool-overcommit"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "o" / "k.sock").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=15)[0]
+    assert "starting anyway (--pool-overcommit)" in out
