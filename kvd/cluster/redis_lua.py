@@ -5,8 +5,9 @@ read, so an oversized record never leaves Redis; a key's TYPE is checked before 
 planted with another type is skipped (or, in our own namespace, overwritten) instead of failing the
 script for everyone; listings page with ZSCAN, never one unpack of the whole index. Readers report
 what they skipped with a one-letter code, for redis.py to count:
-  V: the value follows   L: over the size cap (its length follows)   N: no TTL (kvd never writes one)
+  V: the value follows   L: over the size cap   N: no TTL (kvd never writes one)
   T: another type        P: not a node key of this cluster (an index member planted by hand)
+A listing page reads its readable node keys with one MGET (a page of them, at most LIST_PAGE).
 """
 from __future__ import annotations
 
@@ -27,16 +28,20 @@ local function index_ok(key)  -- the nodes index of another type (planted) would
   if t ~= 'zset' and t ~= 'none' then redis.call('DEL', key) end
 end
 """
-# a node key's state for a reader -> code, value (see the module docstring)
+# a node key's state for a reader: its code (see the module docstring; '' = absent), and the value
 _READ_NODE = """
-local function read_node(key, max)
+local function node_state(key, max)
   local t = redis.call('TYPE', key)['ok']
-  if t == 'none' then return '', '' end
-  if t ~= 'string' then return 'T', t end
-  local n = redis.call('STRLEN', key)
-  if n > max then return 'L', n end
-  if redis.call('PTTL', key) < 0 then return 'N', '' end
-  return 'V', redis.call('GET', key)
+  if t == 'none' then return '' end
+  if t ~= 'string' then return 'T' end
+  if redis.call('STRLEN', key) > max then return 'L' end
+  if redis.call('PTTL', key) < 0 then return 'N' end
+  return 'V'
+end
+local function read_node(key, max)
+  local code = node_state(key, max)
+  if code == 'V' then return code, redis.call('GET', key) end
+  return code, ''
 end
 """
 # Is the node key held by a live record of another incarnation, which registration must leave alone?
@@ -122,11 +127,16 @@ local scan = redis.call('ZSCAN', KEYS[1], ARGV[3], 'COUNT', ARGV[4])
 local out = {version, 1, scan[1]}
 local items, prefix, max = scan[2], ARGV[5], tonumber(ARGV[6])
 local codes = {L = 1, N = 2, T = 3, P = 4}
+local good = {}
 for i = 1, #items, 2 do
   local m = items[i]
-  local code, value = 'P', ''
-  if string.sub(m, 1, #prefix) == prefix then code, value = read_node(m, max) end
-  if code ~= '' then out[#out + 1] = m; out[#out + 1] = code == 'V' and value or codes[code] end
+  local code = 'P'
+  if string.sub(m, 1, #prefix) == prefix then code = node_state(m, max) end
+  if code == 'V' then good[#good + 1] = m
+  elseif code ~= '' then out[#out + 1] = m; out[#out + 1] = codes[code] end
+end
+if #good > 0 then  -- one MGET of this page's readable keys (a page, never the whole index)
+  for i, v in ipairs(redis.call('MGET', unpack(good))) do out[#out + 1] = good[i]; out[#out + 1] = v end
 end
 return out
 """
