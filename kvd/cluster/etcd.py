@@ -135,7 +135,7 @@ class EtcdBackend:
             raise self._mapped(e) from None
         except TLSError as e:
             raise RegistryRefused(f"etcd at {self.name}: TLS failed ({e}); check --registry-ca, and "
-                                  "--registry-cert/--registry-key where the server asks for a client certificate")
+                                  "--registry-cert/--registry-key where the server asks for a client certificate") from None
         except BodyTooLarge as e:
             raise _TooLarge(str(e)) from None
         except (OSError, EOFError, ValueError) as e:
