@@ -111,7 +111,8 @@ class Daemon:
         self.local = LocalServer(max_clients)
         watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
         self.peers = PeerSet(cfg, self.ctx, life.incarnation, curve, self.metrics,
-                             resolve=self.directory.endpoint_of if self.directory else None)
+                             resolve=self.directory.endpoint_of if self.directory else None,
+                             explain=self.directory.explain_missing if self.directory else None)
         io = with_fault_injection(self.memory.io(cfg.chunk_size, cfg.window))
         self.transfers = Transfers(cfg, self.store, io, self.metrics, watch, self.peers)
         self.router = Router(cfg, self.ctx, curve, self.peers, self.metrics, life.incarnation,

@@ -38,6 +38,7 @@ class Directory:
         believed. Without peer authentication only loopback endpoints are dialled (unless
         --insecure): a registry record cannot send this daemon's pushes off the host."""
         self.node_id = config.node_id
+        self.cluster = config.cluster
         self.loopback_only = curve is None and not config.insecure
         self.incarnation = incarnation
         self.policy = config.registry_publish
@@ -112,6 +113,17 @@ class Directory:
                             node_id, node.endpoint)
             return None
         return node.endpoint
+
+    def explain_missing(self, node_id: str) -> str:
+        """Why the registry named no endpoint for node_id: for the error of a push or pull to it."""
+        status = self.member.status()
+        if not status["up"] or (not status["registered"] and status["last_error"]):
+            return (f"the cluster registry {self.url} is unreachable, so node ids cannot be looked up "
+                    f"({status['last_error'] or 'no answer'})")
+        if self.member.node(node_id) is not None:
+            return f"node {node_id!r} is registered at an endpoint this daemon does not dial (see its log)"
+        return (f"no node {node_id!r} is registered in the cluster registry {self.url} (cluster "
+                f"{self.cluster!r}, {status['nodes']} nodes seen)")
 
     def key_of(self, node_id: str) -> bytes | None:
         """The CURVE key a node's verified cert names (None without a CA, or for an unknown node)."""

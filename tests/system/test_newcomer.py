@@ -96,3 +96,24 @@ def test_a_pool_bigger_than_ram_is_refused_unless_overcommitted(tmp_path):
         proc.terminate()
         out = proc.communicate(timeout=15)[0]
     assert "starting anyway (--pool-overcommit)" in out
+
+
+def test_an_unreachable_registry_is_said_at_start_and_in_the_errors_it_causes(daemons):
+    import torch
+
+    import kvd
+
+    nowhere = f"etcd://127.0.0.1:{free_port()}"  # nothing listens there
+    a = daemons.start("A", extra=["--registry", nowhere, "--registry-ttl", "1s"])
+    assert f"registry {nowhere} (registering in the background)" in a.log()
+    deadline = time.monotonic() + 10
+    while "cannot reach the cluster registry" not in a.log():
+        assert time.monotonic() < deadline, a.log()[-2000:]
+        time.sleep(0.1)
+    with a.client() as c:
+        with pytest.raises(kvd.PeerUnavailable, match=f"the cluster registry {nowhere} is unreachable"):
+            c.put("x", {"x": torch.ones(4)}, dest="decode-7")
+    b = daemons.start("B")
+    with b.client() as c:
+        with pytest.raises(kvd.PeerUnavailable, match="no cluster registry"):
+            c.put("x", {"x": torch.ones(4)}, dest="decode-7")

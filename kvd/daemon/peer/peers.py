@@ -42,8 +42,12 @@ class PeerSet:
     """Built before the transfers (they find links here), and given their handlers at `start`."""
 
     def __init__(self, config: Config, ctx: zmq.Context, incarnation: int, curve: CurveKeys | None,
-                 metrics: Metrics | None = None, resolve: Callable[[str], str | None] | None = None) -> None:
+                 metrics: Metrics | None = None, resolve: Callable[[str], str | None] | None = None,
+                 explain: Callable[[str], str] | None = None) -> None:
+        """resolve: a node id -> its endpoint from the cluster registry; explain: why the registry
+        gave none (unreachable, not registered, ...), for the error."""
         self.config = config
+        self._explain = explain or (lambda name: "")
         self.metrics = metrics or Metrics()
         # a node id -> its published endpoint (the cluster registry), for names no --peer gives
         self._resolve = resolve or (lambda name: None)
@@ -87,8 +91,8 @@ class PeerSet:
         link = self.links.get(dest)
         if link is not None and dest in self._discovered:
             endpoint = self._resolve(dest)
-            if endpoint is not None and endpoint != link.endpoint:  # the node came back elsewhere
-                self._forget(dest)
+            if endpoint is not None and (endpoint != link.endpoint or self._rekeyed(dest, link)):
+                self._forget(dest)  # the node came back elsewhere, or under another key (its new cert)
                 link = None
         if link is None and dest.startswith("tcp://"):
             # the endpoint of a configured peer (or of a cluster node) is that peer: one link, and
@@ -104,9 +108,19 @@ class PeerSet:
         if link is not None:
             link.last_used = time.monotonic()
             return link
-        known = ", ".join(sorted(n for n in self.links if not n.startswith("tcp://"))) or "none"
-        raise PeerUnavailable(f"unknown peer {dest!r} (configured peers: {known}; or give a tcp:// endpoint, "
-                              "or the node id of a daemon registered in this daemon's cluster registry)")
+        configured = ", ".join(sorted(self._configured)) or "none"
+        why = self._explain(dest)
+        raise PeerUnavailable(f"unknown peer {dest!r}: not a configured peer (--peer: {configured}) nor a tcp:// "
+                              "endpoint; " + (why or "and this daemon has no cluster registry (--registry) to find "
+                                                     "a node id in"))
+
+    def _rekeyed(self, name: str, link: PeerLink) -> bool:
+        if self.curve is None:
+            return False
+        try:
+            return self.curve.server_key_for(name) != link.server_key
+        except BadRequest:
+            return False  # (no key for it any more: the dial that follows says so)
 
     def _named_link_at(self, endpoint: str) -> PeerLink | None:
         return next((link for name, link in self.links.items()
