@@ -6,9 +6,12 @@ Runs in the daemon (`ClusterMember`: registration, publishing, lookups) and in r
 imports redis-py when it is opened (`pip install redis`); the etcd backend needs nothing
 extra (it speaks etcd's JSON gateway). See proto/REGISTRY.md for the key schema and the semantics.
 
-Modules: records (records, JSON, keys), backend (the interface), directory (outbox, candidate
-order), health (breaker, membership state), memory / etcd / redis (backends), etcd_http (the small
-HTTP client), url (URLs and the backend factory), member (the daemon side), registry (the router side).
+Modules: records (records, JSON, keys), signing (signed records: who signs, what a reader
+believes), backend (the interface), directory (outbox, candidate order), health (breaker, backoff,
+membership state), memory / etcd / redis (backends), etcd_http and etcd_auth (the gateway's HTTP
+client and its login), redis_lua (the Redis scripts), skips (what a backend skips as it reads, counted
+and logged), url (URLs, credentials, TLS and the backend factory), member (the daemon side), registry
+(the router side).
 """
 from .backend import (
     Added, Backend, Conflict, NodeEvent, Publish, Registered, RegistryRefused, RegistryUnavailable, Removed,

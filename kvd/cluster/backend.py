@@ -125,7 +125,8 @@ class Session(Protocol):
 class Backend(Protocol):
     op_timeout: float
     # records the backend skipped as it read them, by (kind, reason): kind "node" | "holder",
-    # reason "undecodable" | "too_large" | "key_mismatch" | "truncated" (kvd_registry_records_dropped_total)
+    # reason "undecodable" | "too_large" | "key_mismatch" | "unleased" | "truncated"
+    # (kvd_registry_records_dropped_total)
     dropped: Counter[tuple[str, str]]
 
     async def open_session(self, ttl: float) -> Session: ...

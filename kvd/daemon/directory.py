@@ -52,8 +52,8 @@ class Directory:
             backend = open_backend(config.registry, cluster=config.cluster,
                                    password_file=config.registry_password_file, ca_file=config.registry_ca,
                                    cert_file=config.registry_cert, key_file=config.registry_key)
-        except ImportError as exc:
-            raise BadRequest(f"--registry {config.registry} needs {exc.name}: pip install redis") from None
+        except (RuntimeError, ValueError) as exc:  # a backend's library missing; a bad TLS or password file
+            raise BadRequest(f"--registry {redact(config.registry)}: {exc}") from None
         signed = curve is not None and curve.authority is not None and curve.signer is not None
         self.member = ClusterMember(backend, record, ttl=config.registry_ttl, snapshot=self.snapshot,
                                     signer=RecordSigner(curve.signer) if signed else None,
