@@ -26,9 +26,9 @@ from .local_server import LocalServer
 from .metrics import Metrics
 from .peer.transfers import Outbound, Transfers
 from .pulls import SharedPulls
-from .reads import MAX_WAIT, Reads
+from .reads import MAX_WAIT, ConnectionWaits, Reads
 from .store.entries import Entry, State, Store, validate_request_id
-from .watch import EntryWatch
+from .watch import EntryWatch, ParkedGet
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,12 @@ class LocalHandlers:
         self.reads = Reads(config, store, watch, self.pulls, directory, self._reply)
         self._pushes: dict[int, Outbound] = {}  # entry token -> its push (to a peer), until committed
         self._tasks: set[asyncio.Task] = set()
-        self._reads: dict[bytes, set[asyncio.Task]] = {}  # connection -> its gets still waiting
+        self.waits = ConnectionWaits(watch, metrics)  # each connection's gets still waiting
+        self._owed: dict[bytes, int] = {}  # connection -> other answers it waits for (a push's put_ok, a locate)
+        clients.in_use = self._in_use  # (an idle connection may be evicted at --max-clients)
 
     async def close(self) -> None:
+        self.watch.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -136,13 +139,22 @@ class LocalHandlers:
         """Run a handler that waits (on a peer, or for data) without holding up other clients. A
         waiting read (waits=True) ends with its client: nobody is left to answer (a get may wait an
         hour, and a client that hangs up must not leave it behind)."""
+        if waits:
+            try:
+                self.waits.admit(rid)  # (at most so many per connection)
+            except BaseException:
+                coro.close()
+                raise
+
         async def run() -> None:
             try:
                 reply = await coro
             except Exception as exc:
                 reply = self._error(msg, exc)
             if waits:
-                self._read_ended(rid, task)  # before the reply: the client's next call sees it ended
+                self.waits.ended(rid, task)  # before the reply: the client's next call sees it ended
+            else:
+                self._owe(rid, -1)
             if reply is not None:
                 self._reply(rid, reply)
 
@@ -150,17 +162,38 @@ class LocalHandlers:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if waits:
-            self._reads.setdefault(rid, set()).add(task)
-            self.metrics.waiting_reads += 1
-            task.add_done_callback(lambda task: self._read_ended(rid, task))  # (cancelled: its client left)
+            self.waits.add(rid, task)
+            task.add_done_callback(lambda task: self.waits.ended(rid, task))  # (cancelled: its client left)
+        else:
+            self._owe(rid, 1)
 
-    def _read_ended(self, rid: bytes, task: asyncio.Task) -> None:
-        reads = self._reads.get(rid)
-        if reads is not None and task in reads:
-            reads.discard(task)
-            if not reads:
-                del self._reads[rid]
-            self.metrics.waiting_reads -= 1
+    def _owe(self, rid: bytes, count: int) -> None:
+        owed = self._owed.get(rid, 0) + count
+        if owed > 0:
+            self._owed[rid] = owed
+        else:
+            self._owed.pop(rid, None)
+
+    def _park(self, rid: bytes, msg: p.Get) -> None:
+        """A get that can only wait here waits in the entry watch, without a task."""
+        if msg.timeout == 0:
+            raise self.watch.not_here(msg.request_id)
+        self.waits.admit(rid)
+        self.waits.add(rid, self.watch.park(rid, msg, self._answer_parked))
+
+    def _answer_parked(self, parked: ParkedGet, found: Entry | KvdError) -> None:
+        self.waits.ended(parked.rid, parked)
+        try:
+            if isinstance(found, KvdError):
+                raise found
+            reply = self.reads.lease_for_client(parked.msg, found)
+        except Exception as exc:
+            reply = self._error(parked.msg, exc)
+        self._reply(parked.rid, reply)
+
+    def _in_use(self, rid: bytes) -> bool:
+        """The connection holds or waits for something (it is not idle, whatever its silence)."""
+        return rid in self._owed or self.waits.holds_any(rid) or self.holds.holds_any(rid)
 
     def _handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
         match msg:
@@ -192,7 +225,10 @@ class LocalHandlers:
                 entry = self.store.ready(msg.request_id)
                 if entry is not None:
                     return self.reads.lease_for_client(msg, entry)
-                self._later(rid, msg, self.reads.get(rid, msg), waits=True)
+                if self.reads.waits_here(msg):
+                    self._park(rid, msg)
+                else:
+                    self._later(rid, msg, self.reads.get(rid, msg), waits=True)
                 return None
             case p.GetDone():
                 return self._get_done(rid, msg)
@@ -311,10 +347,12 @@ class LocalHandlers:
             return self._put_ok(rid, msg, entry.total_bytes)
         # answered as the push ends, not from a task nor a future's callback (each costs a turn of
         # the loop, more than the rest of a small push's handling here)
+        self._owe(rid, 1)
         self.transfers.when_ended(push, lambda error: self._finish_push(rid, msg, entry, error))
         return None
 
     def _finish_push(self, rid: bytes, msg: p.PutCommit | p.Put, entry: Entry, error: KvdError | None) -> None:
+        self._owe(rid, -1)
         if error is None:
             self._reply(rid, self._put_ok(rid, msg, entry.total_bytes))
             return
@@ -394,8 +432,8 @@ class LocalHandlers:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
         they would be at lease expiry; blocks parked for it are free at last."""
         self.pulls.leave_all(rid)
-        for task in list(self._reads.get(rid, ())):
-            task.cancel()  # (each leaves self._reads as it ends)
+        self.waits.drop(rid)  # every one of its waits, now
+        self._owed.pop(rid, None)
         loans, holds = self.holds.gone(rid)
         for token in loans:
             self.store.return_scratch(token)

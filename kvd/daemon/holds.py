@@ -72,6 +72,10 @@ class Holds:
             return hold.entry.writer
         return self.store.lease_of(hold.token) is not None
 
+    def holds_any(self, conn: bytes) -> bool:
+        """The connection has something to give back: a reservation, a read lease, a loan."""
+        return bool(self._loans.get(conn)) or any(self.is_live(h) for h in self._held.get(conn, {}).values())
+
     def release(self, conn: bytes, token: int) -> None:
         held = self._held.get(conn)
         if held is not None and held.pop(token, None) is not None:

@@ -9,6 +9,13 @@ client's end is `kvd.client.connection`.
 Each connection gets a connection id; messages are handed on as [connection id, *frames] and
 replies addressed the same way (the shape of a ZeroMQ ROUTER's, so the handlers do not care).
 A closed connection is reported, so what a dead client held can be given back at once.
+
+At --max-clients, a new connection takes the place of the one idle longest, when one is: it holds
+nothing and waits for nothing (the handlers say, `in_use`), has nothing half-sent or unanswered
+and has been silent a while. Idle connections (a leaked one, a worker parked between requests)
+cannot lock a new client out, and what is evicted loses nothing: it is told why, and a client
+reconnects at its next call. Connections that hold or wait for something are never evicted: when
+every one does, a new client is refused, as before.
 """
 from __future__ import annotations
 
@@ -40,6 +47,11 @@ PARTIAL_BUDGET = 64 << 20  # bytes of unfinished messages over all connections
 # messages of one connection handled per turn of the event loop: one read can hold thousands of
 # pipelined requests, and other clients (and the peers) are served between batches
 BATCH = 64
+# silence after which a connection that holds nothing may be evicted at the cap, since its last message
+# (a client between its hello and its first request is not idle) or since it connected, when it never sent
+# one (a client says hello at once: after this long, it is not about to)
+IDLE_GRACE = 1.0  # seconds
+SILENT_GRACE = PARTIAL_DEADLINE
 
 
 class LocalServer:
@@ -50,6 +62,9 @@ class LocalServer:
     def __init__(self, max_clients: int = 1024) -> None:
         self.max_clients = max_clients
         self.refused = 0  # connections turned away at the cap
+        self.evicted = 0  # idle connections closed at the cap, to make room for a new one
+        # whether a connection holds or waits for something (set by the handlers): never evicted then
+        self.in_use: Callable[[bytes], bool] = lambda conn_id: False
         self._on_message: Callable[[list], None] = lambda frames: None
         self._on_disconnect: Callable[[bytes], None] = lambda conn_id: None
         self._connections: dict[bytes, _ClientConnection] = {}
@@ -78,6 +93,29 @@ class LocalServer:
         if not conn.full:
             self._connections[conn_id] = conn
         return conn
+
+    def admit_at_cap(self, conn: "_ClientConnection") -> bool:
+        """A connection that came at the cap: let it in if there is room now, or once the
+        connection idle longest has been evicted to make some."""
+        if len(self._connections) >= self.max_clients:
+            now = time.monotonic()
+            idle = [(since, c) for c in self._connections.values() if (since := c.idle_since(now)) is not None]
+            if not idle:
+                return False
+            since, victim = min(idle, key=lambda pair: pair[0])
+            self.evicted += 1
+            if self.evicted & (self.evicted - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
+                log.warning("%d clients are connected (--max-clients): closed client %s, idle for %.0fs, to make "
+                            "room for a new one; %d evicted so far", self.max_clients, victim.conn_id.decode(),
+                            now - since, self.evicted)
+            victim.send(p.encode(p.error_reply(0, BadRequest(
+                f"the daemon serves at most {self.max_clients} client connections (--max-clients) and a new client "
+                f"came: this connection, idle for {now - since:.0f}s holding nothing, was closed to make room "
+                "(reconnect to go on)"), None)))
+            victim.transport.close()
+            self._gone(victim.conn_id)  # (now: it is no longer one of ours)
+        self._connections[conn.conn_id] = conn
+        return True
 
     def enforce(self, now: float) -> None:
         """Housekeeping: cut connections that began a message and did not finish it in time, and,
@@ -132,38 +170,54 @@ class _ClientConnection(asyncio.Protocol):
     def __init__(self, server: LocalServer, conn_id: bytes, full: bool = False) -> None:
         self.server = server
         self.conn_id = conn_id
-        self.full = full  # over the cap: answered with an error and closed
+        self.full = full  # came at the cap: let in only if an idle one makes room, else told why and closed
         self.reader = MessageReader()
         self.transport: asyncio.Transport | None = None
         self._backlog: collections.deque = collections.deque()  # decoded, not yet handled
         self._paused = False
         self.partial_since: float | None = None  # when the message now buffered began
+        self.connected_at = time.monotonic()
+        self.last_message: float | None = None  # when the last whole message came (None: none yet)
 
     def cut(self, why: str) -> None:
         log.warning("client %s: closing its connection: %s", self.conn_id.decode(), why)
         self.transport.abort()
 
+    def idle_since(self, now: float) -> float | None:
+        """Since when this connection is idle enough to be evicted at the cap; None if it is not."""
+        if (self.transport is None or self.transport.is_closing() or self._backlog or self.reader.buffered
+                or self.transport.get_write_buffer_size()):
+            return None
+        since, grace = ((self.connected_at, SILENT_GRACE) if self.last_message is None
+                        else (self.last_message, IDLE_GRACE))
+        if now - since < grace or self.server.in_use(self.conn_id):
+            return None
+        return since
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        if self.full:
-            self.server.refused += 1
-            if self.server.refused & (self.server.refused - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
-                log.warning("refused a client connection: %d clients are connected (--max-clients); %d refused so "
-                            "far", self.server.max_clients, self.server.refused)
-            self.send(p.encode(p.error_reply(0, BadRequest(
-                f"the daemon serves at most {self.server.max_clients} client connections (--max-clients)"), None)))
-            self.transport.close()
-            return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family != socket.AF_UNIX:
             uid = foreign_user(TcpConnection.of_fd(sock.fileno()))
-            if uid is not None:
+            if uid is not None:  # (before it may take an idle connection's place)
                 refusal = foreign_user_refusal(uid, "this client connection (from this host)",
                                                "run the client as the daemon's user")
                 log.warning("refused a client connection from another user (%s)",
                             "unknown" if uid < 0 else f"uid {uid}")
                 self.send(p.encode(p.error_reply(0, refusal, None)))
                 self.transport.close()
+                return
+        if self.full and self.server.admit_at_cap(self):
+            self.full = False
+        elif self.full:
+            self.server.refused += 1
+            if self.server.refused & (self.server.refused - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
+                log.warning("refused a client connection: %d clients are connected (--max-clients), none of them "
+                            "idle; %d refused so far", self.server.max_clients, self.server.refused)
+            self.send(p.encode(p.error_reply(0, BadRequest(
+                f"the daemon serves at most {self.server.max_clients} client connections (--max-clients), and "
+                "none is idle"), None)))
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
@@ -177,6 +231,8 @@ class _ClientConnection(asyncio.Protocol):
             self.transport.close()
             return
         self._backlog.extend(messages)
+        if messages:
+            self.last_message = time.monotonic()
         if not self.reader.buffered:
             self.partial_since = None
         elif messages or self.partial_since is None:  # (a new message began)

@@ -1,9 +1,11 @@
 """Reads that wait (daemon process): a get for an entry not here yet (arriving, held by a peer,
 or somewhere in the cluster) and a get_stream that follows an entry as it is written. The
 handlers run these as tasks; each resolves to the reply (or the first reply: a stream's
-TensorsReady follow through the entry watch)."""
+TensorsReady follow through the entry watch). A get that can only wait here is parked in the
+entry watch instead (no task). `ConnectionWaits` counts each connection's waits, and bounds them."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Callable
 
@@ -12,11 +14,58 @@ from kvd.wire import protocol as p
 
 from .config import Config
 from .directory import Directory
+from .metrics import Metrics
 from .pulls import HolderSearch, SharedPulls
 from .store.entries import Entry, State, Store
-from .watch import EntryWatch, StreamReader
+from .watch import EntryWatch, ParkedGet, StreamReader
 
 MAX_WAIT = 3600.0  # longest get timeout we accept
+# gets and get_streams one local connection may have waiting at once: each holds memory for as long
+# as it waits (up to MAX_WAIT), so one client must not add them without end
+MAX_WAITS_PER_CONNECTION = 1024
+
+
+class ConnectionWaits:
+    """The waiting reads of each local connection: tasks, and gets parked in the entry watch. A
+    connection that hangs up takes all of its own along at once (`drop`)."""
+
+    def __init__(self, watch: EntryWatch, metrics: Metrics) -> None:
+        self.watch = watch
+        self.metrics = metrics
+        self._waits: dict[bytes, set[asyncio.Task | ParkedGet]] = {}
+
+    def admit(self, rid: bytes) -> None:
+        """Refuse one more wait past the bound."""
+        if len(self._waits.get(rid, ())) >= MAX_WAITS_PER_CONNECTION:
+            raise BadRequest(f"too many gets in flight on this connection: at most {MAX_WAITS_PER_CONNECTION} may "
+                             "wait at once (let some end first, or use another connection)")
+
+    def add(self, rid: bytes, wait: asyncio.Task | ParkedGet) -> None:
+        self._waits.setdefault(rid, set()).add(wait)
+        self.metrics.waiting_reads += 1
+
+    def ended(self, rid: bytes, wait: asyncio.Task | ParkedGet) -> None:
+        waits = self._waits.get(rid)
+        if waits is not None and wait in waits:
+            waits.discard(wait)
+            if not waits:
+                del self._waits[rid]
+            self.metrics.waiting_reads -= 1
+
+    def holds_any(self, rid: bytes) -> bool:
+        return rid in self._waits
+
+    def drop(self, rid: bytes) -> None:
+        """The connection hung up: its waits end now, unanswered (its tasks are cancelled)."""
+        waits = self._waits.pop(rid, None)
+        if not waits:
+            return
+        self.metrics.waiting_reads -= len(waits)
+        for wait in waits:
+            if isinstance(wait, ParkedGet):
+                self.watch.unpark(wait)
+            else:
+                wait.cancel()
 
 
 class Reads:
@@ -37,6 +86,11 @@ class Reads:
         return p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
                           segments=entry.segments(self.config.block_size), meta=entry.meta)
 
+    def waits_here(self, msg: p.Get) -> bool:
+        """A get that can only wait for its entry here: no source to pull from, no registry to
+        search (or the entry is here already, being written or read): `get` would only wait_ready."""
+        return not self._is_remote(msg.source) and (self._directory is None or msg.request_id in self.store.entries)
+
     async def get(self, rid: bytes, msg: p.Get) -> p.Message:
         deadline = time.monotonic() + msg.timeout
         if self._is_remote(msg.source):
@@ -52,6 +106,21 @@ class Reads:
         else:
             entry = await self.watch.wait_ready(msg.request_id, deadline)
         return self.lease_for_client(msg, entry)
+
+    def _check_not_leaving(self, request_id: str, departed_too: bool) -> None:
+        """A stream read does not wait for an entry that a transfer is taking to a peer (its push,
+        committed; a pull served that consumes it), nor, unless told where else to look, for one
+        that such a transfer took lately: it will not be readable here."""
+        entry = self.store.entries.get(request_id)
+        taker = self.pulls.transfers.taking(entry) if entry is not None and entry.state is State.CLAIMED else None
+        if taker is not None:
+            gone = (taker.channel.peer_name, taker.pull is None)
+        else:
+            gone = self.watch.departed(request_id) if departed_too and entry is None else None
+        if gone is not None:
+            peer, pushed = gone
+            how = f"was pushed to {peer}" if pushed else f"was pulled by {peer}"
+            raise NotFound(f"request {request_id!r} {how} and is no longer on {self.config.node_id}: read it on {peer}")
 
     async def locate(self, msg: p.ClusterLocate) -> p.Message:
         return p.Ok(req=msg.req, value=await self.directory().locate(msg.request_id))
@@ -77,7 +146,10 @@ class Reads:
         def find() -> Entry | None:
             if pull is not None and pull.done() and not pull.cancelled() and pull.exception() is not None:
                 raise pull.exception()
-            return self.watch.streamable(msg.request_id)
+            entry = self.watch.streamable(msg.request_id)
+            if entry is None:  # (one that left is sought where it went, with a source or a registry)
+                self._check_not_leaving(msg.request_id, departed_too=pull is None and search is None)
+            return entry
 
         # (a reader stays on the pull it started while the entry streams in: if it hangs up and
         # nobody else reads, the pull is called off)

@@ -1,6 +1,10 @@
 """Who waits on which entry (daemon process): gets waiting for an entry to arrive, pulls served
 once it does, and get_stream readers told which tensors are complete as they land.
 
+A get that can only wait here (for an entry to be put or to arrive) is parked: a record and a timer,
+no task, answered from a turn of the loop after its entry changes, so that what a client's waits
+hold is small, and a client that hangs up takes them along at once (`unpark`).
+
 Both the local request handlers and the peer transfers use it, so it sits below both: the
 transfers tell it what happens to arriving entries (`on_progress`, `on_published`,
 `on_dropped`, the `EntryEvents` of `peer/transfers.py`), the handlers tell it about local
@@ -19,6 +23,22 @@ from kvd.wire import protocol as p
 
 from .local_server import LocalServer
 from .store.entries import Entry, Lease, State, Store
+
+# entries sent away lately (pushed, or pulled without keep) are remembered by request id, so that a
+# get_stream here that comes for one after it left is told where it went, not left waiting
+DEPARTURES_KEPT = 4096
+DEPARTURE_MEMORY = 300.0  # seconds
+
+
+@dataclass(eq=False, slots=True)
+class ParkedGet:
+    """A local get waiting for its entry to be ready here; `answer(parked, entry or error)` is
+    called once, unless it is unparked first (its client hung up)."""
+
+    rid: bytes  # the client's connection on the local socket
+    msg: p.Get
+    answer: Callable[["ParkedGet", "Entry | KvdError"], None]
+    timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(eq=False)
@@ -47,6 +67,9 @@ class EntryWatch:
         self._waiters: dict[str, list[asyncio.Future]] = {}  # request id -> woken on any change
         self._readers: dict[str, list[StreamReader]] = {}  # request id -> get_stream clients
         self.stream_leases: set[int] = set()  # read leases held by get_stream readers
+        self._parked: dict[str, dict[ParkedGet, None]] = {}  # request id -> its parked gets, oldest first
+        self._retrying: set[str] = set()  # request ids whose parked gets are retried in the next turn
+        self._departed: dict[str, tuple[str, bool, float]] = {}  # request id -> (peer, pushed?, when), oldest first
 
     # --- waiting for an entry ------------------------------------------------------------------
 
@@ -54,6 +77,58 @@ class EntryWatch:
         for waiter in self._waiters.pop(request_id, []):
             if not waiter.done():
                 waiter.set_result(None)
+        if request_id in self._parked and request_id not in self._retrying:
+            self._retrying.add(request_id)  # (in a turn of its own, as a waiting task would be)
+            asyncio.get_running_loop().call_soon(self._retry_parked, request_id)
+
+    def not_here(self, request_id: str) -> NotFound:
+        return NotFound(f"request {request_id!r} not found on {self.node_id}")
+
+    def park(self, rid: bytes, msg: p.Get, answer: Callable[[ParkedGet, "Entry | KvdError"], None]) -> ParkedGet:
+        """Wait for msg's entry to be READY here, for msg.timeout seconds (more than 0); answer(parked,
+        entry) as it is, answer(parked, Timeout) after that."""
+        parked = ParkedGet(rid, msg, answer)
+        parked.timer = asyncio.get_running_loop().call_later(msg.timeout, self._expire, parked)
+        self._parked.setdefault(msg.request_id, {})[parked] = None
+        return parked
+
+    def unpark(self, parked: ParkedGet) -> None:
+        """Forget a parked get (its client hung up, or it is being answered): it is never answered."""
+        if parked.timer is not None:
+            parked.timer.cancel()
+            parked.timer = None
+        waiting = self._parked.get(parked.msg.request_id)
+        if waiting is not None:
+            waiting.pop(parked, None)
+            if not waiting:
+                del self._parked[parked.msg.request_id]
+
+    def _retry_parked(self, request_id: str) -> None:
+        """Hand a ready entry to its parked gets, oldest first, while it is READY (a keep=True get
+        leaves it so; a consuming one claims it, and the rest wait on)."""
+        self._retrying.discard(request_id)
+        waiting = self._parked.get(request_id)
+        while waiting:
+            entry = self.store.ready(request_id)
+            if entry is None:
+                return
+            parked = next(iter(waiting))
+            self.unpark(parked)
+            parked.answer(parked, entry)
+
+    def _expire(self, parked: ParkedGet) -> None:
+        parked.timer = None
+        request_id = parked.msg.request_id
+        entry = self.store.ready(request_id)  # (one last look)
+        self.unpark(parked)
+        parked.answer(parked, entry if entry is not None else
+                      Timeout(f"request {request_id!r} did not arrive within the timeout"))
+
+    def close(self) -> None:
+        """Shutting down: parked gets are dropped unanswered (as waiting tasks are cancelled)."""
+        for waiting in list(self._parked.values()):
+            for parked in list(waiting):
+                self.unpark(parked)
 
     async def wait_for(self, request_id: str, deadline: float, find: Callable[[], Entry | None]) -> Entry:
         """find() -> Entry | None, retried on every change to request_id until deadline.
@@ -69,7 +144,7 @@ class EntryWatch:
             if remaining <= 0:
                 if waited:
                     raise Timeout(f"request {request_id!r} did not arrive within the timeout")
-                raise NotFound(f"request {request_id!r} not found on {self.node_id}")
+                raise self.not_here(request_id)
             waited = True
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.setdefault(request_id, []).append(waiter)
@@ -134,6 +209,7 @@ class EntryWatch:
 
     def on_published(self, entry: Entry) -> None:
         """Every byte is in: stream readers finish (their leases now run out like any read), waiters wake."""
+        self._departed.pop(entry.request_id, None)  # (a newer entry of that id is here)
         readers = [r for r in self._readers.pop(entry.request_id, []) if r.entry is entry]
         for reader in readers:
             fresh = reader.news(list(range(len(entry.specs))))
@@ -150,6 +226,23 @@ class EntryWatch:
                 self.store.release(reader.lease_token, success=False)
             except NotFound:
                 pass
+
+    def on_departed(self, entry: Entry, peer: str, pushed: bool) -> None:
+        """A transfer took the entry to peer and it is gone from here: stream readers still waiting
+        for it are told (`departed`)."""
+        self._departed.pop(entry.request_id, None)
+        self._departed[entry.request_id] = (peer, pushed, time.monotonic())
+        if len(self._departed) > DEPARTURES_KEPT:
+            del self._departed[next(iter(self._departed))]
+        self.wake(entry.request_id)
+
+    def departed(self, request_id: str) -> tuple[str, bool] | None:
+        """(peer, pushed?) if an entry of request_id left for a peer lately, and none came since."""
+        found = self._departed.get(request_id)
+        if found is not None and time.monotonic() - found[2] > DEPARTURE_MEMORY:
+            del self._departed[request_id]
+            found = None
+        return found[:2] if found is not None else None
 
     def lease_expired(self, lease: Lease) -> None:
         """A read lease ran out (or its client hung up): the entry is back, wake its waiters."""

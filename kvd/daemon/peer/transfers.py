@@ -60,6 +60,7 @@ class EntryEvents(Protocol):
     def on_progress(self, entry: Entry, indices: list[int]) -> None: ...  # tensors completed
     def on_published(self, entry: Entry) -> None: ...
     def on_dropped(self, entry: Entry, error: KvdError) -> None: ...  # failed, removed
+    def on_departed(self, entry: Entry, peer: str, pushed: bool) -> None: ...  # sent to peer, and gone from here
 
 
 class Transfers:
@@ -117,6 +118,14 @@ class Transfers:
         for out in self._sending(entry):
             if not out.sealed:
                 self._run(self.machine.handle(Commit(out.xfer)))
+
+    def taking(self, entry: Entry) -> Outbound | None:
+        """The transfer taking entry away to a peer: the push or served pull whose lease claims it."""
+        for transfer in self.machine.carrying(entry):
+            lease = self.store.lease_of(transfer.lease_token) if isinstance(transfer, Outbound) else None
+            if lease is not None and lease.consume and lease.claiming:
+                return transfer
+        return None
 
     def _sending(self, entry: Entry) -> list[Outbound]:
         return [t for t in self.machine.carrying(entry) if isinstance(t, Outbound) and t.window is not None]
@@ -262,6 +271,8 @@ class Transfers:
             waiting.cancel()  # a served pull whose puller gave up while we waited for the entry
         if isinstance(transfer, Outbound) and transfer.entry is not None:
             self._unpin_when_sent(transfer)
+            if error is None and transfer.entry.removed:  # (its lease consumed it: a push, a pull without keep)
+                self.events.on_departed(transfer.entry, transfer.channel.peer_name, transfer.pull is None)
         callbacks = getattr(transfer, "on_end", None)
         if callbacks:
             transfer.on_end = []  # (told once)
