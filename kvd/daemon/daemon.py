@@ -446,7 +446,8 @@ def check_runtime_dir(directory: str) -> None:
     if problems:
         raise BadRequest(f"refusing the socket directory {directory}: {' and '.join(problems)}; another user could "
                          f"replace the daemon's socket there. Remove it (or chmod 700 it, if it is yours), or set "
-                         "KVD_RUNTIME_DIR / --socket to a directory of this user's")
+                         f"KVD_RUNTIME_DIR / --socket to a directory of this user's: one beneath it that kvd makes "
+                         f"itself will do (e.g. {os.path.join(directory, 'kvd')}; a Kubernetes emptyDir is 0777)")
 
 
 def curve_summary(curve) -> str:
