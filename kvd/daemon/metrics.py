@@ -8,9 +8,11 @@ the transfers record into one place and the status reader reads from one.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
+from collections.abc import Awaitable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -22,7 +24,14 @@ DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 RECENT_ERRORS = 20  # kept for `kvd status`
 UNDECODABLE_LOG_INTERVAL = 10.0  # seconds: one log line per socket kind, however many arrive
 MAX_PEER_LABELS = 256  # distinct `peer` label values, then "other"
+# the longest peer name with a label of its own (a node id is at most 128 characters); a longer
+# name, or one with control characters, quotes or backslashes (escaped on the page: twice as
+# long), is no daemon's: it counts as "other". So the page stays under a megabyte.
+MAX_PEER_LABEL_BYTES = 128
+OTHER = "other"
 RENDER_CACHE = 1.0  # seconds a rendered /metrics page is served again (many scrapers, one render)
+RENDER_SLICE = 0.002  # seconds of writing the page out after which a render lets the loop run
+RENDER_SHARE = 0.2  # the most of the loop's time rendering /metrics takes, however often it is scraped
 
 
 class _Children:
@@ -39,6 +48,16 @@ class _Children:
         if child is None:
             child = self._children[values] = self.metric.labels(*values)
         return child
+
+
+class _Collected:
+    """Families already collected, for generate_latest."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self) -> list:
+        return self.families
 
 
 class Metrics:
@@ -72,20 +91,26 @@ class Metrics:
         self._undecodable_logged: dict[str, float] = {}
         self._peer_labels: set[str] = set()
         self._rendered: tuple[float, bytes] = (-RENDER_CACHE, b"")
+        self._rendering: asyncio.Task | None = None  # the render in progress
+        self._queued: asyncio.Task | None = None  # the next render, waiting for its turn
+        self._render_cost, self._render_end = 0.0, 0.0  # the last render's time on the loop, and its end
 
     def error(self, code: int) -> None:
         self.errors.labels(ERROR_NAMES.get(code, str(code))).inc()
 
     def peer(self, name: str) -> str:
-        """The `peer` label for a peer name: the first MAX_PEER_LABELS names seen, then "other" (a
-        peer may call itself anything; one label per claimed name would let it grow /metrics
-        without bound)."""
+        """The `peer` label for a peer name, in every family that has one: the first MAX_PEER_LABELS
+        names seen that could be a node's (at most MAX_PEER_LABEL_BYTES, printable, nothing to
+        escape), then "other". A peer may call itself anything: one label per claimed name, or a
+        label of 64 KB, would let it grow /metrics without bound."""
         if name in self._peer_labels:
             return name
-        if len(self._peer_labels) < MAX_PEER_LABELS:
+        if (len(self._peer_labels) < MAX_PEER_LABELS and len(name) <= MAX_PEER_LABEL_BYTES and name != OTHER
+                and len(name.encode()) <= MAX_PEER_LABEL_BYTES and name.isprintable()
+                and '"' not in name and "\\" not in name):
             self._peer_labels.add(name)
             return name
-        return "other"
+        return OTHER
 
     def transfer_bytes(self, peer: str, direction: str, nbytes: int) -> None:
         self.bytes.labels(self.peer(peer), direction).inc(nbytes)
@@ -113,11 +138,54 @@ class Metrics:
             log.warning("undecodable message on the %s socket from %s: %.200s (further ones for %gs: counted in "
                         "kvd_undecodable_messages_total)", socket, source, error, UNDECODABLE_LOG_INTERVAL)
 
-    def render(self, busy: bool = False) -> bytes:
-        """The /metrics page. While many scrapes are in flight (busy), one rendered less than
-        RENDER_CACHE ago is served again: a thousand concurrent scrapes would otherwise each block
-        the event loop for a render, and the clients with it."""
-        now = time.monotonic()
-        if not busy or now - self._rendered[0] >= RENDER_CACHE:
-            self._rendered = (now, generate_latest(self.registry))
-        return self._rendered[1]
+    def render(self, busy: bool = False) -> bytes | Awaitable[bytes]:
+        """The /metrics page: the page itself when a recent one will do, else an awaitable of it.
+
+        A scrape is answered with a render that reads the values after it came: its own, or the
+        next one, which every scrape until then shares. One render runs at a time, and the next
+        starts once the loop has had (1 - RENDER_SHARE) of the time since for everything else:
+        scrapers without pause get slower answers, the daemon's clients do not. While many scrapes
+        are in flight (busy), one rendered less than RENDER_CACHE ago, or the render in progress,
+        is served again: a thousand concurrent scrapes make one render."""
+        if self._queued is not None:  # (it has read nothing yet: as fresh as one of this scrape's own)
+            return asyncio.shield(self._queued)
+        if busy:
+            if time.monotonic() - self._rendered[0] < RENDER_CACHE:
+                return self._rendered[1]
+            if self._rendering is not None:
+                return asyncio.shield(self._rendering)
+        self._queued = asyncio.get_running_loop().create_task(self._render(self._rendering), name="render metrics")
+        return asyncio.shield(self._queued)  # (a scrape that gives up leaves it to the others)
+
+    async def _render(self, previous: asyncio.Task | None) -> bytes:
+        """Every value is read at once (the collectors' snapshot: bounded, peer labels included),
+        then written out family by family, letting the loop run whenever RENDER_SLICE is spent:
+        no scrape holds the loop, and its clients, for the whole page."""
+        this = asyncio.current_task()
+        try:
+            if previous is not None:
+                await asyncio.wait([previous])
+            pause = self._render_end + self._render_cost * (1 / RENDER_SHARE - 1) - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)
+        finally:
+            if self._queued is this:
+                self._queued = None
+        self._rendering = this
+        try:
+            started, cost, since = time.monotonic(), 0.0, time.perf_counter()
+            families = list(self.registry.collect())
+            parts = []
+            for family in families:
+                parts.append(generate_latest(_Collected([family])))
+                if time.perf_counter() - since >= RENDER_SLICE:
+                    cost += time.perf_counter() - since
+                    await asyncio.sleep(0)
+                    since = time.perf_counter()
+            page = b"".join(parts)
+            self._rendered = (started, page)
+            self._render_cost, self._render_end = cost + time.perf_counter() - since, time.monotonic()
+            return page
+        finally:
+            if self._rendering is this:
+                self._rendering = None

@@ -16,7 +16,7 @@ from .config import Config
 from .directory import Directory
 from .lifecycle import Lifecycle
 from .local_server import LocalServer
-from .metrics import Metrics
+from .metrics import OTHER, Metrics
 from .peer.peers import PeerSet
 from .peer.transfers import Transfers
 from .store.entries import Store
@@ -98,9 +98,19 @@ class Status(Collector):
         for direction, count in self.transfers.in_flight().items():
             in_flight.add_metric([direction], count)
         yield in_flight
-        peers = GaugeMetricFamily("kvd_peer_up", "1 if the peer answered its last heartbeat", labels=["peer"])
+        # labelled as in the transfer families (Metrics.peer: bounded in number and length); the
+        # peers past those share "other", 1 while every one of them answers
+        peers = GaugeMetricFamily("kvd_peer_up", "1 if the peer answered its last heartbeat (\"other\": all the "
+                                  "peers without a label of their own did)", labels=["peer"])
+        others: list[bool] = []
         for name, state in self.peers.states().items():
-            peers.add_metric([name], 1 if state["connected"] else 0)
+            label = self.metrics.peer(name)
+            if label == OTHER:
+                others.append(state["connected"])
+            else:
+                peers.add_metric([label], 1 if state["connected"] else 0)
+        if others:
+            peers.add_metric([OTHER], 1 if all(others) else 0)
         yield peers
         yield GaugeMetricFamily("kvd_ready", "1 once the pool and listeners are up", value=1 if life.ready else 0)
         yield GaugeMetricFamily("kvd_local_clients", "Client connections open on the local socket",
