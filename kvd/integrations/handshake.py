@@ -1,11 +1,11 @@
-"""The kv_transfer_params handshake between a prefill and a decode vLLM instance (vLLM's scheduler
-process), and the
-connector's options: plain data, no vLLM import (tested on its own)."""
+"""The kv_transfer_params handshake between a prefill and a decode vLLM instance, and the connector's
+options (vLLM's scheduler process; plain data, no vLLM import: tested on its own)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from ..client import Client
 from .paged_kv import SaveSpec
 from .paged_layout import SourceDeployment
 
@@ -38,6 +38,11 @@ class ConnectorSettings:
             raise ValueError(f"kvd_ttl and kvd_load_timeout must be > 0 and kvd_load_threads >= 1: {settings}")
         return settings
 
+    def client(self) -> Client:
+        """A connected client of the local daemon. It answers at once: short timeouts keep a dead
+        daemon from stalling the engine."""
+        return Client(self.socket, reply_timeout=5.0, connect_timeout=2.0).connect()
+
 
 @dataclass(frozen=True)
 class LocalDaemon:
@@ -62,8 +67,23 @@ class RemoteKV:
     request_key: str  # the producer's entries are shard_key(request_key, tp, pp)
     num_tokens: int
     source: str | None  # pull from this daemon; None: pushed here, or found through the directory
-    src: SourceDeployment  # the producer's TP/PP layout
+    producer: SourceDeployment  # the producer's TP/PP layout
     directory: bool = False  # listed in the cluster registry: the local daemon looks each shard up
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """What one request's kv_transfer_params ask of kvd, read once, when the request arrives."""
+
+    produce: bool = False  # a prefill whose KV goes to a decoder (do_remote_decode)
+    dest: str | None = None  # where it is pushed (kvd_dest, else kvd_push_to); None: kept here, pulled
+    load: RemoteKV | None = None  # a decode request's prompt KV, on some prefill's daemon
+
+    @classmethod
+    def parse(cls, params: dict[str, Any] | None, push_to: str | None = None) -> "RequestParams":
+        """Raises ValueError on malformed kvd params (the request is then computed as a plain one)."""
+        produce = bool((params or {}).get("do_remote_decode"))
+        return cls(produce, dest_for_prefill(params, push_to) if produce else None, params_for_decode(params))
 
 
 def params_for_decode(params: dict[str, Any] | None) -> RemoteKV | None:

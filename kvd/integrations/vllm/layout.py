@@ -6,16 +6,22 @@
 - `model_kv_layout`: the model's KV geometry and one rank's shard of it as a `KVLayout`. An MLA
   cache (one latent every TP rank holds) is modelled as one KV head: each rank then holds the
   same "head", only rank 0 saves it and every consumer rank reads that one shard.
+- `kv_groups`: the KV cache groups vLLM moves (its transfer groups) as `KVGroup`s, by kind: full
+  attention (MLA too, and a sliding-window layer with the hybrid manager off: its blocks are
+  all kept), sliding window, chunked local attention, Mamba / linear-attention state. Any other
+  kind is refused at start (a ValueError naming it).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..parallel.sharding import KVLayout
-from .paged_layout import SourceDeployment
+from ...parallel.sharding import KVLayout
+from ..paged_groups import CHUNKED, FULL, MAMBA, SLIDING, KVGroup
+from ..paged_layout import SourceDeployment
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
 
 def model_signature(vllm_config: "VllmConfig") -> str:
@@ -63,3 +69,37 @@ def worker_ranks() -> tuple[int, int]:
         return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
     except (AssertionError, RuntimeError):  # no parallel state (a single process)
         return 0, 0
+
+
+def kv_groups(kv_cache_config: "KVCacheConfig | None") -> tuple[tuple[int, ...], tuple[KVGroup, ...]]:
+    """(vLLM's ids of the groups kvd moves, each as a KVGroup). Without a config (a bare worker),
+    one full-attention group of every layer: (0,), () (layers unknown)."""
+    if kv_cache_config is None:
+        return (0,), ()
+    ids = tuple(kv_cache_config.transfer_group_ids)
+    return ids, tuple(_group(kv_cache_config.kv_cache_groups[i].kv_cache_spec, i,
+                             tuple(kv_cache_config.kv_cache_groups[i].layer_names)) for i in ids)
+
+
+def _group(spec: "KVCacheSpec", index: int, layers: tuple[str, ...]) -> KVGroup:
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, MLAAttentionSpec,
+                                            SlidingWindowMLASpec, SlidingWindowSpec, UniformTypeKVCacheSpecs)
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):  # layers of one kind whose shapes differ
+        kinds = {_group(s, index, layers) for s in spec.kv_cache_specs.values()}
+        if len(kinds) == 1:
+            return kinds.pop()
+        raise ValueError(f"kvd: KV cache group {index} mixes kinds of cache ({sorted(g.label for g in kinds)})")
+    kind = type(spec)
+    if kind in (FullAttentionSpec, MLAAttentionSpec):
+        return KVGroup(FULL, spec.block_size, layers)
+    if kind in (SlidingWindowSpec, SlidingWindowMLASpec) and not getattr(spec, "bounded_replay", False):
+        # blocks are kept for `extra_retained_tokens` past the window too (vLLM's skipped-token rule)
+        return KVGroup(SLIDING, spec.block_size, layers, spec.sliding_window + spec.extra_retained_tokens)
+    if kind is ChunkedLocalAttentionSpec:
+        return KVGroup(CHUNKED, spec.block_size, layers, spec.attention_chunk_size)
+    if kind is MambaSpec and spec.mamba_cache_mode != "align" and not spec.num_speculative_blocks:
+        return KVGroup(MAMBA, spec.block_size, layers)
+    raise ValueError(f"kvd: the KVDConnector cannot move KV cache group {index} ({kind.__name__}"
+                     f"{', mamba_cache_mode ' + spec.mamba_cache_mode if kind is MambaSpec else ''}): run this model "
+                     "without --kv-transfer-config, or with --disable-hybrid-kv-cache-manager where it allows")

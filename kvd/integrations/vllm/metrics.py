@@ -3,7 +3,8 @@ per-engine Prometheus metrics on vLLM's own /metrics (vLLM's worker and logger p
 
 Workers report `KVDConnectorStats` each step; vLLM aggregates them across workers, logs their
 reduction every interval and hands the aggregated data to `KVDPromMetrics.observe`. The daemons'
-own /metrics still count every byte on the node; these say what one engine moved.
+own /metrics still count every byte on the node; these say what one engine moved, and of it how
+much each kind of KV cache group (`saved_bytes[sliding_window]`, ...; the `kind` label).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTERS = ("saves", "save_failures", "saved_bytes", "loads", "load_failures", "loaded_bytes")
+BY_KIND = {"saved_bytes_by_kind": "saved_bytes", "loaded_bytes_by_kind": "loaded_bytes"}  # {kind: bytes} each
 # seconds a load takes, from 1 ms (a local read) to 30 s (kvd_load_timeout's default)
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -25,6 +27,8 @@ class KVDConnectorStats(KVConnectorStats):
     def __post_init__(self) -> None:
         for name in COUNTERS:
             self.data.setdefault(name, 0)
+        for name in BY_KIND:
+            self.data.setdefault(name, {})
         self.data.setdefault("load_seconds", [])
 
     def reset(self) -> None:
@@ -34,11 +38,17 @@ class KVDConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> "KVDConnectorStats":
         for name in COUNTERS:
             self.data[name] += other.data.get(name, 0)
+        for name in BY_KIND:
+            mine = self.data[name] = dict(self.data[name])
+            for kind, nbytes in (other.data.get(name) or {}).items():
+                mine[kind] = mine.get(kind, 0) + nbytes
         self.data["load_seconds"] = self.data["load_seconds"] + list(other.data.get("load_seconds", []))
         return self
 
     def reduce(self) -> dict[str, int | float]:
         summary: dict[str, int | float] = {name: self.data[name] for name in COUNTERS}
+        for name, total in BY_KIND.items():
+            summary.update((f"{total}[{kind}]", n) for kind, n in sorted(self.data[name].items()))
         times = sorted(self.data["load_seconds"])
         if times:
             summary["load_ms_avg"] = round(sum(times) / len(times) * 1e3, 2)
@@ -69,11 +79,20 @@ class KVDPromMetrics(KVConnectorPromMetrics):
         self.load_seconds = create_metric_per_engine(self._histogram_cls(
             name="vllm:kvd_load_seconds", documentation="Time from a load's start until its KV is in the cache",
             buckets=list(LOAD_BUCKETS), labelnames=labelnames), per_engine_labelvalues)
+        # children per (engine, kind), made as kinds appear
+        self._labels = per_engine_labelvalues
+        self.by_kind = {name: self._counter_cls(
+            name=f"vllm:kvd_group_{total}", documentation=f"{helps[total]}, by kind of KV cache group",
+            labelnames=[*labelnames, "kind"]) for name, total in BY_KIND.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name in COUNTERS:
             value = transfer_stats_data.get(name, 0)
             if value:
                 self.counters[name][engine_idx].inc(value)
+        for name, counter in self.by_kind.items():
+            for kind, nbytes in (transfer_stats_data.get(name) or {}).items():
+                if nbytes:
+                    counter.labels(*self._labels[engine_idx], kind).inc(nbytes)
         for seconds in transfer_stats_data.get("load_seconds", ()):
             self.load_seconds[engine_idx].observe(seconds)

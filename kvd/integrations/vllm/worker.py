@@ -1,0 +1,123 @@
+"""The KVDConnector's worker side (each of vLLM's TP x PP worker processes): registers the worker's
+paged caches and runs a `PagedKVWorker` on them, saving layer by layer during the forward and
+loading on its own threads.
+
+vLLM owns the caches; the connector only reads them while saving (copied into the pool before
+save_kv_layer returns; a Mamba state, which vLLM never passes to save_kv_layer, once the forward is
+over, in wait_for_save) and writes the blocks a load was given.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from ...client.tensors import DTYPE_NAMES
+from ..handshake import ConnectorSettings
+from ..paged_groups import FULL, MAMBA, KVGroup
+from ..paged_kv import PagedKVLayout, PagedKVWorker
+from .layout import kv_groups, model_kv_layout, model_signature, worker_ranks
+from .metrics import COUNTERS, KVDConnectorStats
+from .scheduler import KVDConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvd.vllm")
+
+
+class KVDWorker:
+    """One worker's connector state: nothing until vLLM registers the caches."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None",
+                 settings: ConnectorSettings) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.settings = settings
+        self.paged: PagedKVWorker | None = None
+        self._failed_blocks: set[int] = set()
+        # vLLM maps failed blocks to requests for a model of one group only; with several it takes
+        # the failed requests alone (and recomputes their prompts)
+        self._report_blocks = True
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        _, groups = kv_groups(self.kv_cache_config)
+        # (a stage holds its own layers of each group; a group vLLM does not transfer is not ours)
+        groups = tuple(KVGroup(g.kind, g.block_size, tuple(n for n in g.layers if n in kv_caches), g.window)
+                       for g in groups)
+        caches = {name: kv_caches[name] for g in groups for name in g.layers} if groups else dict(kv_caches)
+        num_blocks = self.kv_cache_config.num_blocks if self.kv_cache_config else None
+        for name, cache in caches.items():
+            if num_blocks is not None and cache.shape[0] != num_blocks:
+                raise ValueError(f"kvd: layer {name} has cache shape {tuple(cache.shape)}; the connector "
+                                 f"needs the block dimension first ({num_blocks} blocks)")
+        states = {name for g in groups if g.kind == MAMBA for name in g.layers}
+        first = next((c for name, c in caches.items() if name not in states), next(iter(caches.values())))
+        tp_rank, pp_rank = worker_ranks()
+        kv = model_kv_layout(self.vllm_config, DTYPE_NAMES.get(first.dtype, "uint8"), tp_rank, pp_rank)
+        # vLLM hands each layer as its logical [blocks, heads, tokens, content] view, whatever the
+        # physical stride order; a 3-d [blocks, tokens, latent] cache has no head axis (MLA)
+        head_axis = 0 if first.dim() == 4 else None
+        one_group = len(groups) <= 1 and all(g.kind == FULL for g in groups)
+        layout = PagedKVLayout.from_caches(caches, model=model_signature(self.vllm_config),
+                                           block_size=self.vllm_config.cache_config.block_size, kv=kv,
+                                           head_axis=head_axis, quant=self._quant_mode(),
+                                           cache_layout=self._cache_layout(), groups=() if one_group else groups)
+        self._report_blocks = len(layout.kv_groups) == 1
+        s = self.settings
+        self.paged = PagedKVWorker(caches, layout, connect=s.client, ttl=s.ttl, load_timeout=s.load_timeout,
+                                   load_threads=s.load_threads)
+
+    def _quant_mode(self) -> str:
+        groups = self.kv_cache_config.kv_cache_groups if self.kv_cache_config else []
+        modes = {getattr(getattr(g.kv_cache_spec, "kv_quant_mode", None), "name", "NONE") for g in groups}
+        return ",".join(sorted(modes)) or "NONE"
+
+    def _cache_layout(self) -> str | None:
+        layout = getattr(self.kv_cache_config, "kv_cache_layout", None)
+        return str(layout) if layout is not None else None
+
+    def start_load(self, meta: KVDConnectorMetadata | None) -> None:
+        if meta is None or self.paged is None:
+            return
+        for spec in meta.loads:
+            self.paged.start_load(spec)
+
+    def save_layer(self, meta: KVDConnectorMetadata | None, layer_name: str, kv_layer: torch.Tensor) -> None:
+        if meta is not None and meta.saves and self.paged is not None and layer_name in self.paged.caches:
+            self.paged.save_layer(meta.saves, layer_name, kv_layer)
+
+    def wait_for_save(self, meta: KVDConnectorMetadata | None) -> None:
+        if self.paged is not None:
+            self.paged.finish_saves(meta.saves if meta is not None else [])
+
+    def transfer_results(self) -> KVConnectorTransferResults:
+        if self.paged is None:
+            return KVConnectorTransferResults()
+        results = self.paged.poll()
+        if self._report_blocks:
+            self._failed_blocks |= results.failed_blocks
+        return KVConnectorTransferResults(finished_recving=results.finished_loads,
+                                          failed_recving=results.failed_loads)
+
+    def load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def stats(self) -> KVDConnectorStats | None:
+        if self.paged is None:
+            return None
+        taken = self.paged.take_stats()
+        if taken.empty():
+            return None
+        return KVDConnectorStats(data={**{name: getattr(taken, name) for name in COUNTERS},
+                                       "load_seconds": taken.load_seconds,
+                                       "saved_bytes_by_kind": taken.saved_by_kind,
+                                       "loaded_bytes_by_kind": taken.loaded_by_kind})
+
+    def shutdown(self) -> None:
+        if self.paged is not None:
+            self.paged.close()
