@@ -108,15 +108,15 @@ class Reads:
         return self.lease_for_client(msg, entry)
 
     def _check_not_leaving(self, request_id: str, departed_too: bool) -> None:
-        """A stream read does not wait for an entry that a transfer is taking to a peer (its push,
-        committed; a pull served that consumes it), nor, unless told where else to look, for one
-        that such a transfer took lately: it will not be readable here."""
+        """A stream read does not wait for an entry a push is taking to a peer (committed), nor,
+        unless told where else to look, for one that left lately (pushed, or pulled without keep):
+        it will not be readable here. (One a pull is taking may still come back, if the pull fails.)"""
         entry = self.store.entries.get(request_id)
-        taker = self.pulls.transfers.taking(entry) if entry is not None and entry.state is State.CLAIMED else None
-        if taker is not None:
-            gone = (taker.channel.peer_name, taker.pull is None)
+        if entry is not None:
+            peer = self.pulls.transfers.pushing(entry) if entry.state is State.CLAIMED else None
+            gone = (peer, True) if peer is not None else None
         else:
-            gone = self.watch.departed(request_id) if departed_too and entry is None else None
+            gone = self.watch.departed(request_id) if departed_too else None
         if gone is not None:
             peer, pushed = gone
             how = f"was pushed to {peer}" if pushed else f"was pulled by {peer}"

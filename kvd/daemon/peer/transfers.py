@@ -119,12 +119,14 @@ class Transfers:
             if not out.sealed:
                 self._run(self.machine.handle(Commit(out.xfer)))
 
-    def taking(self, entry: Entry) -> Outbound | None:
-        """The transfer taking entry away to a peer: the push or served pull whose lease claims it."""
+    def pushing(self, entry: Entry) -> str | None:
+        """The peer a push is taking entry to, once the push claims it (a failed push drops the
+        entry too: it is not readable here again)."""
         for transfer in self.machine.carrying(entry):
-            lease = self.store.lease_of(transfer.lease_token) if isinstance(transfer, Outbound) else None
-            if lease is not None and lease.consume and lease.claiming:
-                return transfer
+            if isinstance(transfer, Outbound) and transfer.pull is None:
+                lease = self.store.lease_of(transfer.lease_token)
+                if lease is not None and lease.claiming:
+                    return transfer.channel.peer_name
         return None
 
     def _sending(self, entry: Entry) -> list[Outbound]:
