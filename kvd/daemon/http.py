@@ -40,10 +40,12 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 8192  # a request head (the request line and headers), with its blank line
 MAX_WAITING = 48  # connections held while their request head comes; a newcomer pushes out the oldest
 MAX_SERVING = 16  # /metrics and /cluster answers in progress; past it: 503 with Retry-After
-# a connection this young is not pushed out while few others wait to be accepted: accepting
-# waits instead (the kernel holds the connections, and the requests they send meanwhile); with
-# more waiting than that (a flood), whoever did not send a request with its connection goes
+# a connection this young is not pushed out: accepting waits instead (the kernel holds the
+# connections, and the requests they send meanwhile); while more than MAX_WAITING wait to be
+# accepted (a flood, or a burst), for FLOOD_PUSH_OUT_AGE only: what waits behind, /healthz among
+# it, is let in at MAX_WAITING / FLOOD_PUSH_OUT_AGE connections a second at least
 PUSH_OUT_AGE = 0.05  # seconds
+FLOOD_PUSH_OUT_AGE = 0.005  # seconds
 BUSY = 4  # answers in progress from which a recent rendering of /metrics is served again
 HEAD_DEADLINE = 2.0  # seconds from the connection to the end of its request head
 WRITE_DEADLINE = 5.0  # seconds an answer may take to be read; a scraper that never reads is cut
@@ -72,13 +74,6 @@ def queued(listener: socket.socket) -> int:
         return struct.unpack_from("I", listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32), 24)[0]
     except (OSError, AttributeError, struct.error):
         return 0
-
-
-def _discard(awaitable: Awaitable) -> None:
-    if asyncio.isfuture(awaitable):
-        awaitable.cancel()  # (a shield: what it shields goes on)
-    elif inspect.iscoroutine(awaitable):
-        awaitable.close()
 
 
 class ClusterView(Protocol):
@@ -156,10 +151,11 @@ class HttpEndpoint:
 
     def _accept(self, listener: socket.socket) -> None:
         for _ in range(ACCEPT_BATCH):
-            if len(self._waiting) >= MAX_WAITING:
-                young = next(iter(self._waiting)).since + PUSH_OUT_AGE - time.monotonic()
-                if young > 0 and queued(listener) <= MAX_WAITING:  # the oldest may still be sending its request
-                    self._pause_accepting(min(young, 0.01))  # (and then a look at the backlog again)
+            if len(self._waiting) >= MAX_WAITING:  # the oldest may still be sending its request
+                age = time.monotonic() - next(iter(self._waiting)).since
+                grace = PUSH_OUT_AGE if queued(listener) <= MAX_WAITING else FLOOD_PUSH_OUT_AGE
+                if age < grace:
+                    self._pause_accepting(min(grace - age, FLOOD_PUSH_OUT_AGE))  # (then a look at the backlog again)
                     return
             try:
                 sock, _ = listener.accept()
@@ -300,20 +296,18 @@ class HttpEndpoint:
             ok = self._ready()
             self._send_and_close(conn, response("200 OK" if ok else "503 Service Unavailable", "text/plain",
                                                 b"ready\n" if ok else b"not ready\n", head_only))
+        elif len(self._serving) >= MAX_SERVING and (path == "/metrics" or path.startswith("/cluster/")):
+            # (decided before a byte of a page is written: one the kernel does not take at once
+            # needs a slot until it is read, and a page cut halfway would be a bare close)
+            self._send_and_close(conn, BUSY_ANSWER)
         elif path == "/metrics":
             page = self._metrics(len(self._serving) >= BUSY)
-            if not inspect.isawaitable(page):  # a recent rendering, served again: no slot needed
-                self._respond(conn, "200 OK", PROMETHEUS_TEXT, page, head_only)
-            elif len(self._serving) < MAX_SERVING:
+            if inspect.isawaitable(page):
                 self._answer_later(conn, self._page(page), head_only)
-            else:
-                _discard(page)
-                self._send_and_close(conn, BUSY_ANSWER)
+            else:  # a recent rendering, served again
+                self._respond(conn, "200 OK", PROMETHEUS_TEXT, page, head_only)
         elif path.startswith("/cluster/"):
-            if len(self._serving) < MAX_SERVING:
-                self._answer_later(conn, self._cluster_page(path, urllib.parse.parse_qs(query)), head_only)
-            else:
-                self._send_and_close(conn, BUSY_ANSWER)
+            self._answer_later(conn, self._cluster_page(path, urllib.parse.parse_qs(query)), head_only)
         else:
             self._send_and_close(conn, response("404 Not Found", "text/plain",
                                                 b"try /metrics, /healthz or /readyz\n", head_only))
@@ -341,10 +335,7 @@ class HttpEndpoint:
         for WRITE_DEADLINE at most."""
         conn.out = memoryview(response(status, ctype, body, head_only))
         self._flush(conn)
-        if conn.out is not None:
-            if conn not in self._serving and len(self._serving) >= MAX_SERVING:
-                self._close(conn, reset=True)
-                return
+        if conn.out is not None:  # (a slot was free when the request was taken: _request)
             self._serving.add(conn)
             conn.writing = True
             self._loop.add_writer(conn.fd, self._flush, conn)

@@ -147,13 +147,12 @@ class Metrics:
         scrapers without pause get slower answers, the daemon's clients do not. While many scrapes
         are in flight (busy), one rendered less than RENDER_CACHE ago, or the render in progress,
         is served again: a thousand concurrent scrapes make one render."""
+        if busy and time.monotonic() - self._rendered[0] < RENDER_CACHE:
+            return self._rendered[1]
         if self._queued is not None:  # (it has read nothing yet: as fresh as one of this scrape's own)
             return asyncio.shield(self._queued)
-        if busy:
-            if time.monotonic() - self._rendered[0] < RENDER_CACHE:
-                return self._rendered[1]
-            if self._rendering is not None:
-                return asyncio.shield(self._rendering)
+        if busy and self._rendering is not None:
+            return asyncio.shield(self._rendering)
         self._queued = asyncio.get_running_loop().create_task(self._render(self._rendering), name="render metrics")
         return asyncio.shield(self._queued)  # (a scrape that gives up leaves it to the others)
 
