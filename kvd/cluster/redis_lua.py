@@ -1,4 +1,5 @@
-"""The Lua scripts of the Redis backend (redis.py), which runs them in the daemon's and routers' calls.
+"""The Lua scripts of the Redis backend (redis.py), run by the Redis server on behalf of the daemon
+and router processes that call it.
 
 Every read is bounded inside the server: a value's length is checked (STRLEN / HSTRLEN) before it is
 read, so an oversized record never leaves Redis; a key's TYPE is checked before it is used, so one
