@@ -118,7 +118,8 @@ def test_claimed_names_neither_grow_the_page_nor_stall_the_clients(daemons):
         assert len(values) <= MAX_PEER_LABELS + 1, family
         assert max(len(value) for value in values) <= MAX_PEER_LABEL_BYTES, family
     assert all(answered == ok > 0 for answered, ok in scraped), scraped
-    assert p99 < 0.25, f"client p99 {p99 * 1000:.0f} ms over {len(latencies)} ops; scrapes {scraped}"
+    # (here: 7-18 ms, against 164-932 ms before the page was bounded and rendered in slices)
+    assert p99 < 0.15, f"client p99 {p99 * 1000:.0f} ms over {len(latencies)} ops; scrapes {scraped}"
 
 
 def test_health_answers_while_slow_clients_hold_the_port(daemons):
