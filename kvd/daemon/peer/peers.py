@@ -199,7 +199,7 @@ class PeerSet:
     def router_hello(self, rid: bytes, msg: p.PeerHello, conn: TcpConnection | None, channel: Channel,
                      key: bytes | None = None) -> None:
         if self._router_peers.get(rid) != msg.node_id:
-            log.info("peer %s (incarnation %x) connected to us", msg.node_id, msg.incarnation)
+            log.info("peer %s (incarnation %x) connected to us", msg.node_id[:128], msg.incarnation)
         self._router_peers[rid] = msg.node_id
         if key is not None:  # who it proved to be, for the checks a reload or an expiry makes again
             self._router_identities[rid] = (key, msg.node_id, msg.cert)
