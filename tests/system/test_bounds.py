@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 
+import msgpack
 import pytest
 import torch
 import zmq
 
 import kvd
 from kvd.client.connection import ask
+from kvd.daemon.peer.links import PEER_QUEUE_BYTES, PEER_SNDHWM
 from kvd.testing import eventually, free_port, raw_connection
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import unix_path
@@ -226,15 +228,77 @@ def test_peer_connections_are_capped_and_silent_ones_cut(daemons):
 
 
 def test_a_peer_that_never_reads_its_replies_is_cut(daemons):
+    # Pongs are 20 bytes on the wire, and the kernel takes megabytes of them into the connection's
+    # send buffer (autotuned up to tcp_wmem's maximum) before ZeroMQ queues any: only then do they
+    # fill ZeroMQ's queue (PEER_SNDHWM messages) and the next send fails, which cuts the peer. So the
+    # flood is sized by the most that buffer can hold, and the peer stays alive meanwhile: its
+    # ZeroMQ pings the daemon's, which would otherwise drop a connection it hears nothing from for
+    # 5 s (ZMTP heartbeat) while it is still working through the flood: "disconnected", no cut.
     a = daemons.start("A")
-    sock = raw_peer(a, {zmq.RCVHWM: 1, zmq.RCVBUF: 4096})  # it reads nothing: keep its queue small
+    sock = raw_peer(a, {zmq.RCVHWM: 1, zmq.RCVBUF: 4096,  # it reads nothing: keep its queue small
+                        zmq.HEARTBEAT_IVL: 200, zmq.HEARTBEAT_TIMEOUT: 600_000})
     sock.send_multipart(p.encode(p.PeerHello(node_id="deaf", incarnation=1)))
+    pong = len(p.encode(p.Pong(nonce=1 << 40))[0]) + 2  # (ZMTP frames a short frame in 2 bytes)
+    pings = most_a_send_buffer_holds() // pong + 2 * PEER_SNDHWM
     before = rss_mb(a.pid)
-    for i in range(200_000):  # pings whose pongs are never read
-        sock.send_multipart(p.encode(p.Ping(nonce=i)))
-    eventually(lambda: "does not read what we send" in a.log(), timeout=20)
+    for i in range(pings):  # pings whose pongs are never read
+        sock.send_multipart(p.encode(p.Ping(nonce=(1 << 40) + i)))
+    eventually(lambda: "does not read what we send (its queue is full)" in a.log(), timeout=30 + pings / 5000)
     assert rss_mb(a.pid) - before < 100
+    eventually(lambda: "deaf (connected to us) disconnected" in a.log(), timeout=5)
     sock.close()
+    assert served(a)
+
+
+def test_a_peer_that_pulls_and_never_reads_is_cut_at_the_byte_cap(daemons):
+    # what a peer makes a daemon queue for it is capped in bytes (PEER_QUEUE_BYTES), not only in
+    # messages: 200 pulls of a 768 KiB entry are 150 MiB of copies (frames under 1 MiB are copied
+    # into ZeroMQ), far below the 10,000 messages ZeroMQ would queue
+    a = daemons.start("A")
+    with a.client() as c:
+        c.put("wanted", {"x": torch.ones(768 << 10, dtype=torch.uint8)})
+    sock = raw_peer(a, {zmq.RCVHWM: 1, zmq.RCVBUF: 4096})
+    sock.send_multipart(p.encode(p.PeerHello(node_id="greedy", incarnation=1)))
+    before = rss_mb(a.pid)
+    for i in range(200):
+        sock.send_multipart(p.encode(p.Pull(xfer=i + 1, request_id="wanted", timeout=5.0, keep=True)))
+    eventually(lambda: "greedy does not read what we send" in a.log(), timeout=20)
+    assert rss_mb(a.pid) - before < PEER_QUEUE_BYTES / (1 << 20) + 32
+    line = next(line for line in a.log().splitlines() if "greedy does not read what we send" in line)
+    assert f"more than the {PEER_QUEUE_BYTES >> 20} MiB a connection may have" in line, line
+    # its transfers fail as for a lost peer, and leave nothing behind
+    eventually(lambda: "greedy (connected to us) disconnected" in a.log(), timeout=5)
+    eventually(lambda: ask(p.Stats(req=1), a.socket)["transfers_in_flight"] == 0, timeout=10)
+    sock.close()
+    assert served(a)
+    with a.client() as c:
+        assert c.get("wanted", timeout=5)["x"].sum() == 768 << 10  # (the pulls kept it)
+
+
+def test_a_peer_cannot_make_the_daemon_echo_what_it_sent(daemons):
+    # an undecodable message is answered with an abort saying why, and the why can quote the message
+    # (here a type name of 60 KB): the abort's text is cut, so 3,000 of them queued for a peer that
+    # never reads hold kilobytes each at most, not 180 MB
+    port = free_port()
+    a = daemons.start("A", extra=["--metrics-port", str(port)])
+    deaf = raw_peer(a, {zmq.RCVHWM: 1, zmq.RCVBUF: 4096})
+    deaf.send_multipart(p.encode(p.PeerHello(node_id="deaf", incarnation=1)))
+    bad = [msgpack.packb({"v": p.PROTOCOL_VERSION, "t": "x" * 60_000})]
+    eventually(lambda: undecodable(port) == 0 and "deaf (incarnation 1) connected to us" in a.log())
+    before = rss_mb(a.pid)
+    for sent in range(100, 3001, 100):  # (paced by the daemon: what is measured is what it sends back)
+        for _ in range(100):
+            deaf.send_multipart(bad)
+        eventually(lambda: undecodable(port) >= sent, timeout=20)
+    assert rss_mb(a.pid) - before < 64
+    reader = raw_peer(a)
+    reader.send_multipart(bad)
+    assert reader.poll(5000)
+    abort = p.decode(reader.recv_multipart())
+    assert isinstance(abort, p.Abort) and abort.message.startswith("unknown message type 'xxx")
+    assert len(abort.message) <= 512 and "(60023 characters)" in abort.message, abort.message[-60:]
+    reader.close()
+    deaf.close()
     assert served(a)
 
 
@@ -292,6 +356,23 @@ def _closed_now(sock: socket.socket) -> bool:
         return True
     except BlockingIOError:
         return False
+
+
+def most_a_send_buffer_holds() -> int:
+    """The most bytes the kernel queues for sending on a TCP connection whose buffer it sizes itself
+    (tcp_wmem's maximum; 4 MiB by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_wmem") as wmem:
+            return int(wmem.read().split()[2])
+    except (OSError, IndexError, ValueError):
+        return 4 << 20
+
+
+def undecodable(metrics_port: int) -> float:
+    """kvd_undecodable_messages_total of the peer socket, from the metrics page (0 before the first)."""
+    prefix = 'kvd_undecodable_messages_total{socket="peer"} '
+    return next((float(line[len(prefix):]) for line in metrics_page(metrics_port).splitlines()
+                 if line.startswith(prefix)), 0.0)
 
 
 def raw_peer(daemon, options: dict | None = None) -> zmq.Socket:

@@ -33,12 +33,16 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 REDIAL_INTERVAL = 2.0  # seconds between new attempts on a link whose handshake the peer refused
 PEER_SNDHWM = 10_000  # messages queued for one peer connection
+# bytes copied into ZeroMQ for one connection to our ROUTER and not yet written to the kernel; a
+# peer past it does not read what it asked for, and is cut (router.Router._channel)
+PEER_QUEUE_BYTES = 64 << 20
 
 
 def tune_peer_socket(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 500)  # let Abort messages out at shutdown, but not forever
-    # flow control is the transfer window, not the HWM; the HWM only bounds what a peer that stops
-    # reading can make us queue for it (chunks in flight are at most a few windows' worth)
+    # flow control is the transfer window, not the HWM; the HWM only bounds how many messages a peer
+    # that stops reading can make us queue for it (chunks in flight are at most a few windows'
+    # worth), not their bytes: the ROUTER counts those itself (PEER_QUEUE_BYTES)
     sock.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings keep dead TCP connections from lingering

@@ -23,8 +23,8 @@ from ..logs import Throttle
 from ..metrics import Metrics
 from .auth import CurveKeys, make_server
 from .channel import Channel
-from .links import tune_peer_socket
-from .loopsocket import LoopSocket
+from .links import PEER_QUEUE_BYTES, tune_peer_socket
+from .loopsocket import NOT_SENT, Backlog, LoopSocket, Sent, kernel_written
 from .peers import PeerSet
 from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 REFUSED_CUT_DELAY = 0.1  # seconds: let the refusal's abort leave before the connection is cut
 
+# an abort's message quotes what was wrong, which can be what the peer sent (a type name of 64
+# KiB): what goes back is cut to this many characters
+MAX_ABORT_TEXT = 512
 
 class Router:
     """Bounded: at most max_peer_connections connections, each of which must say hello within
@@ -56,6 +59,7 @@ class Router:
         self.metrics = metrics
         self.incarnation = incarnation
         self.socket: LoopSocket | None = None
+        self.queue_cap = PEER_QUEUE_BYTES  # bytes ZeroMQ may hold copied for one connection (see _channel)
         self.bound_endpoint = ""
         self._on_message: Callable[[Channel, p.Message], None] = lambda channel, msg: None
 
@@ -80,17 +84,49 @@ class Router:
             self.socket.close()
 
     def _channel(self, rid: bytes) -> Channel:
+        """The channel to one connection. What ZeroMQ queues for it is capped twice: PEER_SNDHWM
+        messages (ZeroMQ's own count: a send past it fails), and queue_cap bytes copied into
+        ZeroMQ and not yet written to the kernel, counted here (a `Backlog`: the kernel is asked
+        only when what was sent since it last was could have passed the cap). Past either, the
+        peer is not reading what it asked for, and its connection is cut: ZeroMQ drops what it
+        held, the transfers on it fail as for a lost peer, and what is sent to it meanwhile is
+        dropped here."""
+        backlog = Backlog(self.queue_cap, self.socket.sock.copy_threshold, curve=self.curve is not None)
+        socket_send = self.socket.send
+
         def send(frames: list, track: bool):
-            sent = self.socket.send([rid, *frames], copy=False, track=track)
-            sent.add_done_callback(lambda f: self._check_sent(rid, f))
+            if backlog.cut:
+                return NOT_SENT
+            sent = socket_send([rid, *frames], copy=False, track=track)
+            if type(sent) is not Sent:  # not taken (yet): a full queue, or a connection gone
+                sent.add_done_callback(lambda f: self._check_sent(rid, f, backlog))
+            elif backlog.add(frames):
+                self._check_backlog(rid, backlog)
             return sent
 
-        return Channel(("router", rid), self.peers.router_name(rid), send, lambda: self.peers.cut_router(rid))
+        return RouterChannel(("router", rid), self.peers.router_name(rid), send,
+                             lambda: self.peers.cut_router(rid))
 
-    def _check_sent(self, rid: bytes, sent) -> None:
-        if not sent.cancelled() and isinstance(sent.exception(), zmq.Again) and self.peers.cut_router(rid):
-            log.warning("peer %s does not read what we send (its queue is full): connection closed",
-                        self.peers.router_name(rid))
+    def _check_sent(self, rid: bytes, sent, backlog: Backlog | None = None) -> None:
+        if not sent.cancelled() and isinstance(sent.exception(), zmq.Again):
+            self._cut_deaf(rid, backlog, "its queue is full")
+
+    def _check_backlog(self, rid: bytes, backlog: Backlog) -> None:
+        conn = self.peers.router_connection(rid)
+        written = None if conn is None else kernel_written(conn.fd)
+        if written is None:  # (not said hello yet, or gone: its disconnection is on its way)
+            backlog.unknown()
+            return
+        queued = backlog.settle(written, conn)
+        if queued > backlog.cap:
+            self._cut_deaf(rid, backlog, f"{queued / (1 << 20):.1f} MiB queued for it, more than the "
+                                         f"{backlog.cap / (1 << 20):g} MiB a connection may have")
+
+    def _cut_deaf(self, rid: bytes, backlog: Backlog | None, why: str) -> None:
+        if self.peers.cut_router(rid):
+            if backlog is not None:
+                backlog.cut = True
+            log.warning("peer %s does not read what we send (%s): connection closed", self.peers.router_name(rid), why)
 
     # --- connections ------------------------------------------------------------------------------
 
@@ -161,3 +197,18 @@ class Router:
         channel.peer_name = msg.node_id
         channel.features = frozenset(f for f in msg.features if isinstance(f, str))
         channel.send(p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation, features=list(p.FEATURES)))
+
+class RouterChannel(Channel):
+    """A channel on the ROUTER: an abort's message is cut to MAX_ABORT_TEXT characters."""
+
+    def send(self, msg: p.Message, track: bool = False):
+        if type(msg) is p.Abort and len(msg.message) > MAX_ABORT_TEXT:
+            msg = p.Abort(xfer=msg.xfer, code=msg.code, message=clip(msg.message))
+        return super().send(msg, track)
+
+
+def clip(text: str, limit: int = MAX_ABORT_TEXT) -> str:
+    if len(text) <= limit:
+        return text
+    tail = f"... ({len(text)} characters)"
+    return text[:limit - len(tail)] + tail
