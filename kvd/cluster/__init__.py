@@ -7,8 +7,8 @@ imports redis-py when it is opened (`pip install redis`); the etcd backend needs
 extra (it speaks etcd's JSON gateway). See proto/REGISTRY.md for the key schema and the semantics.
 
 Modules: records (records, JSON, keys), signing (signed records: who signs, what a reader
-believes), backend (the interface), directory (outbox, candidate order), health (breaker, backoff,
-membership state), memory / etcd / redis (backends), etcd_http and etcd_auth (the gateway's HTTP
+believes), backend (the interface), outbox (what is still to be written), candidates (which holder to try), health (breaker, backoff,
+membership state), inmemory / etcd / redis (backends), etcd_http and etcd_auth (the gateway's HTTP
 client and its login), redis_lua (the Redis scripts), skips (what a backend skips as it reads, counted
 and logged), url (URLs, credentials, TLS and the backend factory), member (the daemon side), registry
 (the router side).
@@ -17,7 +17,8 @@ from .backend import (
     Added, Backend, Conflict, NodeEvent, Publish, Registered, RegistryRefused, RegistryUnavailable, Removed,
     Resync, Session, SessionLost, Unpublish,
 )
-from .directory import Candidate, Outbox, order_candidates
+from .candidates import Candidate, order_candidates
+from .outbox import Outbox
 from .health import Breaker, Membership
 from .member import ClusterMember
 from .records import HolderRecord, NodeRecord, RecordError, rid_key

@@ -20,7 +20,8 @@ from typing import Any
 from .backend import (
     Added, Backend, Conflict, NodeEvent, RegistryRefused, RegistryUnavailable, Removed, Resync, Session, SessionLost,
 )
-from .directory import BATCH_OPS, OUTBOX_LIMIT, Candidate, Outbox, order_candidates
+from .candidates import Candidate, order_candidates
+from .outbox import BATCH_OPS, OUTBOX_LIMIT, Outbox
 from .health import Backoff, Breaker, Membership
 from .records import HolderRecord, NodeRecord
 from .signing import RecordSigner, RecordVerifier

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from .backend import DEFAULT_OP_TIMEOUT, Added, NodeEvent, RegistryUnavailable, Removed, Resync
-from .directory import Candidate, order_candidates
+from .candidates import Candidate, order_candidates
 from .health import Breaker
 from .records import ROLES, HolderRecord, NodeRecord
 from .signing import RecordVerifier

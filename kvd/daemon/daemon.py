@@ -28,7 +28,7 @@ from kvd.units import format_size
 from kvd.wire.endpoints import is_loopback_endpoint, unix_path
 
 from .config import Config
-from .directory import Directory
+from .registry import Directory
 from .handlers import HelloInfo, LocalHandlers
 from .http import HttpEndpoint
 from .lifecycle import Lifecycle

@@ -19,7 +19,7 @@ from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec, blocks_needed
 
 from .config import Config
-from .directory import Directory
+from .registry import Directory
 from .holds import Hold, Holds
 from .lifecycle import Lifecycle
 from .local_server import LocalServer

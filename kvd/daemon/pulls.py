@@ -13,7 +13,7 @@ from typing import Callable
 from kvd.cluster import RegistryUnavailable
 from kvd.errors import KvdError, NotFound, PoolFull, ShuttingDown, Timeout
 
-from .directory import Directory
+from .registry import Directory
 from .peer.transfers import Expectation, Transfers
 from .store.entries import Entry, State
 from .watch import EntryWatch

@@ -13,7 +13,7 @@ from kvd.errors import BadRequest, NotFound, Timeout
 from kvd.wire import protocol as p
 
 from .config import Config
-from .directory import Directory
+from .registry import Directory
 from .metrics import Metrics
 from .pulls import HolderSearch, SharedPulls
 from .store.entries import Entry, State, Store

@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from .config import Config
-from .directory import Directory
+from .registry import Directory
 from .lifecycle import Lifecycle
 from .local_server import LocalServer
 from .metrics import OTHER, Metrics

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from kvd.cluster.memory import MemoryBackend, MemoryServer
+from kvd.cluster.inmemory import MemoryBackend, MemoryServer
 
 from .servers import EtcdServer, RedisServer, Server, find_etcd, find_redis, start_server, stop_server
 

@@ -74,9 +74,10 @@ class PeerLink:
         sock = ctx.socket(zmq.DEALER)
         tune_peer_socket(sock)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue into a connection that is not up
-        if curve is not None:
-            make_client(sock, curve, name)
+        # the key the peer must prove it holds (CURVE), None without CURVE: what a revocation looks for
+        self.server_key = make_client(sock, curve, name) if curve is not None else None
         self._curve = curve is not None
+        self._cert = curve.cert.raw if curve is not None and curve.cert is not None else None
         self._on_lost = on_lost  # (link, why): whatever was in flight on this link is gone
         self._monitor = LoopSocket(sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED),
                                    self._on_socket_event)
@@ -96,7 +97,8 @@ class PeerLink:
         self.last_used = time.monotonic()  # when a transfer last asked for this link
 
     def _hello_msg(self) -> p.PeerHello:
-        return p.PeerHello(node_id=self._node_id, incarnation=self._incarnation, features=list(p.FEATURES))
+        return p.PeerHello(node_id=self._node_id, incarnation=self._incarnation, features=list(p.FEATURES),
+                           cert=self._cert)
 
     def ping(self, now: float) -> None:
         """Heartbeat: a Ping when connected, a fresh hello otherwise (reconnects in the background)."""

@@ -2,7 +2,8 @@
 
 It decodes what arrives (the one decode site for this socket: an undecodable message is
 answered with `abort` xfer 0 and counted), admits a connection once it said `peer_hello` (and,
-without CURVE, only if it is not another user's on loopback), and hands every other message
+without CURVE, only if it is not another user's on this host; with CURVE, only as a node id its
+key may claim), and hands every other message
 of a known peer to the transfers, with the channel replies go back on (one per connection).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvd.errors import KvdError, ProtocolError
+from kvd.errors import KvdError, ProtocolError, Unauthorized
 from kvd.wire import protocol as p
 
 from ..config import Config
@@ -31,10 +32,11 @@ from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 log = logging.getLogger(__name__)
 
 REFUSED_CUT_DELAY = 0.1  # seconds: let the refusal's abort leave before the connection is cut
-
+READMIT_EVERY = 5.0  # seconds between checks that every admitted peer still is (cert expiry)
 # an abort's message quotes what was wrong, which can be what the peer sent (a type name of 64
 # KiB): what goes back is cut to this many characters
 MAX_ABORT_TEXT = 512
+
 
 class Router:
     """Bounded: at most max_peer_connections connections, each of which must say hello within
@@ -53,6 +55,8 @@ class Router:
         self._by_fd: dict[int, bytes] = {}  # fd -> routing id, once it said hello
         self._monitor: LoopSocket | None = None
         self._refusals = Throttle()
+        self._readmitted = 0.0
+        self._refused: dict[bytes, Unauthorized] = {}  # routing id -> why it was refused (recently)
         self.ctx = ctx
         self.curve = curve
         self.peers = peers
@@ -149,7 +153,11 @@ class Router:
                 self._on_gone(("router", rid), f"peer {name} disconnected")
 
     def enforce(self, now: float) -> None:
-        """Housekeeping: cut connections that did not say hello within connect_timeout."""
+        """Housekeeping: cut connections that did not say hello within connect_timeout, and, every
+        READMIT_EVERY, peers whose cert has expired meanwhile."""
+        if now - self._readmitted >= READMIT_EVERY:
+            self._readmitted = now
+            self.readmit()
         for fd, accepted in list(self._accepted.items()):
             if now - accepted > self.config.connect_timeout:
                 del self._accepted[fd]
@@ -159,6 +167,49 @@ class Router:
         conn = TcpConnection.of_fd(fd)
         if conn is not None and conn.cut():
             log.info("closed a peer connection from %s:%d: %s", *conn.remote, why)
+
+    def _refusal(self, msg: p.PeerHello, conn: TcpConnection | None, key: bytes | None) -> Unauthorized | None:
+        """Why a peer saying this hello is not admitted (None: it is). Without CURVE: another user of
+        this host; with CURVE: a key that may not call itself msg.node_id (kvd.daemon.peer.auth)."""
+        if self.curve is None:
+            uid = foreign_user(conn)
+            if uid is None:
+                return None
+            if self._refusals.allow(uid):
+                log.warning("refused a peer connection from another user (%s) calling itself %s (again at most "
+                            "once a minute)", "unknown" if uid < 0 else f"uid {uid}", msg.node_id)
+            return foreign_user_refusal(uid, "this peer connection (from this host)")
+        why = self.curve.admits(key or b"", msg.node_id, msg.cert)
+        if why is None:
+            return None
+        if self._refusals.allow((key, msg.node_id)):
+            log.warning("refused a peer calling itself %s: %s (again at most once a minute)", msg.node_id[:128], why)
+        return Unauthorized(f"this daemon does not admit a peer as {msg.node_id[:128]!r}: {why}")
+
+    def _refuse(self, rid: bytes, refusal: Unauthorized, conn: TcpConnection | None) -> None:
+        """Tell the peer why, then cut its connection (and forget it, if it had been admitted)."""
+        (self.peers.router_channel(rid) or self._channel(rid)).send(
+            p.Abort(xfer=0, code=refusal.code, message=refusal.message))
+        if len(self._refused) >= 1024:  # (bounded: anyone can be refused)
+            self._refused.clear()
+        self._refused[rid] = refusal
+        if conn is not None:
+            asyncio.get_running_loop().call_later(REFUSED_CUT_DELAY, conn.cut)
+        name = self.peers.router_name(rid)
+        if self.peers.router_forget(rid):
+            self._on_gone(("router", rid), f"peer {name} is no longer admitted: {refusal.message}")
+
+    def readmit(self) -> None:
+        """Check every admitted peer again (a key denied or no longer allowed, a cert expired): who
+        fails is cut now, and its transfers end."""
+        if self.curve is None:
+            return
+        for rid, (key, node_id, cert) in self.peers.router_identities().items():
+            why = self.curve.admits(key, node_id, cert)
+            if why is not None:
+                log.warning("peer %s is no longer admitted (%s): connection cut", node_id, why)
+                self._refuse(rid, Unauthorized(f"this daemon no longer admits {node_id!r}: {why}"),
+                             self.peers.router_connection(rid))
 
     def _on_frames(self, frames: list) -> None:
         rid = frames[0].bytes
@@ -171,32 +222,32 @@ class Router:
             (channel or self._channel(rid)).send(p.Abort(xfer=0, code=exc.code, message=exc.message))
             return
         if isinstance(msg, p.PeerHello):
-            self._hello(rid, msg, TcpConnection.of_fd(frames[1].get(zmq.SRCFD)))
+            # with CURVE, the key that passed ZeroMQ's handshake (the ZAP handler names it User-Id)
+            key = frames[1].get("User-Id").encode() if self.curve is not None else None
+            self._hello(rid, msg, TcpConnection.of_fd(frames[1].get(zmq.SRCFD)), key)
             return
         if channel is None:
-            self._channel(rid).send(p.Abort(xfer=getattr(msg, "xfer", 0), code=ProtocolError.code,
-                                            message="say peer_hello first"))
+            refused = self._refused.get(rid)  # (a message already on its way when we cut the peer off)
+            self._channel(rid).send(p.Abort(xfer=getattr(msg, "xfer", 0),
+                                            code=refused.code if refused else ProtocolError.code,
+                                            message=refused.message if refused else "say peer_hello first"))
             return
         self._on_message(channel, msg)
 
-    def _hello(self, rid: bytes, msg: p.PeerHello, conn: TcpConnection | None) -> None:
-        uid = None if self.curve is not None else foreign_user(conn)
-        if uid is not None:
-            refusal = foreign_user_refusal(uid, "this peer connection (on loopback)")
-            if self._refusals.allow(uid):
-                log.warning("refused a peer connection from another user (%s) calling itself %s (again at most "
-                            "once a minute)", "unknown" if uid < 0 else f"uid {uid}", msg.node_id)
-            self._channel(rid).send(p.Abort(xfer=0, code=refusal.code, message=refusal.message))
-            asyncio.get_running_loop().call_later(REFUSED_CUT_DELAY, conn.cut)
+    def _hello(self, rid: bytes, msg: p.PeerHello, conn: TcpConnection | None, key: bytes | None) -> None:
+        refusal = self._refusal(msg, conn, key)
+        if refusal is not None:
+            self._refuse(rid, refusal, conn)
             return
         channel = self.peers.router_channel(rid) or self._channel(rid)
-        self.peers.router_hello(rid, msg, conn, channel)
+        self.peers.router_hello(rid, msg, conn, channel, key)
         if conn is not None:
             self._accepted.pop(conn.fd, None)
             self._by_fd[conn.fd] = rid
         channel.peer_name = msg.node_id
         channel.features = frozenset(f for f in msg.features if isinstance(f, str))
         channel.send(p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation, features=list(p.FEATURES)))
+
 
 class RouterChannel(Channel):
     """A channel on the ROUTER: an abort's message is cut to MAX_ABORT_TEXT characters."""

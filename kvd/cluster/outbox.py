@@ -1,5 +1,5 @@
-"""The holder directory's pure logic (daemon process): the publish outbox and the ordering of lookup
-candidates.
+"""The publish outbox of the holder directory (daemon process): what the registry should hold of
+this node's entries, and what is still to be written.
 
 Runs in the daemon, under member.py; no I/O and no asyncio, so it is tested without sockets.
 The outbox decouples the store from the registry: the store's entry events call `publish` /
@@ -9,10 +9,9 @@ The outbox decouples the store from the registry: the store's entry events call 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 from .backend import Publish, PublishOp, Unpublish
-from .records import HolderRecord, NodeRecord
+from .records import HolderRecord
 
 OUTBOX_LIMIT = 100_000  # pending rids; past this the outbox gives up on deltas and asks for a resync
 BATCH_OPS = 128  # etcd's --max-txn-ops default
@@ -123,47 +122,3 @@ class Outbox:
         self._desired.update(snap)
         self._inflight.clear()
         self.resync_needed = False
-
-
-@dataclass(frozen=True)
-class Candidate:
-    holder: HolderRecord
-    node: NodeRecord
-
-    @property
-    def endpoint(self) -> str:
-        return self.node.endpoint
-
-
-def order_candidates(
-    holders: Iterable[HolderRecord], nodes: Mapping[str, NodeRecord], *, self_id: str | None, now: float,
-    lost: Iterable[str] = (), labels: Mapping[str, str] | None = None, allow_streaming: bool = False,
-    free: Mapping[str, int] | None = None,
-) -> list[Candidate]:
-    """Which holders to try, best first (design §3.5).
-
-    Dropped: ourselves, nodes our own heartbeat marks lost, holders whose node is not registered or
-    is registered with another incarnation (the holder restarted: its entries are gone), expired
-    records, and streaming ones unless `allow_streaming` (R3: never offer partial bytes to a get).
-    Order: complete before streaming, same zone, same host, most free pool (`free`, else pool size),
-    newest record (latest expiry) first.
-    """
-    mine = labels or {}
-    lost = set(lost)
-    out: list[Candidate] = []
-    for h in holders:
-        node = nodes.get(h.node_id)
-        if (h.node_id == self_id or h.node_id in lost or node is None or node.incarnation != h.incarnation
-                or h.expired(now) or (h.state != "complete" and not allow_streaming)):
-            continue
-        out.append(Candidate(h, node))
-
-    def rank(c: Candidate) -> tuple:
-        nl = c.node.labels
-        same = [bool(mine.get(k)) and nl.get(k) == mine.get(k) for k in ("zone", "host")]
-        room = free.get(c.node.node_id, c.node.pool_bytes) if free is not None else c.node.pool_bytes
-        return (c.holder.state != "complete", not same[0], not same[1], -room,
-                -(c.holder.expires_at if c.holder.expires_at is not None else float("inf")), c.node.node_id)
-
-    out.sort(key=rank)
-    return out

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from kvd.cluster.backend import Publish, Unpublish
-from kvd.cluster.directory import Outbox, order_candidates
+from kvd.cluster.candidates import order_candidates
+from kvd.cluster.outbox import Outbox
 from kvd.cluster.health import CONFLICT, REGISTERED, UNREGISTERED, Breaker, Membership
 from kvd.cluster.records import HolderRecord, NodeRecord
 
