@@ -88,7 +88,9 @@ def start_in(factory, ns: str, node: str, addr: str, peer: str, peer_addr: str, 
     log_path = factory.workdir / f"{node}-{index}.log"
     args = ["ip", "netns", "exec", ns, sys.executable, "-m", "kvd", "serve", "--node-id", node,
             "--listen", f"tcp://{addr}:{PORT}", "--socket", sock, "--pool-size", pool_size,
-            "--metrics-port", "0", "--log-level", "debug", "--peer", f"{peer}=tcp://{peer_addr}:{PORT}", *extra]
+            "--metrics-port", "0", "--log-level", "debug", "--peer", f"{peer}=tcp://{peer_addr}:{PORT}",
+            "--insecure",  # (a link-local veth pair of the test's own: nothing else can reach it)
+            *extra]
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
     daemon = DaemonProc(node, sock, f"tcp://{addr}:{PORT}", proc, log_path, args)
