@@ -57,7 +57,7 @@ def main() -> int:
         keygen_ca(str(keys))
         for name in ("A", "B"):
             keygen_node(str(keys), name, ca_secret=str(keys / "ca.key_secret"))
-        factory = DaemonFactory(Path(workdir), log_level="warning")
+        factory = DaemonFactory(Path(workdir), log_level="info")  # (the ready line says CURVE is on)
         try:
             plain, curve = pair(factory, None, "plain"), pair(factory, keys, "CURVE")
             samples: dict[tuple[str, int], list] = {}
