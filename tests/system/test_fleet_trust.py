@@ -2,10 +2,13 @@
 issue, tried as an attacker would on real daemons and a real etcd and Redis, against the README's
 recipe (a cluster CA, a registry), each under a live workload that checks every byte.
 
-The attacker writes to the registry with the registry's own commands (`Forger`), and runs daemons of
-its own: one with a cert the CA really signed, for its own node id ("evil", an insider), and raw
-ZeroMQ sockets. What it may achieve is denial of service; never a wrong byte, never a push or a
-pull through its hands, never a daemon's exit.
+The registry is the recipe's too: etcd with auth on over TLS, Redis with an ACL user over TLS (a
+self-signed certificate made with openssl for the run; the daemons get a user, a password file and
+--registry-ca). The attacker writes to it as an administrator would (`Forger`: whoever can write to
+the registry, credentials included), and runs daemons of its own: one with a cert the CA really
+signed, for its own node id ("evil", an insider), and raw ZeroMQ sockets. What it may achieve is
+denial of service; never a wrong byte, never a push or a pull through its hands, never a daemon's
+exit.
 """
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ import json
 import signal
 import socket
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,17 +25,44 @@ import zmq
 
 import kvd
 from kvd.client.connection import ask
-from kvd.cluster.records import EtcdKeys, HolderRecord, RedisKeys, encode_holder, encode_node, key_part
+from kvd.cluster.records import EtcdKeys, HolderRecord, RedisKeys, encode_holder, key_part
 from kvd.testing import eventually, free_port
 from kvd.trust import load_cert, load_node_keys
 from kvd.trust.keygen import keygen_ca, keygen_node
 from kvd.wire import protocol as p
-from tests.system.test_cluster import TTL, Cluster, Workload, exact, kv_for, registry, wait_listed  # noqa: F401
+from tests.cluster.conftest import _missing
+from tests.cluster.servers import EtcdServer, RedisServer, find_etcd, find_redis, make_certs, start_server, stop_server
+from tests.system.test_cluster import TTL, Cluster, Workload, exact, kv_for, wait_listed
+
+PASSWORD = "fleet-S3cret"
+
+
+@pytest.fixture(scope="module", params=["etcd", "redis"])
+def registry(request, tmp_path_factory):
+    """A registry as the README's recipe runs one: auth on, TLS."""
+    binary = find_etcd() if request.param == "etcd" else find_redis()
+    if binary is None:
+        _missing(request.param)
+    root = tmp_path_factory.mktemp(f"{request.param}-secured")
+    server = start_server(EtcdServer if request.param == "etcd" else RedisServer, binary,
+                          certs=make_certs(root / "certs"), auth=("kvd", PASSWORD))
+    (root / "password").write_text(PASSWORD + "\n")
+    server.password_file = str(root / "password")
+    yield server
+    stop_server(server)
+
+
+class SecuredCluster(Cluster):
+    def flags(self, *extra: str) -> list[str]:
+        scheme, _, where = self.registry.url.partition("://")
+        return ["--registry", f"{scheme}://kvd@{where}", "--registry-password-file", self.registry.password_file,
+                "--registry-ca", self.registry.certs.server_cert, "--cluster", self.name, "--registry-ttl",
+                f"{TTL}s", *extra]
 
 
 @pytest.fixture
 def cluster(daemons, registry):
-    return Cluster(daemons, registry)
+    return SecuredCluster(daemons, registry)
 
 
 class CA:
@@ -55,40 +84,28 @@ def ca(tmp_path, cluster):
 
 
 class Forger:
-    """Whoever can write to the registry: raw writes, as etcdctl or redis-cli would make them."""
+    """Whoever can write to the registry (an administrator's rights): raw writes, as etcdctl or
+    redis-cli would make them."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.server, self.name = cluster.registry, cluster.name
-        self.etcd = hasattr(self.server, "client_port")
-
-    def _etcd(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.server.client_port}{path}",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            return json.loads(resp.read())
-
-    def _redis(self):
-        import redis
-        return redis.Redis(port=self.server.port)
+        self.etcd = isinstance(self.server, EtcdServer)
 
     def node_value(self, node_id: str) -> bytes:
         if self.etcd:
             key = base64.b64encode(EtcdKeys(self.name).node(node_id).encode()).decode()
-            kvs = self._etcd("/v3/kv/range", {"key": key}).get("kvs", [])
+            kvs = self.server.admin("/v3/kv/range", {"key": key}).get("kvs", [])
             return base64.b64decode(kvs[0]["value"]) if kvs else b""
-        return self._redis().get(RedisKeys(self.name).node(node_id)) or b""
+        return self.server.admin().get(RedisKeys(self.name).node(node_id)) or b""
 
     def put_node(self, node_id: str, value: bytes, leased: bool = False) -> None:
         """Write any value under node_id's key, with no lease (etcd) or TTL (Redis), or with one
         of a minute (the forger can make leases too)."""
         if self.etcd:
-            key = EtcdKeys(self.name).node(node_id)
-            put = {"key": base64.b64encode(key.encode()).decode(), "value": base64.b64encode(value).decode()}
-            if leased:
-                put["lease"] = self._etcd("/v3/lease/grant", {"TTL": 60})["ID"]
-            self._etcd("/v3/kv/put", put)
+            lease = int(self.server.admin("/v3/lease/grant", {"TTL": 60})["ID"]) if leased else 0
+            self.server.put(EtcdKeys(self.name).node(node_id), value, lease=lease)
         else:
-            keys, r = RedisKeys(self.name), self._redis()
+            keys, r = RedisKeys(self.name), self.server.admin()
             r.set(keys.node(node_id), value, px=60_000 if leased else None)
             r.zadd(keys.nodes, {keys.node(node_id): int(time.time() * 1000) + 3_600_000})
             r.incr(keys.nodes_version)
@@ -97,11 +114,9 @@ class Forger:
         """A holder record of rid under node `under`'s name (its own node_id by default)."""
         under = under or record.node_id
         if self.etcd:
-            key = EtcdKeys(self.name).holder(record.rid, under)
-            self._etcd("/v3/kv/put", {"key": base64.b64encode(key.encode()).decode(),
-                                      "value": base64.b64encode(encode_holder(record)).decode()})
+            self.server.put(EtcdKeys(self.name).holder(record.rid, under), encode_holder(record))
         else:
-            r = self._redis()
+            r = self.server.admin()
             r.hset(RedisKeys(self.name).holders(record.rid), key_part(under), encode_holder(record))
             r.pexpire(RedisKeys(self.name).holders(record.rid), 3_600_000)
 
@@ -321,3 +336,23 @@ def _host_address() -> str | None:
         probe.close()
     return None if address.startswith("127.") else address
 
+
+
+@pytest.mark.timeout(60)
+def test_wrong_registry_credentials_keep_the_daemon_serving_and_say_so(cluster, tmp_path):
+    wrong = tmp_path / "wrong-password"
+    wrong.write_text("not-the-password\n")
+    b = cluster.factory.start("B")
+    flags = cluster.flags()
+    flags[flags.index("--registry-password-file") + 1] = str(wrong)
+    a = cluster.factory.start("A", extra=[*flags, "--peer", f"B={b.listen}"])
+    settle(lambda: ask(p.Stats(req=1), a.socket)["registry"], lambda r: r["refused"] and not r["up"], 10,
+           "A's status saying the registry refused it")
+    status = ask(p.Stats(req=1), a.socket)["registry"]
+    assert "refused" in status["last_error"] and "not-the-password" not in json.dumps(status)
+    with a.client() as ca_, b.client() as cb:  # static peers work all the same
+        ca_.put("static", kv_for("static"), dest="B")
+        assert exact("static", cb.get("static", timeout=5))
+    log = a.log()
+    assert "refused" in log and "not-the-password" not in log
+    alive(a, b)
