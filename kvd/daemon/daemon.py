@@ -176,9 +176,13 @@ class Daemon:
                              ) from None
         self._made_dirs = missing
         check_runtime_dir(directory)
-        if os.path.exists(path):
+        if os.path.lexists(path):
             if _socket_in_use(path):
                 raise BadRequest(f"{endpoint} is in use by another daemon")
+            owner = os.lstat(path).st_uid
+            if owner not in (os.getuid(), 0):
+                raise BadRequest(f"{path} exists and belongs to uid {owner}: not this daemon's to replace (choose "
+                                 "another --socket)")
             os.unlink(path)  # stale socket of a daemon that did not exit cleanly
 
     # --- run and stop ----------------------------------------------------------------------------
@@ -440,7 +444,10 @@ def check_runtime_dir(directory: str) -> None:
     problems = []
     if info.st_uid not in (os.getuid(), 0):
         problems.append(f"owned by uid {info.st_uid}, not by this daemon's uid {os.getuid()}")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    # a root-owned sticky directory (/tmp) is fine: others may add files, never move or remove ours,
+    # and a name they took first is refused below (in use) or cannot be unlinked
+    sticky_root = info.st_uid == 0 and info.st_mode & stat.S_ISVTX
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_root:
         problems.append(f"writable by {'others' if info.st_mode & stat.S_IWOTH else 'its group'} "
                         f"(mode {stat.S_IMODE(info.st_mode):o})")
     if problems:

@@ -151,3 +151,33 @@ def test_a_peer_cannot_pin_an_entry_beyond_our_ttl(daemons):
         ttls = {e["request_id"]: e["ttl_s"] for e in c.list()}
     sock.close()
     assert 50 < ttls["pinned-1"] <= 60 and 50 < ttls["pinned-2"] <= 60 and 0 < ttls["pinned-3"] <= 5, ttls
+
+
+def test_a_socket_in_tmp_itself_is_fine(daemons):
+    """/tmp is world-writable but sticky and root's: others may add names there, never take ours."""
+    import uuid
+
+    path = f"/tmp/kvd-test-{uuid.uuid4().hex[:8]}.sock"
+    a = daemons.start("A", extra=["--socket", f"unix://{path}"], wait=False)
+    a.socket = f"unix://{path}"
+    from kvd.testing import wait_ready
+    wait_ready(a)
+    with a.client() as c:
+        c.put("x", {"x": torch.arange(3)})
+        assert torch.equal(c.get("x")["x"], torch.arange(3))
+
+
+@needs_root
+def test_a_socket_name_another_user_took_first_is_refused(tmp_path):
+    import uuid
+
+    path = f"/tmp/kvd-test-{uuid.uuid4().hex[:8]}.sock"
+    open(path, "w").close()
+    os.chown(path, NOBODY, NOBODY)
+    try:
+        refused = subprocess.run([sys.executable, "-m", "kvd", "serve", "--socket", f"unix://{path}", "--listen",
+                                  f"tcp://127.0.0.1:{free_port()}", "--metrics-port", "0", "--pool-size", "4MiB"],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and f"belongs to uid {NOBODY}" in refused.stderr
+    finally:
+        os.unlink(path)
