@@ -24,7 +24,7 @@ from .holds import Hold, Holds
 from .lifecycle import Lifecycle
 from .local_server import LocalServer
 from .metrics import Metrics
-from .peer.transfers import Outbound, Transfers
+from .peer.transfers import Push, Transfers
 from .pulls import SharedPulls
 from .reads import MAX_WAIT, ConnectionWaits, Reads
 from .store.entries import Entry, State, Store, validate_request_id
@@ -70,7 +70,7 @@ class LocalHandlers:
         self.holds = Holds(store)
         self.pulls = SharedPulls(transfers)
         self.reads = Reads(config, store, watch, self.pulls, directory, self._reply)
-        self._pushes: dict[int, Outbound] = {}  # entry token -> its push (to a peer), until committed
+        self._pushes: dict[int, Push] = {}  # entry token -> its push (to a peer), until committed
         self._tasks: set[asyncio.Task] = set()
         self.waits = ConnectionWaits(watch, metrics)  # each connection's gets still waiting
         self._owed: dict[bytes, int] = {}  # connection -> other answers it waits for (a push's put_ok, a locate)
@@ -305,7 +305,7 @@ class LocalHandlers:
         self._written(entry, *written)
         return self._publish_put(rid, msg, entry, push)
 
-    def _start_push(self, entry: Entry, dest: str, sealed: bool, rid: bytes | None = None) -> Outbound:
+    def _start_push(self, entry: Entry, dest: str, sealed: bool, rid: bytes | None = None) -> Push:
         """Push entry to dest as its bytes are written (the offer goes as soon as the link is up).
         A push that cannot start (an unknown peer) drops the put: its client gets the error."""
         lease = self.store.lease(entry, consume=True, deadline=None, incomplete=True)
@@ -335,7 +335,7 @@ class LocalHandlers:
         self.watch.on_progress(entry, indices)
         self.transfers.entry_written(entry, ranges)
 
-    def _publish_put(self, rid: bytes, msg: p.PutCommit | p.Put, entry: Entry, push: Outbound | None) -> p.PutOk | None:
+    def _publish_put(self, rid: bytes, msg: p.PutCommit | p.Put, entry: Entry, push: Push | None) -> p.PutOk | None:
         """Every byte of a local put is written: publish it, or answer once the push is over."""
         self.store.publish(entry)
         self.metrics.tally["puts"] += 1

@@ -1,13 +1,14 @@
 """Transfers between daemons as a state machine (daemon process): events in, actions out.
 
-Every transfer is in one state, `SenderState` or `ReceiverState`, and `TRANSITIONS` is the one
-table of what may happen to it in each: a peer message or a local event the table does not
-list for the transfer's state is a protocol error that fails the transfer, and any event may
-fail it. `Machine` is the only code that changes a transfer: `start_push`, `start_pull` and
-`handle(event)` return the `Action`s to carry out (messages to send, futures to resolve,
-watchers to tell), and `transfers.py` carries them out with sockets and tasks. It keeps the
-store's books and reads and writes pool bytes through the PoolIO it is given (memory, not
-I/O), so two machines can be run against each other through in-memory channels.
+Every transfer is in one state (`states.py`), and `table.TABLE` decides what each event does in
+each state and which state follows: `_advance` looks the row up, runs its handler and assigns
+the state; handlers never do. `Machine` is the only code that changes a transfer: `start_push`,
+`start_pull` and `handle(event)` return the `Action`s to carry out (messages to send, chunks to
+send from the pool, what ended and how), and `transfers.py` carries them out with sockets and
+tasks, and counts them. It keeps the store's books and reads and writes pool bytes through the
+PoolIO it is given (memory, not I/O), and reads time only from its clock, so two machines can be
+run against each other through in-memory channels, deterministically; `validate()` checks what
+must hold between any two events.
 
     push:  S: offer ────────▶ R            pull:  P: pull ───────▶ H  (H sends, as in a push)
            S: chunk 0, 1 ───▶ R   (eager: before accept; a small sealed entry needs nothing more)
@@ -23,30 +24,28 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from kvd.errors import (
-    BadRequest, ChecksumMismatch, KvdError, NotFound, PeerUnavailable, ProtocolError, error_from_code,
-)
+from kvd.errors import BadRequest, ChecksumMismatch, KvdError, NotFound, PeerUnavailable, ProtocolError, error_from_code
 from kvd.memory.io import PoolIO
 from kvd.wire import protocol as p
 from kvd.wire.checksum import ALGORITHMS, digest
 from kvd.wire.layout import TensorSpec, physical_segments
 
-from ..metrics import Metrics
 from ..store.entries import Entry, State, Store
 from .channel import Channel
+from .invariants import check_machine
 from .states import (
-    R, S, TRANSITIONS, ChannelLost, Commit, ConnectFailed, Connected, Deadline, Dropped, EntryMissing, EntryReady,
-    Event, Finished, Inbound, Outbound, Progress, Published, Send, SendChunk, Tick,
-    Transfer, WaitForEntry, Written, Cancel,
+    NONE, TERMINAL, ChannelLost, Dropped, Event, Finished, Inbound, Kind, Outbound, Progress, Published, R,
+    Received, S, Send, SendChunk, Tick, Transfer, WaitForEntry,
 )
+from .table import EAGER_CHUNKS, compile_rows
 from .window import ReceiveLedger, SendWindow
+
+__all__ = ["EAGER_CHUNKS", "MAX_PULL_WAIT", "Limits", "Machine", "peer_ttl"]
 
 log = logging.getLogger(__name__)
 
-# chunks every sender sends right after the offer, before the receiver accepts (wasted if it
-# refuses); a receiver whose whole entry fits in them needs no accept (proto/PROTOCOL.md)
-EAGER_CHUNKS = 2
 MAX_PULL_WAIT = 3600.0  # seconds a holder waits for a pulled entry to appear (a local get's limit too)
+_FAILED = frozenset({S.FAILED, R.FAILED})
 
 
 @dataclass(frozen=True)
@@ -58,13 +57,14 @@ class Limits:
 
 
 class Machine:
-    def __init__(self, node_id: str, limits: Limits, store: Store, io: PoolIO, metrics: Metrics,
+    def __init__(self, node_id: str, limits: Limits, store: Store, io: PoolIO,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """clock: the time every deadline and duration is read from; the store's (time.monotonic),
+        where entries have a ttl (an offer says what is left of it)."""
         self.node_id = node_id
         self.limits = limits
         self.store = store
         self.io = io  # pool bytes <-> network buffers (direct for host pools, bounced for GPU pools)
-        self.metrics = metrics
         self.clock = clock
         self.transfers: dict[int, Transfer] = {}
 
@@ -76,16 +76,19 @@ class Machine:
         stream still being written, whose bytes go as `Written` says they are in, then `Commit`.
         The transfer owns the lease."""
         make_window = SendWindow.whole if sealed else SendWindow
-        out = Outbound(self._new_xfer(), channel, entry.request_id, S.CONNECTING, entry, lease_token,
-                       make_window(entry.total_bytes, self.limits.chunk_size, self.limits.window), sealed)
+        out = Outbound(self._new_xfer(), channel, entry.request_id, Kind.PUSH,
+                       S.CONNECTING if sealed else S.STREAM_CONNECTING, entry, lease_token,
+                       make_window(entry.total_bytes, self.limits.chunk_size, self.limits.window),
+                       started=self.clock())
         self.transfers[out.xfer] = out
         return out, []
 
     def start_pull(self, request_id: str, channel: Channel, timeout: float, keep: bool,
                    expect_gen: int | None = None) -> tuple[Inbound, list]:
         """Ask the holder on channel for request_id (expect_gen: only that generation of it)."""
-        inbound = Inbound(self._new_xfer(), channel, request_id, R.PULLING, pulled=True,
-                          deadline=self.clock() + timeout + self.limits.transfer_timeout)
+        now = self.clock()
+        inbound = Inbound(self._new_xfer(), channel, request_id, Kind.PULL, R.PULLING,
+                          deadline=now + timeout + self.limits.transfer_timeout, started=now)
         self.transfers[inbound.xfer] = inbound
         return inbound, [Send(channel, p.Pull(xfer=inbound.xfer, request_id=request_id, timeout=timeout, keep=keep,
                                               expect_gen=expect_gen))]
@@ -98,119 +101,193 @@ class Machine:
     # --- events -----------------------------------------------------------------------------------
 
     def handle(self, event: Event, channel: Channel | None = None) -> list:
-        """One event: a message from a peer (with the channel it came on) or a local one."""
-        if isinstance(event, Tick):
-            return self._tick(event.now)
-        if isinstance(event, ChannelLost):
+        """One event: a message from a peer (with the channel it came on) or a local one. Tick and
+        ChannelLost are seen by every transfer (on that channel)."""
+        kind = type(event)
+        if kind is Tick or kind is ChannelLost:
             actions: list = []
-            for transfer in [t for t in self.transfers.values() if t.channel.key == event.key]:
-                actions += self._advance(transfer, event)
+            for transfer in [t for t in self.transfers.values() if kind is Tick or t.channel.key == event.key]:
+                actions += self._advance(transfer, event, None)
             return actions
-        if isinstance(event, p.Message):
-            return self._on_peer(channel, event)
-        transfer = self.transfers.get(event.xfer)
-        if transfer is None:
-            return []  # it ended meanwhile (a pull's entry arrived after its puller gave up)
-        try:
-            return self._advance(transfer, event)
-        except KvdError as exc:  # (the entry a served pull waited for was taken meanwhile, ...)
-            log.warning("transfer %x with %s failed: %s", transfer.xfer, transfer.channel.peer_name, exc)
-            return self._fail(transfer, exc, notify=True)
-
-    def _on_peer(self, channel: Channel, msg: p.Message) -> list:
-        xfer = getattr(msg, "xfer", None)
-        transfer = self.transfers.get(xfer) if xfer is not None else None
-        if transfer is not None and transfer.channel.key != channel.key:
-            log.warning("message %s for transfer %x from the wrong connection; dropped", msg.TYPE, xfer)
+        transfer = self.transfers.get(getattr(event, "xfer", None))
+        if channel is not None and transfer is not None and transfer.channel.key != channel.key:
+            log.warning("message %s for transfer %x from the wrong connection; dropped", event.TYPE, event.xfer)
             return []
-        try:
-            if isinstance(msg, p.Ping):
-                return [Send(channel, p.Pong(nonce=msg.nonce))]
-            if isinstance(msg, p.Pong):
+        return self._advance(transfer, event, channel)
+
+    def _advance(self, transfer: Transfer | None, event: object, channel: Channel | None) -> list:
+        """The one place a transfer changes state: its row's handler runs, then the row's state is
+        assigned. A handler of a row that fails returns (error, peer told?); any other returns
+        actions; in `no transfer` it gets the channel for a transfer (and may start one)."""
+        state = NONE if transfer is None else transfer.state
+        rows = _ROWS.get((state, type(event)))
+        if rows is None:
+            if transfer is None:
+                log.debug("%s for no transfer (%r) from %s; dropped", getattr(event, "TYPE", event),
+                          getattr(event, "xfer", None), channel.peer_name if channel else "here")
                 return []
-            if transfer is not None:
-                if isinstance(msg, p.Pull) or (isinstance(msg, p.Offer) and transfer.state is not R.PULLING):
-                    raise ProtocolError("transfer id in use")  # never two transfers under one id
-                return self._advance(transfer, msg)
-            if isinstance(msg, p.Offer):
-                return self._take_offer(Inbound(msg.xfer, channel, msg.request_id, R.RECEIVING), msg)
-            if isinstance(msg, p.Pull):
-                return self._serve(channel, msg)
-            log.debug("%s for unknown transfer %r from %s; dropped", msg.TYPE, xfer, channel.peer_name)
-            return []
-        except KvdError as exc:
-            log.warning("transfer %x with %s failed: %s", xfer or 0, channel.peer_name, exc)
-            if transfer is not None:
-                return self._fail(transfer, exc, notify=True)
-            return [Send(channel, p.Abort(xfer=xfer or 0, code=exc.code, message=exc.message))]
-
-    def _advance(self, transfer: Transfer, event: object) -> list:
-        allowed = TRANSITIONS.get(transfer.state, {}).get(type(event))
-        if allowed is None:
-            raise ProtocolError(f"unexpected {getattr(event, 'TYPE', type(event).__name__)} for a transfer that "
-                                f"is {transfer.state.value}")
-        actions = _HANDLERS[type(event)](self, transfer, event)
-        if transfer.state not in allowed and transfer.state not in (S.FAILED, R.FAILED):
-            raise AssertionError(f"{type(event).__name__} moved a transfer to {transfer.state}")
+            return self._failed(transfer, ProtocolError(
+                f"unexpected {getattr(event, 'TYPE', type(event).__name__)} for a transfer that is {state.value}"))
+        try:
+            for when, does, next_state in rows:
+                if when is None or when(transfer, event):
+                    break
+            if next_state in _FAILED:
+                error, notify = does(self, transfer, event)
+                return self._fail(transfer, error, notify)
+            actions = does(self, channel if transfer is None else transfer, event)
+        except KvdError as exc:  # (an entry a served pull waited for, taken meanwhile; a broken chunk...)
+            if transfer is None:
+                transfer = self.transfers.get(event.xfer)  # (one this event started)
+                if transfer is None:
+                    log.warning("transfer %x with %s refused: %s", event.xfer, channel.peer_name, exc)
+                    return [Send(channel, p.Abort(xfer=event.xfer, code=exc.code, message=exc.message))]
+            return self._failed(transfer, exc)
+        if transfer is None:
+            if next_state is NONE:
+                return actions
+            transfer = self.transfers[event.xfer]
+        transfer.state = next_state
+        if next_state in TERMINAL:
+            del self.transfers[transfer.xfer]
+            actions.append(Finished(transfer, None))
         return actions
 
-    # --- sending ----------------------------------------------------------------------------------
+    def _failed(self, transfer: Transfer, error: KvdError) -> list:
+        log.warning("transfer %x with %s failed: %s", transfer.xfer, transfer.channel.peer_name, error)
+        return self._fail(transfer, error, notify=True)
+
+    def _fail(self, transfer: Transfer, error: KvdError, notify: bool) -> list:
+        """FAILED: the transfer's claim on its entry ends (a sender's blocks stay pinned until
+        ZeroMQ lets go), an arriving entry is dropped."""
+        if self.transfers.get(transfer.xfer) is not transfer:
+            return []
+        del self.transfers[transfer.xfer]
+        actions: list = []
+        if notify:
+            actions.append(Send(transfer.channel, p.Abort(xfer=transfer.xfer, code=error.code, message=error.message)))
+        if isinstance(transfer, Outbound):
+            transfer.state = S.FAILED
+            if transfer.entry is not None:
+                try:  # a failed pull's holder has its entry back at once; the blocks stay pinned
+                    self.store.end_claim(transfer.lease_token, success=False)
+                except NotFound:
+                    pass
+        else:
+            transfer.state = R.FAILED
+            if transfer.entry is not None:
+                self.store.remove(transfer.entry)
+                actions.append(Dropped(transfer.entry, error))
+        return [*actions, Finished(transfer, error)]
+
+    # --- handlers: starting -----------------------------------------------------------------------
+
+    def _ignore(self, transfer, event) -> list:
+        return []
+
+    def _pong(self, channel: Channel, msg: p.Ping) -> list:
+        return [Send(channel, p.Pong(nonce=msg.nonce))]
 
     def _serve(self, channel: Channel, msg: p.Pull) -> list:
         if not 0 <= msg.timeout <= MAX_PULL_WAIT:  # (NaN fails this too)
             raise BadRequest(f"pull timeout must be between 0 and {MAX_PULL_WAIT:g} seconds")
-        out = Outbound(msg.xfer, channel, msg.request_id, S.WAITING, pull=msg)
+        now = self.clock()
+        out = Outbound(msg.xfer, channel, msg.request_id, Kind.SERVE, NONE, pull=msg, started=now)
         self.transfers[msg.xfer] = out
-        return [WaitForEntry(out, self.clock() + msg.timeout)]
+        return [WaitForEntry(out, now + msg.timeout)]
 
-    def _entry_ready(self, out: Outbound, event: EntryReady) -> list:
-        """The pulled entry is here: complete, or a local stream still being written, which the
-        pull then follows (what is written goes now, the rest as it is written, and the seal at
-        its commit), so that a pulled stream streams too."""
-        entry = event.entry
-        if out.pull.expect_gen is not None and entry.token != out.pull.expect_gen:
-            raise NotFound(f"{entry.request_id!r} on {self.node_id} is not the generation asked for (a stale hint)")
-        writing = entry.state is State.WRITING
-        out.lease_token = self.store.lease(entry, consume=not out.pull.keep, deadline=None, incomplete=writing).token
+    def _take(self, target: Inbound | Channel, msg: p.Offer) -> Inbound:
+        """Reserve room for an offer, pushed (target: its channel) or answering our pull."""
+        if msg.checksum not in ALGORITHMS:
+            raise BadRequest(f"unknown checksum {msg.checksum!r}")
+        if not 0 < msg.chunk_size <= p.MAX_CHUNK_BYTES:
+            raise BadRequest(f"chunk size {msg.chunk_size} outside 1..{p.MAX_CHUNK_BYTES}")
+        if isinstance(target, Inbound) and msg.request_id != target.request_id:
+            raise ProtocolError(f"offer for {msg.request_id!r}, but {target.request_id!r} was pulled")
+        specs = [TensorSpec.from_wire(t) for t in msg.tensors]
+        entry = self.store.reserve(msg.request_id, specs, peer_ttl(msg.ttl, self.store.default_ttl), msg.meta,
+                                   State.RECEIVING, None)
+        if entry.total_bytes != msg.total_bytes:
+            self.store.remove(entry)
+            raise ProtocolError(f"offer says {msg.total_bytes} bytes, its tensors need {entry.total_bytes}")
+        now = self.clock()
+        inbound = target if isinstance(target, Inbound) else Inbound(msg.xfer, target, msg.request_id, Kind.PUSHED,
+                                                                     NONE, started=now)
+        inbound.entry, inbound.checksum = entry, msg.checksum
+        inbound.ledger = ReceiveLedger(entry.total_bytes, msg.chunk_size)
+        inbound.deadline = now + self.limits.transfer_timeout
+        self.transfers[msg.xfer] = inbound
+        return inbound
+
+    def _take_offer(self, target, msg: p.Offer) -> list:
+        """A small sealed offer: its chunks are all on their way already; `done` alone will answer."""
+        entry = self._take(target, msg).entry
+        return [Progress(entry, entry.complete_tensors())]  # a stream reader may be waiting for it
+
+    def _accept_offer(self, target, msg: p.Offer) -> list:
+        return [*self._take_offer(target, msg), Send(self.transfers[msg.xfer].channel, p.Accept(xfer=msg.xfer))]
+
+    def _take_offer_and_publish(self, target, msg: p.Offer) -> list:
+        """A sealed offer of zero bytes: nothing will follow."""
+        return [*self._take_offer(target, msg), *self._publish(self.transfers[msg.xfer], msg)]
+
+    def _take_offer_with_chunk(self, target, msg: p.Offer) -> list:
+        """An offer that carries its only chunk: done (or abort) is the whole answer."""
+        inbound = self._take(target, msg)
+        _check_inline(msg)
+        return self._store(inbound, _inline_chunk(msg))
+
+    def _take_offer_with_entry(self, target, msg: p.Offer) -> list:
+        inbound = self._take(target, msg)
+        _check_inline(msg)
+        return self._store_and_publish(inbound, _inline_chunk(msg))
+
+    # --- handlers: sending ------------------------------------------------------------------------
+
+    def _offer_entry(self, out: Outbound, event) -> list:
+        return self._serve_entry(out, event.entry, sealed=True)
+
+    def _offer_stream_entry(self, out: Outbound, event) -> list:
+        """The pulled entry is a local stream still being written: what is written goes now, the
+        rest as it is written, and the seal at its commit, so that a pulled stream streams too."""
+        return self._serve_entry(out, event.entry, sealed=False)
+
+    def _serve_entry(self, out: Outbound, entry: Entry, sealed: bool) -> list:
+        out.lease_token = self.store.lease(entry, consume=not out.pull.keep, deadline=None, incomplete=not sealed).token
         out.entry = entry
-        if writing:
+        if sealed:
+            out.window = SendWindow.whole(entry.total_bytes, self.limits.chunk_size, self.limits.window)
+        else:
             out.window = SendWindow(entry.total_bytes, self.limits.chunk_size, self.limits.window)
             for lo, hi in entry.written.spans():
                 out.window.add_range(lo, hi - lo)
-            out.sealed = False
-        else:
-            out.window = SendWindow.whole(entry.total_bytes, self.limits.chunk_size, self.limits.window)
-        return self._offer(out)
+        return self._send_offer(out, sealed)
 
-    def _entry_missing(self, out: Outbound, event: EntryMissing) -> list:
-        return self._fail(out, event.error, notify=True)
+    def _offer(self, out: Outbound, event) -> list:
+        return self._send_offer(out, sealed=True)
 
-    def _connected(self, out: Outbound, event: Connected) -> list:
-        return self._offer(out)
+    def _offer_stream(self, out: Outbound, event) -> list:
+        return self._send_offer(out, sealed=False)
 
-    def _connect_failed(self, out: Outbound, event: ConnectFailed) -> list:
-        return self._fail(out, event.error, notify=False)  # nothing was sent
-
-    def _offer(self, out: Outbound) -> list:
+    def _send_offer(self, out: Outbound, sealed: bool) -> list:
         entry = out.entry
         # chunks follow the offer without waiting for accept (one round trip less per transfer),
         # but only EAGER_CHUNKS of them until the receiver has said it has room; a sealed offer that
         # small is answered without accept or acks, so all of it goes (a stream committed before its
         # link was up may be cut into more, smaller chunks: one per tensor written)
-        small = out.sealed and entry.total_bytes <= EAGER_CHUNKS * self.limits.chunk_size
+        small = sealed and entry.total_bytes <= EAGER_CHUNKS * self.limits.chunk_size
         out.window.window = max(EAGER_CHUNKS, len(out.window.chunks)) if small else EAGER_CHUNKS
-        out.state = S.OFFERED
-        out.deadline = self.clock() + self.limits.transfer_timeout
+        now = self.clock()
+        out.deadline = now + self.limits.transfer_timeout
         offer = p.Offer(
             xfer=out.xfer, request_id=entry.request_id, tensors=[s.to_wire() for s in entry.specs],
             total_bytes=entry.total_bytes, chunk_size=self.limits.chunk_size, checksum=self.limits.checksum,
             # what is left of the ttl (never 0, which would mean "keep forever" to the receiver)
-            ttl=None if entry.expires_at is None else max(0.001, entry.expires_at - time.monotonic()),
-            meta=entry.meta, sealed=out.sealed,
+            ttl=None if entry.expires_at is None else max(0.001, entry.expires_at - now),
+            meta=entry.meta, sealed=sealed,
         )
         chunks = self._pump(out)
-        if (out.sealed and len(out.window.chunks) == 1 and chunks
-                and p.INLINE_OFFER in out.channel.features):
+        if sealed and len(out.window.chunks) == 1 and chunks and p.INLINE_OFFER in out.channel.features:
             # the whole entry is one chunk, and the peer takes it inside the offer: one message
             # each way (offer, done) instead of two messages, two decodes and two sends
             chunk = chunks[0].msg
@@ -218,38 +295,38 @@ class Machine:
             return [SendChunk(out, offer, chunks[0].hold)]
         return [Send(out.channel, offer), *chunks]
 
-    def _written(self, out: Outbound, event: Written) -> list:
+    def _queue(self, out: Outbound, event) -> list:
         for offset, length in event.ranges:
             out.window.add_range(offset, length)
-        return self._pump(out) if out.state in (S.OFFERED, S.SENDING) else []
+        return []
 
-    def _commit(self, out: Outbound, event: Commit) -> list:
-        out.sealed = True  # (still connecting: the offer will say so)
-        return [Send(out.channel, p.Seal(xfer=out.xfer))] if out.state in (S.OFFERED, S.SENDING) else []
+    def _queue_and_send(self, out: Outbound, event) -> list:
+        self._queue(out, event)
+        return self._pump(out)
 
-    def _accept(self, out: Outbound, msg: p.Accept) -> list:
-        out.state = S.SENDING
+    def _seal(self, out: Outbound, event) -> list:
+        return [Send(out.channel, p.Seal(xfer=out.xfer))]
+
+    def _open_window(self, out: Outbound, msg: p.Accept) -> list:
         out.window.window = self.limits.window
         out.deadline = self.clock() + self.limits.transfer_timeout
         return self._pump(out)
 
-    def _chunk_ack(self, out: Outbound, msg: p.ChunkAck) -> list:
+    def _ack_and_send(self, out: Outbound, msg: p.ChunkAck) -> list:
         out.window.ack(msg.seq)
         out.deadline = self.clock() + self.limits.transfer_timeout
         return self._pump(out)
 
-    def _done(self, out: Outbound, msg: p.Done) -> list:
-        if not out.window.all_sent:
-            raise ProtocolError("done before every chunk was sent")
-        del self.transfers[out.xfer]
-        out.state = S.DONE
-        self.metrics.transfer_done(out.channel.peer_name, "sent", "ok", self.clock() - out.started)
-        if out.pull is None:
-            self.metrics.tally["pushes"] += 1
+    def _finish_sending(self, out: Outbound, msg: p.Done) -> list:
         # the claim ends now (a push's entry is gone); the blocks stay until ZeroMQ lets go
         self.store.end_claim(out.lease_token, success=True)
         log.debug("sent %s to %s (%d bytes)", out.request_id, out.channel.peer_name, out.entry.total_bytes)
-        return [Finished(out, None)]
+        return []
+
+    def _wait_for_producer(self, out: Outbound, tick: Tick) -> list:
+        """A stream waits on its producer, not on the peer (the producer has its own lease)."""
+        out.deadline = tick.now + self.limits.transfer_timeout
+        return []
 
     def _pump(self, out: Outbound) -> list:
         actions = []
@@ -260,57 +337,29 @@ class Machine:
             chunk = p.Chunk(xfer=out.xfer, seq=seq, offset=offset, lengths=[len(x) for x in pieces],
                             digest=digest(self.limits.checksum, pieces), payload=pieces)
             actions.append(SendChunk(out, chunk, hold))
-            self.metrics.tally["sent_bytes"] += length
-            self.metrics.transfer_bytes(out.channel.peer_name, "sent", length)
         return actions
 
-    # --- receiving --------------------------------------------------------------------------------
+    # --- handlers: receiving ----------------------------------------------------------------------
 
-    def _take_offer(self, inbound: Inbound, msg: p.Offer) -> list:
-        """An offer, pushed (a new transfer) or answering our pull; refused with an abort."""
-        try:
-            if msg.checksum not in ALGORITHMS:
-                raise BadRequest(f"unknown checksum {msg.checksum!r}")
-            if not 0 < msg.chunk_size <= p.MAX_CHUNK_BYTES:
-                raise BadRequest(f"chunk size {msg.chunk_size} outside 1..{p.MAX_CHUNK_BYTES}")
-            if msg.request_id != inbound.request_id:
-                raise ProtocolError(f"offer for {msg.request_id!r}, but {inbound.request_id!r} was pulled")
-            specs = [TensorSpec.from_wire(t) for t in msg.tensors]
-            entry = self.store.reserve(msg.request_id, specs, peer_ttl(msg.ttl, self.store.default_ttl), msg.meta,
-                                       State.RECEIVING, None)
-            if entry.total_bytes != msg.total_bytes:
-                self.store.remove(entry)
-                raise ProtocolError(f"offer says {msg.total_bytes} bytes, its tensors need {entry.total_bytes}")
-        except KvdError as exc:
-            abort = Send(inbound.channel, p.Abort(xfer=msg.xfer, code=exc.code, message=exc.message))
-            return [abort, *(self._fail(inbound, exc, notify=False) if inbound.xfer in self.transfers else [])]
-        inbound.entry, inbound.checksum, inbound.sealed = entry, msg.checksum, msg.sealed
-        inbound.ledger = ReceiveLedger(entry.total_bytes, msg.chunk_size)
-        inbound.state = R.RECEIVING
-        inbound.deadline = self.clock() + self.limits.transfer_timeout
-        self.transfers[msg.xfer] = inbound
-        # a small sealed entry's chunks are all on their way already: `done` alone will answer
-        inbound.eager = msg.sealed and msg.total_bytes <= EAGER_CHUNKS * msg.chunk_size
-        if msg.lengths is not None:  # it carries its only chunk: done (or abort) is the whole answer
-            try:
-                if not (msg.sealed and msg.total_bytes <= msg.chunk_size):
-                    raise ProtocolError("an offer may carry its entry only when it is sealed and one chunk long")
-                return self._chunk(inbound, p.Chunk(xfer=msg.xfer, seq=0, offset=0, lengths=msg.lengths,
-                                                    digest=msg.digest or 0, payload=msg.payload))
-            except KvdError as exc:
-                log.warning("transfer %x with %s failed: %s", msg.xfer, inbound.channel.peer_name, exc)
-                return self._fail(inbound, exc, notify=True)
-        actions: list = [Progress(entry, entry.complete_tensors())]  # a stream reader may be waiting for it
-        if not inbound.eager:
-            actions.append(Send(inbound.channel, p.Accept(xfer=msg.xfer)))
-        if inbound.ledger.complete and inbound.sealed:  # an entry of zero bytes: nothing will follow
-            actions += self._complete(inbound)
-        return actions
+    def _store(self, inbound: Inbound, msg: p.Chunk) -> list:
+        length, completed = self._check_and_mark(inbound, msg)
+        if completed:
+            return [Received(inbound, length), Progress(inbound.entry, completed)]
+        return [Received(inbound, length)]
 
-    def _pulled_offer(self, inbound: Inbound, msg: p.Offer) -> list:
-        return self._take_offer(inbound, msg)
+    def _store_and_ack(self, inbound: Inbound, msg: p.Chunk) -> list:
+        length, completed = self._check_and_mark(inbound, msg)
+        ack = Send(inbound.channel, p.ChunkAck(xfer=inbound.xfer, seq=msg.seq))
+        if completed:
+            return [Received(inbound, length), ack, Progress(inbound.entry, completed)]
+        return [Received(inbound, length), ack]
 
-    def _chunk(self, inbound: Inbound, msg: p.Chunk) -> list:
+    def _store_and_publish(self, inbound: Inbound, msg: p.Chunk) -> list:
+        # no ack, no progress: its done acknowledges the chunk, and the entry is published
+        return [Received(inbound, self._check_and_mark(inbound, msg)[0]), *self._publish(inbound, msg)]
+
+    def _check_and_mark(self, inbound: Inbound, msg: p.Chunk) -> tuple[int, list[int]]:
+        """Store a chunk's bytes and mark them arrived: (its length, the tensors it completed)."""
         entry, ledger = inbound.entry, inbound.ledger
         length = sum(msg.lengths)
         ledger.check(msg.seq, msg.offset, length)
@@ -320,88 +369,46 @@ class Machine:
         if self.io.inbound(segments, msg.payload, inbound.checksum) != msg.digest:
             raise ChecksumMismatch(f"chunk {msg.seq} of {entry.request_id!r} failed its {inbound.checksum} check")
         ledger.mark(msg.seq, msg.offset, length)
-        self.metrics.tally["received_bytes"] += length
-        self.metrics.transfer_bytes(inbound.channel.peer_name, "received", length)
-        completed = entry.mark_range(msg.offset, length)
         inbound.deadline = self.clock() + self.limits.transfer_timeout
-        if ledger.complete and inbound.sealed:
-            return self._complete(inbound)  # its `done` acknowledges this last chunk too
-        actions: list = [] if inbound.eager else [Send(inbound.channel, p.ChunkAck(xfer=inbound.xfer, seq=msg.seq))]
-        if completed:
-            actions.append(Progress(entry, completed))
-        return actions
+        return length, entry.mark_range(msg.offset, length)
 
-    def _seal(self, inbound: Inbound, msg: p.Seal) -> list:
-        inbound.sealed = True
-        return self._complete(inbound) if inbound.ledger.complete else []
-
-    def _complete(self, inbound: Inbound) -> list:
-        del self.transfers[inbound.xfer]
-        inbound.state = R.DONE
-        # a pull is timed from the Pull request; a pushed entry from its Offer
-        self.metrics.transfer_done(inbound.channel.peer_name, "received", "ok", self.clock() - inbound.started)
-        if inbound.pulled:
-            self.metrics.tally["pulls"] += 1
+    def _publish(self, inbound: Inbound, event) -> list:
         entry = inbound.entry
         self.store.publish(entry)
         log.debug("received %s from %s (%d bytes)", entry.request_id, inbound.channel.peer_name, entry.total_bytes)
-        return [Send(inbound.channel, p.Done(xfer=inbound.xfer)), Published(entry), Finished(inbound, None)]
+        return [Send(inbound.channel, p.Done(xfer=inbound.xfer)), Published(entry)]
 
-    # --- endings ----------------------------------------------------------------------------------
+    # --- handlers of the rows that fail: (the error, whether the peer is told) --------------------
 
-    def _peer_abort(self, transfer: Transfer, msg: p.Abort) -> list:
-        return self._fail(transfer, error_from_code(msg.code, msg.message, remote=transfer.channel.peer_name),
-                          notify=False)
+    def _fail_missing(self, out: Outbound, event) -> tuple:
+        return event.error, True
 
-    def _cancel(self, transfer: Transfer, event: Cancel) -> list:
-        return self._fail(transfer, event.error, notify=event.notify)
+    def _fail_unconnected(self, out: Outbound, event) -> tuple:
+        return event.error, False  # nothing was sent
 
-    def _tick(self, now: float) -> list:
-        actions = []
-        for transfer in list(self.transfers.values()):
-            if transfer.state in (S.WAITING, S.CONNECTING):
-                continue  # they wait on their own timers (the pull's timeout, the handshake's)
-            if (isinstance(transfer, Outbound) and not transfer.window.in_flight
-                    and transfer.window.queued_bytes < transfer.window.total_bytes):
-                # a stream waiting on its producer, not on the peer (the producer has its own lease)
-                transfer.deadline = now + self.limits.transfer_timeout
-            if transfer.deadline <= now:
-                actions += self._advance(transfer, Deadline())
-        return actions
+    def _fail_cancelled(self, transfer: Transfer, event) -> tuple:
+        return event.error, event.notify
 
-    def _deadline(self, transfer: Transfer, event: Deadline) -> list:
-        return self._fail(transfer, PeerUnavailable(
-            f"no progress from peer {transfer.channel.peer_name} for {self.limits.transfer_timeout:g}s"), notify=True)
+    def _fail_by_peer(self, transfer: Transfer, msg: p.Abort) -> tuple:
+        return error_from_code(msg.code, msg.message, remote=transfer.channel.peer_name), False
 
-    def _channel_lost(self, transfer: Transfer, event: ChannelLost) -> list:
-        if transfer.state is S.CONNECTING:
-            return []  # it waits for its link's (next) handshake, which has its own deadline
-        # notify: a peer that only stalled drops its half of the transfer when it resumes
-        return self._fail(transfer, PeerUnavailable(event.reason), notify=True)
+    def _fail_lost(self, transfer: Transfer, event: ChannelLost) -> tuple:
+        # told: a peer that only stalled drops its half of the transfer when it resumes
+        return PeerUnavailable(event.reason), True
 
-    def _fail(self, transfer: Transfer, error: KvdError, notify: bool) -> list:
-        if self.transfers.get(transfer.xfer) is not transfer:
-            return []
-        del self.transfers[transfer.xfer]
-        self.metrics.tally["failures"] += 1
-        actions: list = []
-        if notify:
-            actions.append(Send(transfer.channel, p.Abort(xfer=transfer.xfer, code=error.code, message=error.message)))
-        if isinstance(transfer, Outbound):
-            transfer.state = S.FAILED
-            if transfer.entry is not None:
-                self.metrics.transfer_done(transfer.channel.peer_name, "sent", "failed", None)
-                try:  # a failed pull's holder has its entry back at once; the blocks stay pinned
-                    self.store.end_claim(transfer.lease_token, success=False)
-                except NotFound:
-                    pass
-        else:
-            transfer.state = R.FAILED
-            self.metrics.transfer_done(transfer.channel.peer_name, "received", "failed", None)
-            if transfer.entry is not None:
-                self.store.remove(transfer.entry)
-                actions.append(Dropped(transfer.entry, error))
-        return [*actions, Finished(transfer, error)]
+    def _fail_stalled(self, transfer: Transfer, tick: Tick) -> tuple:
+        return PeerUnavailable(f"no progress from peer {transfer.channel.peer_name} for "
+                               f"{self.limits.transfer_timeout:g}s"), True
+
+    def _refuse_generation(self, out: Outbound, event) -> tuple:
+        return NotFound(f"{event.entry.request_id!r} on {self.node_id} is not the generation asked for "
+                        f"(a stale hint)"), True
+
+    def _refuse_early_done(self, out: Outbound, msg: p.Done) -> tuple:
+        return ProtocolError("done before every chunk was sent"), True
+
+    def _refuse_id_in_use(self, transfer: Transfer, msg) -> tuple:
+        return ProtocolError("transfer id in use"), True  # never two transfers under one id
 
     # --- questions --------------------------------------------------------------------------------
 
@@ -415,15 +422,22 @@ class Machine:
             counts["sent" if isinstance(transfer, Outbound) else "received"] += 1
         return counts
 
+    def validate(self) -> None:
+        """Raise AssertionError naming the first invariant that does not hold (`invariants.py`).
+        For tests: it walks every transfer, never on the daemon's hot path."""
+        check_machine(self)
 
-_HANDLERS: dict[type, Callable] = {
-    EntryReady: Machine._entry_ready, EntryMissing: Machine._entry_missing, Connected: Machine._connected,
-    ConnectFailed: Machine._connect_failed, Written: Machine._written, Commit: Machine._commit,
-    p.Accept: Machine._accept, p.ChunkAck: Machine._chunk_ack, p.Done: Machine._done,
-    p.Offer: Machine._pulled_offer, p.Chunk: Machine._chunk, p.Seal: Machine._seal,
-    p.Abort: Machine._peer_abort, Cancel: Machine._cancel, ChannelLost: Machine._channel_lost,
-    Deadline: Machine._deadline,
-}
+
+_ROWS = compile_rows(lambda name: getattr(Machine, "_" + name))
+
+
+def _check_inline(msg: p.Offer) -> None:
+    if not (msg.sealed and msg.total_bytes <= msg.chunk_size):
+        raise ProtocolError("an offer may carry its entry only when it is sealed and one chunk long")
+
+
+def _inline_chunk(msg: p.Offer) -> p.Chunk:
+    return p.Chunk(xfer=msg.xfer, seq=0, offset=0, lengths=msg.lengths, digest=msg.digest or 0, payload=msg.payload)
 
 
 def peer_ttl(offered: float | None, limit: float | None) -> float | None:

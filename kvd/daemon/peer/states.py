@@ -1,11 +1,15 @@
-"""What a transfer between daemons is (daemon process): its states, the events that move it, the
-actions it asks for, and `TRANSITIONS`, the one table of legal moves. Plain data: the logic that
-walks the table is `machine.py`."""
+"""What a transfer between daemons is (daemon process): its states, the events that move it and
+the actions it asks for. Plain data: `table.py` says which event does what in which state, and
+`machine.py` walks that table.
+
+A transfer object holds protocol state only (what the peer and we have said, the entry and the
+bytes in flight); what the I/O layer keeps about a transfer (futures, callbacks, trackers) is
+that layer's, keyed by transfer id (`transfers.py`).
+"""
 from __future__ import annotations
 
 import enum
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Union
 
 from kvd.errors import KvdError
@@ -18,18 +22,50 @@ from .window import ReceiveLedger, SendWindow
 
 class SenderState(enum.Enum):
     WAITING = "waiting"  # a pull asked for an entry that is not here yet
-    CONNECTING = "connecting"  # a push waits for its link's handshake; bytes written meanwhile queue up
+    CONNECTING = "connecting"  # a push waits for its link's handshake; every byte is queued
+    STREAM_CONNECTING = "stream connecting"  # ... a stream's, whose bytes queue up as they are written
     OFFERED = "offered"  # offer and the eager chunks sent; no accept yet
+    STREAM_OFFERED = "stream offered"  # ... of a stream not yet committed: no seal said
     SENDING = "sending"  # accepted: the whole window flows
+    STREAM_SENDING = "stream sending"  # ... of a stream not yet committed
     DONE = "done"  # the receiver has verified every byte
     FAILED = "failed"
 
 
 class ReceiverState(enum.Enum):
     PULLING = "pulling"  # we asked a holder for an entry; no offer yet
-    RECEIVING = "receiving"  # room reserved; chunks arriving
+    RECEIVING = "receiving"  # a sealed offer accepted: each chunk acknowledged, done after the last
+    RECEIVING_SMALL = "receiving small"  # a small sealed offer: every chunk comes unasked; no accept, no acks
+    STREAMING = "streaming"  # an offer not sealed: chunks acknowledged, published only after the seal
+    STREAMED = "streamed"  # every byte of an offer not sealed is in; waiting for its seal
     DONE = "done"  # every byte verified and published
     FAILED = "failed"
+
+
+class NoTransfer(enum.Enum):
+    """The state a message is looked up in when no transfer has its id (yet), or it has none."""
+    NONE = "no transfer"
+
+
+class Kind(enum.Enum):
+    """Who started a transfer, and which way its bytes go (fixed for its life)."""
+    PUSH = "push"  # we send an entry a local put gave us
+    SERVE = "served pull"  # we send an entry a peer pulled
+    PUSHED = "pushed to us"  # a peer sends us an entry it chose to
+    PULL = "pull"  # we asked a peer for an entry
+
+
+S, R, NONE = SenderState, ReceiverState, NoTransfer.NONE
+TERMINAL = frozenset({S.DONE, S.FAILED, R.DONE, R.FAILED})
+STREAM_SENDER = frozenset({S.STREAM_CONNECTING, S.STREAM_OFFERED, S.STREAM_SENDING})  # no seal said yet
+# the states a transfer of each kind may be in, its terminal ones apart (Machine.validate checks them)
+KIND_STATES = {
+    Kind.PUSH: frozenset({S.CONNECTING, S.STREAM_CONNECTING, S.OFFERED, S.STREAM_OFFERED, S.SENDING,
+                          S.STREAM_SENDING}),
+    Kind.SERVE: frozenset({S.WAITING, S.OFFERED, S.STREAM_OFFERED, S.SENDING, S.STREAM_SENDING}),
+    Kind.PUSHED: frozenset({R.RECEIVING, R.RECEIVING_SMALL, R.STREAMING, R.STREAMED}),
+    Kind.PULL: frozenset({R.PULLING, R.RECEIVING, R.RECEIVING_SMALL, R.STREAMING, R.STREAMED}),
+}
 
 
 @dataclass(eq=False)
@@ -39,27 +75,14 @@ class Outbound:
     xfer: int
     channel: Channel
     request_id: str
-    state: SenderState
+    kind: Kind  # PUSH or SERVE
+    state: SenderState | NoTransfer
     entry: Entry | None = None  # None while WAITING
     lease_token: int = 0  # the lease on entry this transfer holds (its claim ends when it does)
-    window: SendWindow | None = None
-    sealed: bool = True  # a stream's receiver publishes only once this is set and said (seal)
+    window: SendWindow | None = None  # None while WAITING
     pull: p.Pull | None = None  # the request, for a pull we serve
-    deadline: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    sends: list = field(default_factory=list)  # (transfers.py) chunk send futures, for their trackers
-    cut: bool = False  # (transfers.py) its connection was cut to make ZeroMQ let go of its frames
-    outcome: object = None  # (transfers.py) a push's future: resolves when it ends
-    on_end: list = field(default_factory=list)  # (transfers.py) called with its error (or None) as it ends
-
-    def zmq_released(self) -> bool:
-        """True once ZeroMQ holds no reference to any frame of ours (safe to reuse the blocks)."""
-        for sent in self.sends:
-            if not sent.done():
-                return False
-            if not sent.cancelled() and sent.exception() is None and not sent.result().done:
-                return False
-        return True
+    deadline: float = 0.0  # no progress by then: it fails (not while WAITING or CONNECTING)
+    started: float = 0.0  # by the machine's clock
 
 
 @dataclass(eq=False)
@@ -69,16 +92,13 @@ class Inbound:
     xfer: int
     channel: Channel
     request_id: str
-    state: ReceiverState
-    pulled: bool = False  # we asked for it: a get waits for the outcome
+    kind: Kind  # PUSHED or PULL
+    state: ReceiverState | NoTransfer
     entry: Entry | None = None  # None until the offer
     ledger: ReceiveLedger | None = None
-    sealed: bool = True
     checksum: str = "none"
-    eager: bool = False  # every chunk came unasked (a small sealed entry): no accept, no acks, just done
     deadline: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    outcome: object = None  # (transfers.py) a pull's future: resolves to the published entry
+    started: float = 0.0  # by the machine's clock: a pull from its Pull, a pushed entry from its Offer
 
 
 Transfer = Union[Outbound, Inbound]
@@ -134,22 +154,19 @@ class Cancel:
 
 @dataclass
 class ChannelLost:
-    """The connection under a channel is gone (closed, peer restarted, silent past the heartbeat)."""
+    """The connection under a channel is gone (closed, peer restarted, silent past the heartbeat).
+    Every transfer on it sees this event."""
     key: tuple
     reason: str
 
 
 @dataclass
 class Tick:
-    """Time passed: fail transfers without progress for transfer_timeout."""
+    """Time passed. Every transfer sees this event."""
     now: float
 
 
-@dataclass
-class Deadline:
-    """(A transfer's own no-progress deadline passed; Tick raises it.)"""
-
-
+LOCAL_EVENTS = (Connected, ConnectFailed, Written, Commit, EntryReady, EntryMissing, Cancel, ChannelLost, Tick)
 Event = Union[p.Message, Connected, ConnectFailed, Written, Commit, EntryReady, EntryMissing, Cancel,
               ChannelLost, Tick]
 
@@ -169,6 +186,13 @@ class SendChunk:
     transfer: Outbound
     msg: p.Chunk | p.Offer
     hold: object  # what PoolIO.outbound returned with the frames, for PoolIO.sent
+
+
+@dataclass
+class Received:
+    """nbytes of a chunk passed their check and are in the entry (counted, not yet published)."""
+    transfer: Inbound
+    nbytes: int
 
 
 @dataclass
@@ -196,28 +220,11 @@ class Dropped:
 
 @dataclass
 class Finished:
-    """A transfer ended (error None: it succeeded). An outbound's blocks stay pinned until
-    ZeroMQ lets go of its frames: releasing them is the I/O layer's, by trackers."""
+    """A transfer ended (error None: it succeeded); it is the last action about it, and comes once.
+    An outbound's blocks stay pinned until ZeroMQ lets go of its frames: releasing them is the I/O
+    layer's, by trackers."""
     transfer: Transfer
     error: KvdError | None
 
 
-Action = Union[Send, SendChunk, WaitForEntry, Progress, Published, Dropped, Finished]
-
-# --- the table ----------------------------------------------------------------------------------
-
-S, R = SenderState, ReceiverState
-_ENDINGS = {p.Abort: {S.FAILED, R.FAILED}, Cancel: {S.FAILED, R.FAILED}, ChannelLost: {S.FAILED, R.FAILED},
-            Deadline: {S.FAILED, R.FAILED}}
-# state -> {event: the states it may lead to}; FAILED is always possible (any event may fail a transfer)
-TRANSITIONS: dict[enum.Enum, dict[type, set[enum.Enum]]] = {
-    S.WAITING: {EntryReady: {S.OFFERED}, EntryMissing: {S.FAILED}, **_ENDINGS},
-    S.CONNECTING: {Connected: {S.OFFERED}, ConnectFailed: {S.FAILED}, Written: {S.CONNECTING},
-                   Commit: {S.CONNECTING}, Cancel: {S.FAILED}, ChannelLost: {S.CONNECTING}},
-    S.OFFERED: {p.Accept: {S.SENDING}, p.Done: {S.DONE}, Written: {S.OFFERED}, Commit: {S.OFFERED}, **_ENDINGS},
-    S.SENDING: {p.ChunkAck: {S.SENDING}, p.Done: {S.DONE}, Written: {S.SENDING}, Commit: {S.SENDING},
-                **_ENDINGS},
-    R.PULLING: {p.Offer: {R.RECEIVING, R.DONE}, **_ENDINGS},
-    R.RECEIVING: {p.Chunk: {R.RECEIVING, R.DONE}, p.Seal: {R.RECEIVING, R.DONE}, **_ENDINGS},
-}
-TERMINAL = {S.DONE, S.FAILED, R.DONE, R.FAILED}
+Action = Union[Send, SendChunk, Received, WaitForEntry, Progress, Published, Dropped, Finished]

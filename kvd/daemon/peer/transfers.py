@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from kvd.errors import KvdError, NotFound, PeerUnavailable
@@ -33,7 +33,7 @@ from .machine import Limits, Machine
 from .peers import PeerSet
 from .states import (
     Cancel, ChannelLost, Commit, ConnectFailed, Connected, Dropped, EntryMissing, EntryReady, Finished, Inbound,
-    Outbound, Progress, Published, Send, SendChunk, Tick, Transfer, WaitForEntry, Written,
+    Kind, Outbound, Progress, Published, Received, Send, SendChunk, Tick, Transfer, WaitForEntry, Written,
 )
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,37 @@ class Expectation:
     gen: int
 
 
+@dataclass(eq=False)
+class Push:
+    """What a local put holds of its push: its transfer, and how it hears the end of it."""
+
+    transfer: Outbound
+    outcome: asyncio.Future  # resolves (None, or the error) when the push ends
+    on_end: list = field(default_factory=list)  # called with its error (or None) as it ends
+
+
+@dataclass(eq=False)
+class _Sent:
+    """An ended send whose frames ZeroMQ may still hold: its blocks stay pinned until it lets go."""
+
+    lease_token: int
+    channel: Channel
+    request_id: str
+    sends: list  # the chunk send futures (resolving to MessageTrackers)
+    cut_at: float  # its connection is cut if ZeroMQ still holds them then
+    cut: bool = False
+
+
+def zmq_released(sends: list) -> bool:
+    """True once ZeroMQ holds no reference to any frame of these sends (safe to reuse the blocks)."""
+    for sent in sends:
+        if not sent.done():
+            return False
+        if not sent.cancelled() and sent.exception() is None and not sent.result().done:
+            return False
+    return True
+
+
 class EntryEvents(Protocol):
     """What the transfers tell the rest of the daemon about entries, and wait on (the entry watch)."""
 
@@ -65,26 +96,31 @@ class EntryEvents(Protocol):
 
 class Transfers:
     def __init__(self, config: Config, store: Store, io: PoolIO, metrics: Metrics, events: EntryEvents,
-                 peers: PeerSet) -> None:
+                 peers: PeerSet, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.store = store
         self.io = io
         self.metrics = metrics
         self.events = events
         self.peers = peers
+        self.clock = clock  # the machine's too: one time for every deadline
         self.machine = Machine(config.node_id, Limits(config.chunk_size, config.window, config.checksum,
-                                                      config.transfer_timeout), store, io, metrics)
-        self._waiting: dict[int, asyncio.Task] = {}  # served pulls waiting for their entry, by xfer
-        self._deferred: list[Outbound] = []  # ended sends whose frames ZeroMQ may still hold
+                                                      config.transfer_timeout), store, io, clock)
+        # what this layer keeps of a live transfer, by its id (dropped as it ends)
+        self._pushes: dict[int, Push] = {}  # pushes a local put waits on
+        self._pulls: dict[int, asyncio.Future] = {}  # pulls a local get waits on
+        self._sends: dict[int, list] = {}  # the chunk sends of a sender, for their trackers
+        self._waiting: dict[int, asyncio.Task] = {}  # served pulls waiting for their entry
+        self._deferred: list[_Sent] = []  # ended sends whose frames ZeroMQ may still hold
         self._deferred_check: asyncio.TimerHandle | None = None
         self._deferred_delay = DEFERRED_FIRST
 
     # --- pushes and pulls, as the local handlers start them -----------------------------------------
 
-    def push(self, entry: Entry, lease_token: int, dest: str, sealed: bool = True) -> Outbound:
+    def push(self, entry: Entry, lease_token: int, dest: str, sealed: bool = True) -> Push:
         """Send a leased entry to dest: the offer goes once the link is up, bytes as `written`
         says they are in (a stream: sealed=False, then `commit`, so that an abandoned stream is
-        never published on the peer). `outcome(out)` resolves once the peer has verified and
+        never published on the peer). `outcome(push)` resolves once the peer has verified and
         published every byte. The transfer owns the lease from here."""
         try:
             link = self.peers.link_for(dest)
@@ -92,14 +128,14 @@ class Transfers:
             self.store.release(lease_token, success=False)  # nothing was sent: hand the lease back
             raise
         out, actions = self.machine.start_push(entry, lease_token, link.channel, sealed)
-        out.outcome = asyncio.get_running_loop().create_future()
+        push = self._pushes[out.xfer] = Push(out, asyncio.get_running_loop().create_future())
         self._run(actions)
         ready = link.ready(self.config.connect_timeout)
         if ready.done():  # the usual case: the offer goes now, not one loop iteration later
             self._on_link(out, ready)
         else:
             ready.add_done_callback(lambda ready: self._on_link(out, ready))
-        return out
+        return push
 
     def _on_link(self, out: Outbound, ready: asyncio.Future) -> None:
         error = ready.exception()
@@ -110,42 +146,40 @@ class Transfers:
         while it is written (its push, pulls following the stream), each byte once per transfer."""
         if ranges:
             for out in self._sending(entry):
-                if out.window.queued_bytes < out.window.total_bytes:  # (a pull of it complete has it all)
-                    self._run(self.machine.handle(Written(out.xfer, ranges)))
+                self._run(self.machine.handle(Written(out.xfer, ranges)))
 
     def entry_committed(self, entry: Entry) -> None:
         """The producer committed: each receiver may publish once every byte is in."""
         for out in self._sending(entry):
-            if not out.sealed:
-                self._run(self.machine.handle(Commit(out.xfer)))
+            self._run(self.machine.handle(Commit(out.xfer)))
 
     def pushing(self, entry: Entry) -> str | None:
         """The peer a push is taking entry to, once the push claims it (a failed push drops the
         entry too: it is not readable here again)."""
         for transfer in self.machine.carrying(entry):
-            if isinstance(transfer, Outbound) and transfer.pull is None:
+            if transfer.kind is Kind.PUSH:
                 lease = self.store.lease_of(transfer.lease_token)
                 if lease is not None and lease.claiming:
                     return transfer.channel.peer_name
         return None
 
     def _sending(self, entry: Entry) -> list[Outbound]:
-        return [t for t in self.machine.carrying(entry) if isinstance(t, Outbound) and t.window is not None]
+        return [t for t in self.machine.carrying(entry) if isinstance(t, Outbound)]
 
-    def outcome(self, transfer: Transfer) -> asyncio.Future:
-        """Resolves (to the received entry, for a pull) when the transfer has ended."""
-        return transfer.outcome
+    def outcome(self, push: Push) -> asyncio.Future:
+        """Resolves (to None, or fails with the error) when the push has ended."""
+        return push.outcome
 
-    def when_ended(self, out: Outbound, callback: Callable[[KvdError | None], None]) -> None:
+    def when_ended(self, push: Push, callback: Callable[[KvdError | None], None]) -> None:
         """callback(error, or None on success) as the push ends, in the same turn of the loop (a
         done callback of `outcome` runs a turn later: a small push's reply would wait for it); at
         once if it has ended already (a streamed push the peer refused before its writer commits)."""
-        outcome = out.outcome
-        if outcome is not None and outcome.done():
+        outcome = push.outcome
+        if outcome.done():
             callback(PeerUnavailable(f"daemon {self.config.node_id} is shutting down") if outcome.cancelled()
                      else outcome.exception())
             return
-        out.on_end.append(callback)
+        push.on_end.append(callback)
 
     def pull(self, request_id: str, source: str, timeout: float, keep: bool,
              expect: Expectation | None = None, connect_within: float | None = None) -> asyncio.Future:
@@ -172,7 +206,7 @@ class Transfers:
                 return
             inbound, actions = self.machine.start_pull(request_id, link.channel, timeout, keep,
                                                        expect.gen if expect is not None else None)
-            inbound.outcome = result
+            self._pulls[inbound.xfer] = result
             started.append(inbound)
             self._run(actions)
 
@@ -241,9 +275,15 @@ class Transfers:
                 case SendChunk(transfer=out, msg=chunk, hold=hold):
                     sending = self._send(out.channel, chunk, track=True)
                     self.io.sent(hold, sending)
-                    out.sends.append(sending)
+                    self._sends.setdefault(out.xfer, []).append(sending)
+                    nbytes = sum(chunk.lengths)
+                    self.metrics.tally["sent_bytes"] += nbytes
+                    self.metrics.transfer_bytes(out.channel.peer_name, "sent", nbytes)
                 case Send(channel=channel, msg=msg):
                     self._send(channel, msg)
+                case Received(transfer=inbound, nbytes=nbytes):
+                    self.metrics.tally["received_bytes"] += nbytes
+                    self.metrics.transfer_bytes(inbound.channel.peer_name, "received", nbytes)
                 case Progress(entry=entry, indices=indices):
                     self.events.on_progress(entry, indices)
                 case Published(entry=entry):
@@ -268,29 +308,55 @@ class Transfers:
         self._run(self.machine.handle(EntryReady(out.xfer, entry)))
 
     def _finished(self, transfer: Transfer, error: KvdError | None) -> None:
+        """A transfer ended: count it, let go of what this layer kept of it, tell who waits."""
+        self._count(transfer, error)
         waiting = self._waiting.pop(transfer.xfer, None)
         if waiting is not None:
             waiting.cancel()  # a served pull whose puller gave up while we waited for the entry
-        if isinstance(transfer, Outbound) and transfer.entry is not None:
-            self._unpin_when_sent(transfer)
+        if isinstance(transfer, Inbound):
+            result = self._pulls.pop(transfer.xfer, None)
+            if result is not None and not result.done():
+                if error is not None:
+                    result.set_exception(error)
+                    result.exception()  # retrieved: a pull nobody waits for any more must not warn
+                else:
+                    result.set_result(transfer.entry)
+            return
+        sends = self._sends.pop(transfer.xfer, [])
+        if transfer.entry is not None:
+            self._unpin_when_sent(transfer, sends)
             if error is None and transfer.entry.removed:  # (its lease consumed it: a push, a pull without keep)
-                self.events.on_departed(transfer.entry, transfer.channel.peer_name, transfer.pull is None)
-        callbacks = getattr(transfer, "on_end", None)
-        if callbacks:
-            transfer.on_end = []  # (told once)
-        for callback in callbacks or ():
+                self.events.on_departed(transfer.entry, transfer.channel.peer_name, transfer.kind is Kind.PUSH)
+        push = self._pushes.pop(transfer.xfer, None)
+        if push is None:
+            return
+        callbacks, push.on_end = push.on_end, []  # (told once)
+        for callback in callbacks:
             try:
                 callback(error)
             except Exception:  # one party's failure must not keep the others from hearing
                 log.exception("a callback at the end of transfer %x failed", transfer.xfer)
-        outcome = transfer.outcome
-        if outcome is None or outcome.done():
+        if not push.outcome.done():
+            if error is not None:
+                push.outcome.set_exception(error)
+                push.outcome.exception()  # retrieved: a push nobody waits for any more must not warn
+            else:
+                push.outcome.set_result(None)
+
+    def _count(self, transfer: Transfer, error: KvdError | None) -> None:
+        """The metrics of an ended transfer, from the machine's word on it."""
+        direction = "sent" if isinstance(transfer, Outbound) else "received"
+        peer = transfer.channel.peer_name
+        if error is None:
+            self.metrics.transfer_done(peer, direction, "ok", self.clock() - transfer.started)
+            if transfer.kind is Kind.PUSH:
+                self.metrics.tally["pushes"] += 1
+            elif transfer.kind is Kind.PULL:
+                self.metrics.tally["pulls"] += 1
             return
-        if error is not None:
-            outcome.set_exception(error)
-            outcome.exception()  # retrieved: a push nobody waits for any more must not warn
-        else:
-            outcome.set_result(transfer.entry if isinstance(transfer, Inbound) else None)
+        self.metrics.tally["failures"] += 1
+        if direction == "received" or transfer.entry is not None:  # (a pull we served that never began: not)
+            self.metrics.transfer_done(peer, direction, "failed", None)
 
     def _send(self, channel: Channel, msg: p.Message, track: bool = False) -> asyncio.Future:
         sent = channel.send(msg, track)
@@ -299,17 +365,18 @@ class Transfers:
 
     # --- blocks ZeroMQ may still send from --------------------------------------------------------------
 
-    def _unpin_when_sent(self, out: Outbound) -> None:
-        if out.zmq_released():
-            self._unpin(out)
+    def _unpin_when_sent(self, out: Outbound, sends: list) -> None:
+        if zmq_released(sends):
+            self._unpin(out.lease_token)
             return
-        out.deadline = time.monotonic() + self.config.transfer_timeout  # then its connection is cut
-        self._deferred.append(out)
+        # its connection is cut if ZeroMQ still holds the frames a transfer timeout from now
+        self._deferred.append(_Sent(out.lease_token, out.channel, out.request_id, sends,
+                                    self.clock() + self.config.transfer_timeout))
         self._schedule_deferred_check()
 
-    def _unpin(self, out: Outbound) -> None:
+    def _unpin(self, lease_token: int) -> None:
         try:
-            self.store.release(out.lease_token, success=False)
+            self.store.release(lease_token, success=False)
         except NotFound:
             pass
 
@@ -322,18 +389,18 @@ class Transfers:
     def _release_deferred(self) -> None:
         self._deferred_check = None
         still = []
-        now = time.monotonic()
-        for out in self._deferred:
-            if out.zmq_released():
-                self._unpin(out)
+        now = self.clock()
+        for sent in self._deferred:
+            if zmq_released(sent.sends):
+                self._unpin(sent.lease_token)
                 continue
-            still.append(out)
-            if now >= out.deadline and not out.cut:
-                out.cut = True
+            still.append(sent)
+            if now >= sent.cut_at and not sent.cut:
+                sent.cut = True
                 log.warning("peer %s has not taken the last frames of %s %.0fs after its transfer ended: "
-                            "closing its connection so that the blocks can be reused", out.channel.peer_name,
-                            out.request_id, self.config.transfer_timeout)
-                out.channel.cut()
+                            "closing its connection so that the blocks can be reused", sent.channel.peer_name,
+                            sent.request_id, self.config.transfer_timeout)
+                sent.channel.cut()
         self._deferred = still
         if still:
             self._schedule_deferred_check()
