@@ -8,7 +8,7 @@ every step of the property tests. It reads, never changes, and is too slow for t
   queued, nothing sent while connecting, no ack before accept, acks and chunks in flight add up);
 - a receiver's entry is the store's live, RECEIVING entry of that id, its blocks still there,
   its ledger and the entry's missing bytes agree, and STREAMED (only it) has every byte;
-  no two receivers share an entry.
+  no two receivers share an entry, and every RECEIVING entry in the store has its receiver.
 """
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def check_machine(machine) -> None:
             _check_sender(machine, transfer, where, leases)
         else:
             _check_receiver(machine, transfer, where, entries)
+    # only a receiver reserves an entry RECEIVING: one left in the store with none is lost blocks
+    for entry in machine.store.entries.values():
+        assert entry.state is not State.RECEIVING or id(entry) in entries, \
+            f"{entry.request_id!r} is receiving, but no transfer receives it"
 
 
 def _check_sender(machine, out: Outbound, where: str, leases: set[int]) -> None:

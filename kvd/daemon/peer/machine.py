@@ -407,6 +407,10 @@ class Machine:
     def _refuse_early_done(self, out: Outbound, msg: p.Done) -> tuple:
         return ProtocolError("done before every chunk was sent"), True
 
+    def _refuse_unsealed_done(self, out: Outbound, msg: p.Done) -> tuple:
+        # (taken as the end, it would consume an entry its writer has not committed)
+        return ProtocolError("done before the seal"), True
+
     def _refuse_id_in_use(self, transfer: Transfer, msg) -> tuple:
         return ProtocolError("transfer id in use"), True  # never two transfers under one id
 

@@ -131,8 +131,9 @@ def _rows() -> list[Row]:
     add([S.STREAM_OFFERED, S.STREAM_SENDING], Written, "queue_and_send")
     add([S.STREAM_OFFERED], Commit, "seal", S.OFFERED)
     add([S.STREAM_SENDING], Commit, "seal", S.SENDING)
-    add(SENDER_OFFERED, p.Done, "finish_sending", _DONE, ALL_SENT)
-    add(SENDER_OFFERED, p.Done, "refuse_early_done", _FAILED)
+    add([S.OFFERED, S.SENDING], p.Done, "finish_sending", _DONE, ALL_SENT)
+    add([S.OFFERED, S.SENDING], p.Done, "refuse_early_done", _FAILED)
+    add([S.STREAM_OFFERED, S.STREAM_SENDING], p.Done, "refuse_unsealed_done", _FAILED)  # published only once sealed
     add([S.STREAM_OFFERED, S.STREAM_SENDING], Tick, "wait_for_producer", when=PRODUCER_IDLE)
 
     # receiving

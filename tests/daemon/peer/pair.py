@@ -11,6 +11,7 @@ connection); `deliver` may interleave directions and connections.
 from __future__ import annotations
 
 import collections
+import random
 
 from kvd.daemon.peer.channel import Channel
 from kvd.daemon.peer.machine import Limits, Machine
@@ -158,4 +159,4 @@ def queue_all(a: Side, out, entry) -> None:
 
 
 def data_of(n: int, seed: int = 1) -> bytes:
-    return bytes((i * 31 + seed) % 251 for i in range(n))
+    return random.Random(seed).randbytes(n)

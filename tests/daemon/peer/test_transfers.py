@@ -379,3 +379,18 @@ def test_a_pull_for_another_generation_of_the_entry_is_refused_before_a_byte_mov
             assert inbound.state is ReceiverState.FAILED and isinstance(b.finished()[-1].error, errors.NotFound)
             assert "not the generation asked for" in b.finished()[-1].error.message
             assert not any(isinstance(m, p.Chunk) for m in a.sent)
+
+
+def test_a_done_before_the_seal_is_a_protocol_error_and_consumes_nothing():
+    """A receiver publishes a stream only after its seal, so a done before it is a lie (found by
+    test_transfer_properties): taken as success, the push consumed an entry its writer had not
+    committed, and the writer's commit then failed with its blocks parked."""
+    a, b, _ = pair()
+    entry = a.store.reserve("s", [TensorSpec("l0", "uint8", (1000,))], None, None, State.WRITING, None)
+    out = push(a, b, entry, sealed=False)
+    a.handle(Connected(out.xfer))
+    a.handle(Written(out.xfer, [(0, entry.total_bytes)]))  # every byte sent, not yet committed
+    assert out.window.all_sent
+    a.run(a.machine.handle(p.Done(xfer=out.xfer), b.channel))
+    assert out.state is SenderState.FAILED and "done before the seal" in a.sent[-1].message
+    assert not entry.removed and entry.state is State.WRITING
