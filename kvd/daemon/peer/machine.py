@@ -40,8 +40,6 @@ from .states import (
 from .table import EAGER_CHUNKS, compile_rows
 from .window import ReceiveLedger, SendWindow
 
-__all__ = ["EAGER_CHUNKS", "MAX_PULL_WAIT", "Limits", "Machine", "peer_ttl"]
-
 log = logging.getLogger(__name__)
 
 MAX_PULL_WAIT = 3600.0  # seconds a holder waits for a pulled entry to appear (a local get's limit too)
@@ -220,7 +218,8 @@ class Machine:
         return inbound
 
     def _take_offer(self, target, msg: p.Offer) -> list:
-        """A small sealed offer: its chunks are all on their way already; `done` alone will answer."""
+        """Take an offer without a word back (a small sealed one: its chunks are all on their way
+        already; `done` alone will answer)."""
         entry = self._take(target, msg).entry
         return [Progress(entry, entry.complete_tensors())]  # a stream reader may be waiting for it
 
@@ -255,12 +254,10 @@ class Machine:
     def _serve_entry(self, out: Outbound, entry: Entry, sealed: bool) -> list:
         out.lease_token = self.store.lease(entry, consume=not out.pull.keep, deadline=None, incomplete=not sealed).token
         out.entry = entry
-        if sealed:
-            out.window = SendWindow.whole(entry.total_bytes, self.limits.chunk_size, self.limits.window)
-        else:
-            out.window = SendWindow(entry.total_bytes, self.limits.chunk_size, self.limits.window)
-            for lo, hi in entry.written.spans():
-                out.window.add_range(lo, hi - lo)
+        out.window = (SendWindow.whole if sealed else SendWindow)(entry.total_bytes, self.limits.chunk_size,
+                                                                  self.limits.window)
+        for lo, hi in [] if sealed else entry.written.spans():
+            out.window.add_range(lo, hi - lo)
         return self._send_offer(out, sealed)
 
     def _offer(self, out: Outbound, event) -> list:
@@ -301,8 +298,7 @@ class Machine:
         return []
 
     def _queue_and_send(self, out: Outbound, event) -> list:
-        self._queue(out, event)
-        return self._pump(out)
+        return self._queue(out, event) + self._pump(out)
 
     def _seal(self, out: Outbound, event) -> list:
         return [Send(out.channel, p.Seal(xfer=out.xfer))]
