@@ -21,7 +21,7 @@ def __getattr__(name: str):
 
         return getattr(aio, name)
     if name == "Rows":
-        from .paged import Rows
+        from .blocks import Rows
 
         return Rows
     raise AttributeError(f"module 'kvd.client' has no attribute {name!r}")

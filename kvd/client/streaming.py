@@ -16,7 +16,7 @@ from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec
 
 from .ops import NO_REPLY, WAIT_FOREVER, Emit, Receive
-from .paged import Rows, block_index, gather_rows
+from .blocks import Rows, block_index, gather_rows
 from .tensors import DTYPE_NAMES, as_tensor, copy_in, copy_out
 
 def specs_from(layout: Mapping[str, Any]) -> list[TensorSpec]:

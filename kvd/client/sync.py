@@ -17,7 +17,7 @@ from kvd.wire import protocol as p
 from .connection import BlockingConnection
 from .core import CONNECT_TIMEOUT, REPLY_GRACE, _ClientCore, log
 from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed
-from .paged import get_blocks, put_blocks
+from .blocks import get_blocks, put_blocks
 from .streaming import StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream
 
 

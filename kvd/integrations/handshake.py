@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..client import Client
-from .paged_kv import SaveSpec
-from .paged_layout import SourceDeployment
+from .paged.handoff import SaveSpec
+from .paged.layout import SourceDeployment
 
 OPTIONS = {"kvd_socket", "kvd_endpoint", "kvd_push_to", "kvd_ttl", "kvd_load_timeout", "kvd_load_threads"}
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from .ranks import GROUP_KINDS, GroupKind, RankLayout, rank_layout
 from .readers import is_primary, primary_shards, read_plans, readers
-from .sharding import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
+from .kv_layout import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
 
 _LAZY = {
     "ParallelGroup": "group",

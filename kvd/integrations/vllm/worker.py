@@ -16,8 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from ...client.tensors import DTYPE_NAMES
 from ..handshake import ConnectorSettings
-from ..paged_groups import FULL, MAMBA, KVGroup
-from ..paged_kv import PagedKVLayout, PagedKVWorker
+from ..paged.groups import FULL, MAMBA, KVGroup
+from ..paged.handoff import PagedKVLayout, PagedKVWorker
 from .layout import kv_groups, model_kv_layout, model_signature, worker_ranks
 from .metrics import COUNTERS, KVDConnectorStats
 from .scheduler import KVDConnectorMetadata

@@ -1,4 +1,4 @@
-"""kvd.parallel.sharding: layer/head rules, the wire form, and reshard plans checked bit-exact
+"""kvd.parallel.kv_layout: layer/head rules, the wire form, and reshard plans checked bit-exact
 against slices of one full [num_layers, num_kv_heads, head_dim] tensor, over every TP/PP pair."""
 from __future__ import annotations
 

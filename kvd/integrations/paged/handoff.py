@@ -3,8 +3,8 @@ processes, between instances of any TP x PP layout.
 
 Engine-agnostic (no vLLM import): the vLLM connector (`kvd.integrations.vllm`) is a thin adapter
 over this module, and the tests drive it with real daemons and real paged tensors. What an entry
-holds and which entries a rank reads is in `kvd.integrations.paged_layout`, which blocks of each KV
-cache group move in `kvd.integrations.paged_groups` (both pure).
+holds and which entries a rank reads is in `kvd.integrations.paged.layout`, which blocks of each KV
+cache group move in `kvd.integrations.paged.groups` (both pure).
 
 - Producer: each rank that is the first holder of its KV heads (replicas of the same heads, and
   every rank but 0 of an MLA-style cache, save nothing) streams one entry per request,
@@ -37,13 +37,13 @@ from typing import Any
 
 import torch
 
-from ..client import Client, PutStream
-from ..client.paged import Rows
-from ..client.sharded import HeadSlice, ShardFetch, scatter_shards, shard_key
-from ..errors import BadRequest, KvdError, LayoutMismatch, NotFound, PoolFull, Timeout
-from ..parallel.readers import is_primary
-from .paged_groups import Blocks, GroupRead, as_tables, blocks_for, check_entry_blocks, group_reads, per_group
-from .paged_layout import PagedKVLayout, ShardRead, SourceDeployment, check_source, plan_loads
+from ...client import Client, PutStream
+from ...client.blocks import Rows
+from ...client.reshard import HeadSlice, ShardFetch, scatter_shards, shard_key
+from ...errors import BadRequest, KvdError, LayoutMismatch, NotFound, PoolFull, Timeout
+from ...parallel.readers import is_primary
+from .groups import Blocks, GroupRead, as_tables, blocks_for, check_entry_blocks, group_reads, per_group
+from .layout import PagedKVLayout, ShardRead, SourceDeployment, check_source, plan_loads
 
 log = logging.getLogger("kvd.paged_kv")
 

@@ -13,9 +13,9 @@ Built on the plain client API. The convention, one entry per source rank:
 A decode rank plans with `plan_reshard`, fetches only the source shards its slice needs
 (`keep=True`: other decode ranks read the same shards), checks every fingerprint before
 moving bulk bytes and every tensor before assembling, then copies its slice out with
-`assemble`. Layer and head rules (vLLM's) live in `kvd.parallel.sharding`.
+`assemble`. Layer and head rules (vLLM's) live in `kvd.parallel.kv_layout`.
 
-`scatter_shards` is the paged form, for engine connectors (`kvd.integrations.paged_kv`): it
+`scatter_shards` is the paged form, for engine connectors (`kvd.integrations.paged.handoff`): it
 leases several shards at once, lets the caller check each one's meta and tensors before any
 byte moves, then copies head slices of their rows straight from the pool into the caller's
 paged caches (one index_copy_ per slice, no temporary when the tensor is contiguous in the pool).
@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvd.errors import AlreadyExists, BadRequest, LayoutMismatch
-from kvd.parallel.sharding import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
+from kvd.parallel.kv_layout import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
 
 from kvd.wire import protocol as proto
 from kvd.wire.layout import TensorSpec
 
 from .ops import NO_REPLY, Operation, Receive
-from .paged import block_index, scatter_rows
+from .blocks import block_index, scatter_rows
 from .tensors import DTYPE_NAMES, TORCH_DTYPES, as_tensor, copy_out
 
 if TYPE_CHECKING:

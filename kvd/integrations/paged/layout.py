@@ -15,7 +15,7 @@ Layers are matched by name; their global index (for the pipeline split) is the o
 name ("model.layers.7.self_attn.attn" -> 7). Entries are logical tensors (a gather of logical
 block rows), so the producer's physical stride order need not match the consumer's.
 
-A hybrid model's layers fall into KV cache groups (`kvd.integrations.paged_groups`), each with
+A hybrid model's layers fall into KV cache groups (`kvd.integrations.paged.groups`), each with
 its own block table; the layout lists them (none listed: one full-attention group of every
 layer). The head plan is per layer, so it holds for every attention group alike; a Mamba
 state has no KV heads to split and moves between equal TP sizes only.
@@ -27,10 +27,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadRequest, LayoutMismatch
-from ..parallel.readers import is_primary, readers, read_plans
-from ..parallel.sharding import KVLayout, shard_layouts
-from .paged_groups import FULL, MAMBA, KVGroup, check_groups
+from ...errors import BadRequest, LayoutMismatch
+from ...parallel.readers import is_primary, readers, read_plans
+from ...parallel.kv_layout import KVLayout, shard_layouts
+from .groups import FULL, MAMBA, KVGroup, check_groups
 
 # quantization modes whose pages split by head (scales outside the page, or none): only these
 # are resharded; the others move between identical deployments only
@@ -128,7 +128,7 @@ class PagedKVLayout:
         `groups`, one full-attention group."""
         import torch
 
-        from ..client.tensors import DTYPE_NAMES
+        from ...client.tensors import DTYPE_NAMES
 
         layers = []
         for name, cache in caches.items():

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadRequest, LayoutMismatch
+from ...errors import BadRequest, LayoutMismatch
 
 FULL = "full_attention"
 SLIDING = "sliding_window"
@@ -170,7 +170,7 @@ def check_entry_blocks(mine: Sequence[KVGroup], reads: Sequence[GroupRead], num_
     cannot give `reads` (planned by `group_reads` for num_tokens) of `layers`, the ones this
     consumer copies from it: messages naming the field, [] when it can. Groups are matched to
     ours by layer; a layer the producer does not hold, or holds in another kind of group, is
-    `paged_layout.check_source`'s to report."""
+    `layout.check_source`'s to report."""
     theirs_of = {name: (index, group) for index, group in enumerate(theirs) for name in group.layers}
     wanted = set(layers)
     problems: list[str] = []
