@@ -1,5 +1,4 @@
-"""`AsyncClient`: the client library for asyncio workers (worker process), driving the same
-operations as `Client`.
+"""`AsyncClient`: the client library for asyncio workers (worker process), same operations as `Client`.
 
 The operations (put, get, streams, paged blocks) are written once in `core.py` as I/O-free
 generators; this face runs them on the event loop over one connection to the daemon's local

@@ -1,5 +1,4 @@
-"""Paged KV caches (worker process): hand off a request's blocks straight from (and into) a worker's
-block table.
+"""Paged KV caches (worker process): a request's blocks straight from and into a worker's block table.
 
 An inference engine keeps each layer's KV cache as one big paged tensor
 [num_blocks, block_size, ...] and a request owns some block ids, scattered anywhere in it.

@@ -1,5 +1,5 @@
-"""Layout-aware KV handoff between instances with different TP/PP (worker process; prefill TP=2 ->
-decode TP=4, ...).
+"""Layout-aware KV handoff between instances with different TP/PP, e.g. prefill TP=2 -> decode TP=4
+(worker process).
 
 Built on the plain client API. The convention, one entry per source rank:
 

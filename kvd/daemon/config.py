@@ -1,5 +1,4 @@
-"""Daemon configuration (daemon process): one frozen dataclass, loaded from defaults < TOML file <
-KVD_* env < CLI.
+"""Daemon configuration (daemon process): one frozen dataclass, from defaults < TOML < KVD_* < CLI.
 
 Every field has a default, so `kvd serve` runs bare. Units are parsed here, at the edge
 ("512MiB", "30s"); the rest of the daemon sees plain ints and floats.

@@ -1,5 +1,4 @@
-"""systemd's notify protocol (sd_notify) without libsystemd (daemon process): one datagram per state
-change.
+"""systemd's notify protocol without libsystemd (daemon process): one datagram per state change.
 
 READY=1 once the pool and listeners are up, WATCHDOG=1 from the event loop while it is
 healthy, STOPPING=1 at shutdown. Does nothing when NOTIFY_SOCKET is unset.

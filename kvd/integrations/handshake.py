@@ -1,5 +1,7 @@
-"""The kv_transfer_params handshake between a prefill and a decode vLLM instance, and the connector's
-options (vLLM's scheduler process; plain data, no vLLM import: tested on its own)."""
+"""The kv_transfer_params handshake between prefill and decode vLLM instances, and the connector's
+options.
+
+Runs in vLLM's scheduler process. Plain data, no vLLM import: it is tested on its own."""
 from __future__ import annotations
 
 from dataclasses import dataclass

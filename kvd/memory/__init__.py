@@ -23,7 +23,7 @@ class StagingMemory(typing.Protocol):
     ipc_handle: bytes | None  # CUDA IPC handle of a GPU pool (None for a host pool)
 
     def io(self, chunk_size: int, window: int) -> PoolIO:
-        """How the exchange moves chunk bytes between this memory and the network."""
+        """How peer transfers move chunk bytes between this memory and the network."""
         ...
 
     def close(self) -> None: ...

@@ -1,6 +1,5 @@
-"""The GPU staging pool (`--device cuda:N`; daemon process, and the mapping in worker processes) and
-its two paths: CUDA IPC to local clients,
-pinned bounce buffers to the network.
+"""The GPU staging pool (`--device cuda:N`) and its two paths: CUDA IPC to local clients, pinned
+bounce buffers to the network (daemon process; worker processes map it through its IPC handle).
 
 - The pool is one raw `cudaMalloc` allocation (through cupy, so its IPC handle names exactly
   this allocation, not a piece of a caching allocator's block). Its IPC handle goes to

@@ -1,9 +1,9 @@
 """Moving chunk bytes between the pool and the network (daemon process), whatever memory the pool is in.
 
-The exchange asks for a chunk's bytes as host buffers to send (`outbound`) and hands over
-received frames to store and checksum (`inbound`). For a host pool both are direct: zero-copy
-views out of the pool, one memcpy in. A GPU pool goes through pinned host bounce buffers
-(`kvd.cuda`).
+The peer transfers (`kvd.daemon.peer.transfers`) ask for a chunk's bytes as host buffers to
+send (`outbound`) and hand over received frames to store and checksum (`inbound`). For a host
+pool both are direct: zero-copy views out of the pool, one memcpy in. A GPU pool goes through
+pinned host bounce buffers (`kvd.memory.cuda`).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Which slice of a model's KV cache each rank holds, and how to rebuild one layout from another
-(worker processes; pure).
+"""Which slice of a model's KV cache each rank holds, and how to rebuild one layout from another.
 
-Pure bookkeeping on layer and KV-head indices, no I/O. The only torch is in `slice_shard`
-(views) and `assemble` (one copy per piece), which apply a plan to per-layer tensors; torch
-is imported only when they are called, so the torch-free daemon can use KVLayout too.
+Pure bookkeeping on layer and KV-head indices, no I/O (worker processes). The only torch is in
+`slice_shard` (views) and `assemble` (one copy per piece), which apply a plan to per-layer
+tensors; torch is imported only when they are called, so the torch-free daemon can use KVLayout
+too.
 A KVLayout travels in an entry's `meta` (to_wire/from_wire), so the receiver can plan a
 reshard between, say, a prefill and a decode instance with different TP/PP.
 

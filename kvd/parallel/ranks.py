@@ -1,5 +1,4 @@
-"""Which global ranks form each tensor-, pipeline-, data- and expert-parallel group (worker process,
-or any: pure).
+"""Which global ranks form each tensor-, pipeline-, data- and expert-parallel group (pure: any process).
 
 Pure functions, no torch.distributed: `kvd.parallel.state` turns a RankLayout into
 process groups, and tests check every layout without starting a process.

@@ -1,5 +1,4 @@
-"""Where an entry's bytes live (both processes): tensor offsets inside an entry, and entry offsets in
-the pool.
+"""Where an entry's bytes live (both processes): tensor offsets in an entry, entry offsets in the pool.
 
 Pure functions, no I/O. An entry is a logical byte range holding its tensors back to back,
 each starting on an ALIGNMENT boundary. That range is backed by pool blocks given as
