@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import platform
 import signal
 import time
 from typing import Callable
@@ -24,6 +23,7 @@ from kvd import __version__
 from kvd.errors import BadRequest
 from kvd.memory import check_fits_in_ram, open_staging_memory
 from kvd.memory.faults import with_fault_injection
+from kvd.memory.heap import keep_receive_buffers
 from kvd.units import format_size
 from kvd.wire.endpoints import is_loopback_endpoint, unix_path
 
@@ -38,6 +38,7 @@ from .peer.auth import load_keys, start_authenticator
 from .peer.peers import PeerSet
 from .peer.router import Router
 from .peer.transfers import Transfers
+from .socket_path import claim_socket_path
 from .status import Status
 from .store.allocator import BlockAllocator
 from .store.entries import Store
@@ -47,10 +48,6 @@ from .watch import EntryWatch
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_INTERVAL = 0.2  # seconds between expiry/deadline sweeps
-# glibc malloc: serve ZeroMQ's chunk-sized receive buffers from the heap and keep up to this much
-# freed heap instead of returning it to the kernel after every chunk (see keep_receive_buffers)
-MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value
-MALLOC_TRIM_THRESHOLD = 64 << 20
 RELOADABLE = {"peers", "log_level", "curve_allow"}  # what SIGHUP can change without a restart
 # (SIGHUP also re-reads the files behind curve_allow, curve_deny and this node's cert)
 
@@ -90,7 +87,7 @@ class Daemon:
             raise BadRequest(insecure_refusal(cfg.listen))
         if cfg.device == "cpu":
             check_fits_in_ram(cfg.pool_size, cfg.pool_path, cfg.pool_overcommit)
-        self._claim_socket_path(cfg.socket)  # before anything binds: a second daemon stops here
+        claim_socket_path(cfg.socket, self._made_dirs)  # before anything binds: a second daemon stops here
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
         if cfg.registry:  # the holder directory hears of every entry the store publishes or removes
             self.directory = Directory(cfg, life.incarnation, curve)
@@ -156,34 +153,6 @@ class Daemon:
     def _load_curve(cfg: Config):
         return load_keys(cfg.curve_secret_key, list(cfg.curve_allow), ca_file=cfg.curve_ca, cert_file=cfg.curve_cert,
                          deny_file=cfg.curve_deny, cluster=cfg.cluster, node_id=cfg.node_id)
-
-    def _claim_socket_path(self, endpoint: str) -> None:
-        """Make room for the client socket file: refuse a live daemon's, remove a stale one."""
-        path = unix_path(endpoint)
-        if path is None:
-            return
-        directory = os.path.dirname(path) or "."
-        missing = []  # the directories made here: a failed start takes them away again
-        parent = directory
-        while parent and not os.path.lexists(parent):
-            missing.append(parent)
-            parent = os.path.dirname(parent)
-        try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise BadRequest(f"cannot make the socket directory {directory} for {endpoint}: {exc.strerror}"
-                             f"{' (' + exc.filename + ' is not a directory)' if exc.errno in (17, 20) and exc.filename else ''}"
-                             ) from None
-        self._made_dirs = missing
-        check_runtime_dir(directory)
-        if os.path.lexists(path):
-            if _socket_in_use(path):
-                raise BadRequest(f"{endpoint} is in use by another daemon")
-            owner = os.lstat(path).st_uid
-            if owner not in (os.getuid(), 0):
-                raise BadRequest(f"{path} exists and belongs to uid {owner}: not this daemon's to replace (choose "
-                                 "another --socket)")
-            os.unlink(path)  # stale socket of a daemon that did not exit cleanly
 
     # --- run and stop ----------------------------------------------------------------------------
 
@@ -369,26 +338,6 @@ class Sweeper:
         self.metrics.lease_expiries.inc(len(stale))
 
 
-def keep_receive_buffers() -> bool:
-    """Stop glibc from handing each received chunk's buffer back to the kernel.
-
-    libzmq mallocs a fresh buffer for every chunk it receives (4 MiB). By default glibc serves
-    that with mmap, or trims it off the heap once freed, so every chunk's pages are faulted in
-    and zeroed again: measured 20-50 thousand page faults in the receiving I/O thread per
-    768 MiB. Keeping up to 64 MiB of freed heap removes them: 256 MiB pushes 1.38-1.51 ->
-    1.44-2.01 GB/s and 1.0-1.1 -> 0.8-1.0 CPU-s/GB in an interleaved A/B, for +25-40 MB of RSS.
-    A no-op (False) off glibc or when GLIBC_TUNABLES already tunes malloc.
-    """
-    if platform.libc_ver()[0] != "glibc" or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
-    import ctypes
-
-    libc = ctypes.CDLL(None)
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from malloc.h
-    return bool(libc.mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
-                and libc.mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
-
-
 # descriptors kept free beyond the connection caps: the pool, ZeroMQ's own, the metrics endpoint,
 # peer links, files a reload reads
 FD_HEADROOM = 512
@@ -432,31 +381,6 @@ def fit_connection_caps(fd_limit: int, max_clients: int, max_peer_connections: i
     return clients, peers
 
 
-def check_runtime_dir(directory: str) -> None:
-    """The client socket's directory must be ours (or root's) and writable by nobody else: another
-    user who made it first (e.g. /tmp/kvd-UID, mode 0777) could swap the socket for one of theirs."""
-    import stat
-
-    info = os.lstat(directory)
-    if stat.S_ISLNK(info.st_mode):
-        raise BadRequest(f"the socket directory {directory} is a symbolic link: refusing it (remove it, or give "
-                         "--socket a path in a directory of this user's)")
-    problems = []
-    if info.st_uid not in (os.getuid(), 0):
-        problems.append(f"owned by uid {info.st_uid}, not by this daemon's uid {os.getuid()}")
-    # a root-owned sticky directory (/tmp) is fine: others may add files, never move or remove ours,
-    # and a name they took first is refused below (in use) or cannot be unlinked
-    sticky_root = info.st_uid == 0 and info.st_mode & stat.S_ISVTX
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_root:
-        problems.append(f"writable by {'others' if info.st_mode & stat.S_IWOTH else 'its group'} "
-                        f"(mode {stat.S_IMODE(info.st_mode):o})")
-    if problems:
-        raise BadRequest(f"refusing the socket directory {directory}: {' and '.join(problems)}; another user could "
-                         f"replace the daemon's socket there. Remove it (or chmod 700 it, if it is yours), or set "
-                         f"KVD_RUNTIME_DIR / --socket to a directory of this user's: one beneath it that kvd makes "
-                         f"itself will do (e.g. {os.path.join(directory, 'kvd')}; a Kubernetes emptyDir is 0777)")
-
-
 def curve_summary(curve) -> str:
     if curve is None:
         return ""
@@ -476,17 +400,3 @@ def insecure_refusal(listen: str) -> str:
             "  kvd keygen NODE --dir /etc/kvd --ca-secret /etc/kvd/ca.key_secret\n"
             "  kvd serve --curve-secret-key /etc/kvd/NODE.key_secret --curve-ca /etc/kvd/ca.key ...\n"
             "or listen on loopback only, or pass --insecure if the network is trusted (and firewalled).")
-
-
-def _socket_in_use(path: str) -> bool:
-    """True if something accepts connections on this unix socket path."""
-    import socket as pysocket
-
-    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
