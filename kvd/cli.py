@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Sequence
 
-from .daemon.config import DEFAULT_METRICS_PORT, DEFAULT_PEER_PORT, load_config, parse_labels, parse_peers
+from .daemon.config import FIELD_NAMES, config_default, load_config, parse_labels, parse_peers, shown_default
 
 PRECEDENCE = "Precedence: command-line flags > KVD_* environment variables > --config file > defaults."
 
@@ -22,44 +22,44 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     add("--config", metavar="FILE", help="TOML config file (env: KVD_CONFIG)")
     add("--node-id", help="this node's name, as peers know it (default: hostname)")
     add("--listen", metavar="tcp://HOST:PORT",
-        help=f"peer-facing endpoint (default: tcp://127.0.0.1:{DEFAULT_PEER_PORT}; loopback unless you say)")
+        help="peer-facing endpoint, loopback unless you say")
     add("--socket", metavar="ENDPOINT",
         help="endpoint for local clients: unix:///ABSOLUTE/PATH (ipc:// is the same) or tcp://HOST:PORT "
              "(default: unix://$KVD_RUNTIME_DIR/kvd.sock, else unix://$XDG_RUNTIME_DIR/kvd/kvd.sock, else "
              "unix:///tmp/kvd-$UID/kvd.sock; env KVD_SOCKET)")
-    add("--pool-size", metavar="SIZE", help="staging pool size, e.g. 512MiB, 4GiB (default: 1GiB)")
-    add("--block-size", metavar="SIZE", help="pool block size, a power of two (default: 64KiB)")
+    add("--pool-size", metavar="SIZE", help="staging pool size, e.g. 512MiB, 4GiB")
+    add("--block-size", metavar="SIZE", help="pool block size, a power of two")
     add("--pool-path", metavar="FILE",
         help="back the host pool with this file (on a tmpfs) instead of an anonymous memfd")
     add("--no-prefault", dest="pool_prefault", action="store_const", const=False,
         help="do not allocate the pool's pages at start")
     add("--pool-overcommit", action="store_const", const=True,
         help="start even when the pool is bigger than the RAM available (the host's OOM killer may strike)")
-    add("--device", metavar="cpu|cuda:N", help="where the pool lives (default: cpu)")
+    add("--device", metavar="cpu|cuda:N", help="where the pool lives")
     add("--peer", dest="peers", action="append", metavar="NAME=ENDPOINT",
         help="a peer daemon, e.g. B=tcp://10.0.0.2:7470 (repeatable)")
-    add("--default-ttl", metavar="DURATION", help="drop unread entries after this long; 0 = never (default: 600s)")
+    add("--default-ttl", metavar="DURATION", help="drop unread entries after this long; 0 = never")
     add("--lease-timeout", metavar="DURATION",
-        help="a client must finish copying a put or get within this (default: 30s)")
+        help="a client must finish copying a put or get within this")
     add("--transfer-timeout", metavar="DURATION",
-        help="fail a peer transfer after this long without progress (default: 15s)")
-    add("--connect-timeout", metavar="DURATION", help="peer handshake deadline (default: 5s)")
-    add("--heartbeat-interval", metavar="DURATION", help="how often peers are pinged (default: 1s)")
+        help="fail a peer transfer after this long without progress")
+    add("--connect-timeout", metavar="DURATION", help="peer handshake deadline")
+    add("--heartbeat-interval", metavar="DURATION", help="how often peers are pinged")
     add("--heartbeat-timeout", metavar="DURATION",
-        help="a peer silent this long is lost and its transfers fail (default: 5s)")
+        help="a peer silent this long is lost and its transfers fail")
     add("--drain-timeout", metavar="DURATION",
-        help="on SIGTERM, in-flight transfers get this long to finish (default: 10s)")
+        help="on SIGTERM, in-flight transfers get this long to finish")
     add("--scratch-max", metavar="SIZE",
         help="puts up to this size take one round trip: blocks are lent to each client ahead of "
-             "its next put (0 = off; default: 4MiB)")
-    add("--chunk-size", metavar="SIZE", help="network chunk size (default: 4MiB)")
-    add("--window", type=int, help="chunks in flight per transfer (default: 8)")
-    add("--io-threads", type=int, help="ZeroMQ I/O threads; raise on many cores and fast NICs (default: 1)")
-    add("--checksum", choices=["xxh3_64", "crc32", "none"], help="per-chunk checksum (default: xxh3_64)")
-    add("--log-level", choices=["debug", "info", "warning", "error"], help="(default: info)")
-    add("--log-format", choices=["text", "json"], help="(default: text)")
-    add("--metrics-port", type=int, help=f"Prometheus /metrics port, 0 = off (default: {DEFAULT_METRICS_PORT})")
-    add("--metrics-host", help="address the metrics server binds (default: 127.0.0.1)")
+             "its next put; 0 = off")
+    add("--chunk-size", metavar="SIZE", help="network chunk size")
+    add("--window", type=int, help="chunks in flight per transfer")
+    add("--io-threads", type=int, help="ZeroMQ I/O threads; raise on many cores and fast NICs")
+    add("--checksum", choices=["xxh3_64", "crc32", "none"], help="per-chunk checksum")
+    add("--log-level", choices=["debug", "info", "warning", "error"], help="")
+    add("--log-format", choices=["text", "json"], help="")
+    add("--metrics-port", type=int, help="Prometheus /metrics port; 0 = off")
+    add("--metrics-host", help="address the metrics server binds")
     add("--curve-secret-key", metavar="FILE",
         help="authenticate and encrypt peer traffic with this CURVE key pair (a .key_secret file from "
              "`kvd keygen`); needs --curve-allow")
@@ -75,9 +75,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     add("--insecure", action="store_const", const=True,
         help="allow a --listen beyond loopback without peer authentication (any host that reaches it can "
              "read and inject caches)")
-    add("--max-clients", type=int, help="local client connections served at once (default: 1024)")
-    add("--max-peer-connections", type=int, help="peer connections to --listen at once (default: 1024)")
-    add("--max-entries", type=int, help="entries held at once; past it a put gets PoolFull (default: 65536)")
+    add("--max-clients", type=int, help="local client connections served at once")
+    add("--max-peer-connections", type=int, help="peer connections to --listen at once")
+    add("--max-entries", type=int, help="entries held at once; past it a put gets PoolFull")
     add("--registry", metavar="URL",
         help="cluster registry: etcd[s]://[USER:PASS@]HOST:PORT[,HOST:PORT...] or "
              "redis[s]://[USER:PASS@]HOST:PORT[/DB] (default: none, static peers only)")
@@ -86,20 +86,30 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     add("--registry-ca", metavar="FILE", help="CA bundle for the registry's TLS certificate (etcds://, rediss://)")
     add("--registry-cert", metavar="FILE", help="client certificate for mutual TLS with the registry")
     add("--registry-key", metavar="FILE", help="the private key of --registry-cert")
-    add("--cluster", metavar="NAME", help="scopes every registry key (default: kvd)")
+    add("--cluster", metavar="NAME", help="scopes every registry key")
     add("--advertise", metavar="tcp://HOST:PORT",
         help="the endpoint peers dial, as published in the registry (default: --listen, which must then not "
              "be a wildcard address)")
-    add("--registry-ttl", metavar="DURATION", help="a dead node leaves the registry within ~2x this (default: 5s)")
+    add("--registry-ttl", metavar="DURATION", help="a dead node leaves the registry within ~2x this")
     add("--registry-publish", choices=["pullable", "all", "none"],
-        help="which entries the holder directory lists (default: pullable: local puts with no destination)")
-    add("--role", choices=["prefill", "decode", "any"], help="how routers see this node (default: any)")
+        help="which entries the holder directory lists (pullable: local puts with no destination)")
+    add("--role", choices=["prefill", "decode", "any"], help="how routers see this node")
     add("--label", dest="labels", action="append", metavar="KEY=VALUE",
         help="a label published with the node, e.g. zone=us-east-1a (repeatable)")
     add("--curve-allow", action="append", metavar="KEY|FILE|DIR",
         help="public keys allowed to connect (repeatable): a .key file, a directory of them, or a Z85 "
              "key; a file named PEER.key also gives the key used to dial peer PEER")
+    show_defaults(serve)
     return serve
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """End each option's help with its Config default, written only in Config. (The parser's own
+    defaults stay None: "not given", so that the env and the config file can still set them.)"""
+    for action in parser._actions:
+        shown = shown_default(action.dest) if action.dest in FIELD_NAMES else None
+        if shown is not None:
+            action.help = f"{action.help} (default: {shown})" if action.help else f"(default: {shown})"
 
 
 def _client_parser(sub, name: str, help_text: str):
@@ -144,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--ca", action="store_true", help="write a new cluster CA (ca.key, ca.key_secret) instead")
     keygen.add_argument("--dir", default=".", help="where to write the files (default: .)")
     keygen.add_argument("--ca-secret", metavar="FILE", help="sign NAME.cert with this CA (its ca.key_secret)")
-    keygen.add_argument("--cluster", default="kvd", help="the cluster the cert is for, as kvd serve --cluster "
-                                                         "(default: kvd)")
+    keygen.add_argument("--cluster", default=config_default("cluster"),
+                        help="the cluster the cert is for, as kvd serve --cluster (default: %(default)s)")
     keygen.add_argument("--valid-for", metavar="DURATION", default="30d",
                         help="how long the cert admits its node (default: 30d); renew before it runs out")
     keygen.add_argument("--force", action="store_true",

@@ -265,3 +265,29 @@ def load_config(
         if value is not None:
             values[name] = _coerce(name, value)
     return Config(**values)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_SIZE_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+
+
+def config_default(name: str) -> Any:
+    """A field's default value (computed for the fields with a default_factory)."""
+    f = _FIELDS[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def shown_default(name: str) -> str | None:
+    """A field's default as help text shows it ("1GiB", "600s", "8"), in a form `_coerce` reads
+    back. None where there is no one value to show: computed at start (the hostname, the socket
+    path), empty (off, or derived from another option), a flag, a list."""
+    f = _FIELDS[name]
+    value = f.default
+    if value is dataclasses.MISSING or isinstance(value, (bool, tuple)) or value == "":
+        return None
+    if name in _SIZES:
+        unit, suffix = next(((u, s) for u, s in _SIZE_UNITS if value and value % u == 0), (1, "B"))
+        return f"{value // unit}{suffix}"
+    if name in _DURATIONS:
+        return f"{value:g}s"
+    return str(value)
