@@ -78,6 +78,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     add("--max-clients", type=int, help="local client connections served at once")
     add("--max-peer-connections", type=int, help="peer connections to --listen at once")
     add("--max-entries", type=int, help="entries held at once; past it a put gets PoolFull")
+    add("--cache-size", metavar="SIZE|FRACTION",
+        help="the KV tier's budget: a size (2GiB) or a fraction of the pool (0.5); 0 = off. Its pages are "
+             "evicted LRU past it, or when a handoff needs the room")
     add("--registry", metavar="URL",
         help="cluster registry: etcd[s]://[USER:PASS@]HOST:PORT[,HOST:PORT...] or "
              "redis[s]://[USER:PASS@]HOST:PORT[/DB] (default: none, static peers only)")
@@ -244,6 +247,12 @@ def client_command(args: argparse.Namespace) -> int:
                     print(f"           last error: {registry['last_error']}")
                 if registry.get("dropped"):
                     print(f"           records dropped: {registry['dropped']}")
+            cache = stats.get("cache")
+            if cache:
+                print(f"kv tier    {cache['entries']} pages, {format_size(cache['bytes'])} in "
+                      f"{format_size(cache['used_bytes'])} of {format_size(cache['budget'])} budget; "
+                      f"{cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions, "
+                      f"{cache['refused']} refused, {cache['namespaces']} namespaces")
             print(f"counters   {stats['counters']}")
             for error in stats["recent_errors"][-5:]:
                 when = time.strftime("%H:%M:%S", time.localtime(error["time"]))
@@ -262,6 +271,13 @@ def client_command(args: argparse.Namespace) -> int:
             for e in entries:
                 print(f"{e['request_id']:40} {e['state']:10} {format_size(e['bytes']):>10} "
                       f"{e['tensors']:>7} {e['age_s']:>7.1f}s")
+            cache = ask(p.Stats(req=1), args.socket).get("cache")
+            if cache:  # the tier's pages are many and small: by namespace, not one by one
+                print(f"kv tier: {cache['entries']} pages, {format_size(cache['bytes'])} "
+                      f"(budget {format_size(cache['budget'])})")
+                for namespace, counts in cache["top_namespaces"].items():
+                    if counts["entries"]:
+                        print(f"  namespace {namespace!r}: {counts['entries']} pages, {format_size(counts['bytes'])}")
         elif args.command == "cluster" and args.cluster_command == "ls":
             nodes = ask(p.ClusterNodes(req=1), args.socket)
             if args.json:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from .connection import StreamConnection
 from .core import CONNECT_TIMEOUT, REPLY_GRACE, _ClientCore
 from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed
 from .blocks import get_blocks, put_blocks
+from .cache import cache_exists, cache_get, cache_put
 from .streaming import StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,31 @@ class AsyncClient(_ClientCore):
     async def delete(self, request_id: str) -> bool:
         await self.connect()
         return bool(await self._drive(self._simple(p.Delete(req=next(self._reqs), request_id=request_id))))
+
+    async def cache_put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, namespace: str = "") -> list[bool]:
+        """Store pages in the daemon's KV tier under (namespace, keys[i]): see `Client.cache_put`."""
+        await self.connect()
+        return await self._drive(cache_put(self, keys, pages, namespace))
+
+    async def cache_get(self, keys: Sequence[str], outs: Sequence[torch.Tensor], *, namespace: str = "") -> list[bool]:
+        """Fill outs[i] from the KV tier: see `Client.cache_get`."""
+        await self.connect()
+        return await self._drive(cache_get(self, keys, outs, namespace))
+
+    async def cache_exists(self, keys: Sequence[str], *, namespace: str = "") -> int:
+        """How many keys, from the first, the KV tier holds."""
+        await self.connect()
+        return await self._drive(cache_exists(self, keys, namespace))
+
+    async def cache_clear(self, namespace: str = "") -> int:
+        """Drop a namespace's pages; returns how many went."""
+        await self.connect()
+        return await self._drive(self._simple(p.CacheClear(req=next(self._reqs), namespace=namespace)))
+
+    async def cache_stats(self, namespace: str | None = None) -> dict:
+        """The KV tier's counters (hits, misses, evictions, entries, bytes, budget, ...)."""
+        await self.connect()
+        return await self._drive(self._simple(p.CacheStats(req=next(self._reqs), namespace=namespace)))
 
     async def stats(self) -> dict:
         await self.connect()

@@ -24,6 +24,7 @@ from kvd.wire import protocol as p
 from kvd.wire.endpoints import default_socket, unix_path
 from kvd.wire.layout import Extent, Segment, TensorSpec, blocks_needed, physical_segments, tensor_offsets
 
+from .cache import give_back
 from .ops import NO_REPLY, WAIT_FOREVER, Emit, Operation, Receive, StreamClosed
 from .streaming import StreamState
 from .tensors import as_tensor, check_out, copy_in, copy_out, spec_of
@@ -100,6 +101,8 @@ class _ClientCore:
                              consume=False, reply=False)
         if isinstance(reply, p.PutSlots):  # a reservation nobody will write
             return p.Delete(req=next(self._reqs), request_id=request.request_id, token=reply.token)
+        if isinstance(reply, p.CacheSlots):  # tier room nobody will write, or pins nobody reads
+            return give_back(request, reply, next(self._reqs))
         return None
 
     def _pool_of(self, generation: int) -> torch.Tensor:

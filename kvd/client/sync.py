@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from .connection import BlockingConnection
 from .core import CONNECT_TIMEOUT, REPLY_GRACE, _ClientCore, log
 from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed
 from .blocks import get_blocks, put_blocks
+from .cache import cache_exists, cache_get, cache_put
 from .streaming import StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream
 
 
@@ -224,6 +225,40 @@ class Client(_ClientCore):
         """Drop a request's cache; True if it was held."""
         self.connect()
         return bool(self._drive(self._simple(p.Delete(req=next(self._reqs), request_id=request_id))))
+
+    def cache_put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, namespace: str = "") -> list[bool]:
+        """Store pages in the daemon's KV tier, page i under (namespace, keys[i]), in one batch.
+
+        Each page (any dtype and shape, a view will do) is copied once, straight into the pool.
+        Per key: True if stored or already held, False if refused (the tier or the pool is
+        full of what cannot be evicted, the page is bigger than the budget). The pages belong
+        to the daemon, not to this client: they outlive it, until evicted or cleared."""
+        self.connect()
+        return self._drive(cache_put(self, keys, pages, namespace))
+
+    def cache_get(self, keys: Sequence[str], outs: Sequence[torch.Tensor], *, namespace: str = "") -> list[bool]:
+        """Fill outs[i] with the page stored under (namespace, keys[i]), one copy straight from the
+        pool; outs[i] must have the page's byte count (its dtype and shape may differ, e.g. a
+        uint8 view). Per key: True if filled, False on a miss (absent, evicted, other size).
+        Reads never consume a page."""
+        self.connect()
+        return self._drive(cache_get(self, keys, outs, namespace))
+
+    def cache_exists(self, keys: Sequence[str], *, namespace: str = "") -> int:
+        """How many keys, from the first, the KV tier holds (SGLang's batch_exists)."""
+        self.connect()
+        return self._drive(cache_exists(self, keys, namespace))
+
+    def cache_clear(self, namespace: str = "") -> int:
+        """Drop a namespace's pages; returns how many went."""
+        self.connect()
+        return self._drive(self._simple(p.CacheClear(req=next(self._reqs), namespace=namespace)))
+
+    def cache_stats(self, namespace: str | None = None) -> dict:
+        """The KV tier's counters: hits, misses, evictions, stored, refused, entries, bytes, budget
+        (of one namespace, or of all with the biggest namespaces by name)."""
+        self.connect()
+        return self._drive(self._simple(p.CacheStats(req=next(self._reqs), namespace=namespace)))
 
     def stats(self) -> dict:
         self.connect()

@@ -59,6 +59,9 @@ class Config:
     max_clients: int = 1024  # local client connections; past it, a new one is answered with an error
     max_peer_connections: int = 1024  # peer connections to our --listen; the newest past it are cut
     max_entries: int = 65536  # entries held (any state); past it a put gets PoolFull
+    # the KV tier's budget: a fraction of the pool (0 < x <= 1) or bytes (> 1); 0 = off. A cap, not a
+    # reservation: handoffs may take the room back (docs/kv-tier.md)
+    cache_size: float = 0.25
     # the cluster registry (kvd.cluster); empty registry: no registry, static peers only
     registry: str = ""  # etcd[s]://[USER:PASS@]HOST:PORT[,HOST:PORT...] | redis[s]://[USER:PASS@]HOST:PORT[/DB]
     registry_password_file: str = ""  # the registry password (first line), instead of one in the URL
@@ -119,6 +122,8 @@ class Config:
             problems.append("curve_allow needs curve_secret_key (our own key pair)")
         if not 0 <= self.metrics_port < 65536:
             problems.append("metrics_port must be 0-65535")
+        if not (self.cache_size >= 0 and self.cache_size != float("inf")):
+            problems.append(f"cache_size must be a fraction of the pool (0-1) or a size, got {self.cache_size!r}")
         for name in ("max_clients", "max_peer_connections", "max_entries"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1")
@@ -155,6 +160,12 @@ class Config:
             if not key or not isinstance(value, str):
                 problems.append(f"label {key!r} needs a string value")
         return problems
+
+    @property
+    def cache_budget(self) -> int:
+        """The KV tier's budget in bytes: cache_size of the pool (a fraction) or as given, at most the pool."""
+        size = self.pool_size * self.cache_size if self.cache_size <= 1 else self.cache_size
+        return int(min(size, self.pool_size))
 
     @property
     def advertised(self) -> str:
@@ -211,7 +222,21 @@ def _wildcard(endpoint: str) -> bool:
     return host in ("0.0.0.0", "::", "*", "")
 
 
+def parse_cache_size(value: Any) -> float:
+    """'0.25' or 0.25: a fraction of the pool; '2GiB' or 2147483648: bytes; 0: off."""
+    if isinstance(value, bool):
+        raise ValueError(f"cache_size must be a fraction or a size, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float(parse_size(value))
+
+
 def _coerce(name: str, value: Any) -> Any:
+    if name == "cache_size":
+        return parse_cache_size(value)
     if name in _SIZES:
         return parse_size(value)
     if name in _DURATIONS:

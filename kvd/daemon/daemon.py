@@ -40,7 +40,8 @@ from .peer.router import Router
 from .peer.transfers import Transfers
 from .socket_path import claim_socket_path
 from .status import Status
-from .store.allocator import BlockAllocator
+from .cache import CacheCollector, CacheService
+from .store.cache import CacheStore, SharedPool
 from .store.entries import Store
 from .systemd import Notifier
 from .watch import EntryWatch
@@ -61,7 +62,7 @@ class Daemon:
         self.notifier = Notifier()
         self._stop_requested = asyncio.Event()
         # built by start(), in this order; stop() closes whatever was built
-        self.memory = self.store = self.ctx = self.authenticator = None
+        self.memory = self.store = self.cache = self.ctx = self.authenticator = None
         self.directory: Directory | None = None
         self.curve = None  # our CURVE keys and allow list, when CURVE is on
         self.local: LocalServer | None = None
@@ -94,7 +95,9 @@ class Daemon:
             if curve is not None:  # a node found in the registry is dialled under the key its cert names
                 curve.registry_key = self.directory.key_of
         num_blocks = cfg.pool_size // cfg.block_size
-        self.store = Store(BlockAllocator(num_blocks), cfg.block_size, cfg.default_ttl or None,
+        pool = SharedPool(num_blocks)  # handoffs and the KV tier share it; a handoff may evict tier pages
+        self.cache = CacheStore(pool, cfg.block_size, cfg.cache_budget)
+        self.store = Store(pool, cfg.block_size, cfg.default_ttl or None,
                            on_published=self.directory.entry_published if self.directory else None,
                            on_removed=self.directory.entry_removed if self.directory else None,
                            max_entries=cfg.max_entries)
@@ -123,10 +126,13 @@ class Daemon:
         status = Status(cfg, life, self.store, self.transfers, self.peers, self.local, self.metrics,
                         self.router.bound_endpoint, __version__, self.directory)
         self.metrics.registry.register(status)
+        self.metrics.registry.register(CacheCollector(self.cache))
+        status.cache = self.cache
         hello = HelloInfo(cfg.node_id, life.incarnation, self.memory.client_path, cfg.pool_size, cfg.block_size,
                           cfg.device, self.memory.ipc_handle)
         self.handlers = LocalHandlers(cfg, self.store, watch, self.transfers, self.metrics, self.local, life, hello,
                                       status.snapshot, self.directory)
+        self.handlers.cache = self._cache_service = CacheService(self.cache, cfg.block_size, cfg.lease_timeout)
         self._sweeper = Sweeper(self.store, watch, self.handlers, self.metrics)
         if cfg.metrics_port:  # before the client socket: once a client is answered, /healthz answers too
             self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: life.ready,
@@ -307,6 +313,7 @@ class Daemon:
             self.metrics.lag(max(0.0, now - expected))
             expected = now + HOUSEKEEPING_INTERVAL
             self._sweeper.sweep(now)
+            self._cache_service.sweep(now)
             self.local.enforce(now)
             self.router.enforce(now)
             self.transfers.tick(now)

@@ -38,7 +38,7 @@ MAX_NOTE = 512  # characters of a request id or error message kept for kvd statu
 # what a draining daemon still takes: it finishes or undoes work already started (a stream's
 # next layers and its commit, a read's release, a delete), or only reads
 ALLOWED_WHILE_DRAINING = (p.PutPart, p.PutCommit, p.GetDone, p.Delete, p.Stats, p.Hello, p.ListEntries,
-                          p.ClusterNodes, p.ClusterLocate)
+                          p.ClusterNodes, p.ClusterLocate, p.CacheCommit, p.CacheRelease, p.CacheStats)
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class LocalHandlers:
         self.waits = ConnectionWaits(watch, metrics)  # each connection's gets still waiting
         self._owed: dict[bytes, int] = {}  # connection -> other answers it waits for (a push's put_ok, a locate)
         clients.in_use = self._in_use  # (an idle connection may be evicted at --max-clients)
+        self.cache = None  # the KV tier's requests (daemon/cache.py), set by the daemon
 
     async def close(self) -> None:
         self.watch.close()
@@ -193,9 +194,12 @@ class LocalHandlers:
 
     def _in_use(self, rid: bytes) -> bool:
         """The connection holds or waits for something (it is not idle, whatever its silence)."""
-        return rid in self._owed or self.waits.holds_any(rid) or self.holds.holds_any(rid)
+        return (rid in self._owed or self.waits.holds_any(rid) or self.holds.holds_any(rid)
+                or (self.cache is not None and self.cache.in_use(rid)))
 
     def _handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
+        if isinstance(msg, p.CACHE_REQUESTS) and self.cache is not None:
+            return self.cache.handle(rid, msg)
         match msg:
             case p.Hello():
                 h = self.hello
@@ -432,6 +436,8 @@ class LocalHandlers:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
         they would be at lease expiry; blocks parked for it are free at last."""
         self.pulls.leave_all(rid)
+        if self.cache is not None:
+            self.cache.client_gone(rid)  # its tier reservations and pins
         self.waits.drop(rid)  # every one of its waits, now
         self._owed.pop(rid, None)
         loans, holds = self.holds.gone(rid)

@@ -36,6 +36,7 @@ class Status(Collector):
         self.metrics = metrics
         self.listen = listen  # the peer endpoint as bound
         self.version = version
+        self.cache = None  # the KV tier's store (store/cache.py), set by the daemon
 
     def pool(self) -> dict:
         store, block_size = self.store, self.config.block_size
@@ -73,6 +74,7 @@ class Status(Collector):
             "listen": self.listen,
             "metrics": f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None,
             "registry": self.directory.status() if self.directory is not None else None,
+            "cache": self.cache.stats() if self.cache is not None else None,
         }
 
     def collect(self) -> Iterator:

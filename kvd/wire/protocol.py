@@ -35,6 +35,10 @@ UNPACK_LIMITS = dict(
 Frame = typing.Union[bytes, bytearray, memoryview]
 from .messages import *  # noqa: E402,F403  (every message type, as p.Hello, p.Chunk, ...)
 from .messages import MESSAGE_TYPES, Chunk, Error, Message, Offer  # noqa: E402
+from .tier import *  # noqa: E402,F403  (the KV tier's messages, as p.CachePut, ...)
+from .tier import TIER_MESSAGES  # noqa: E402
+
+MESSAGE_TYPES = {**MESSAGE_TYPES, **TIER_MESSAGES}
 
 
 # ---- field validation ---------------------------------------------------------------------

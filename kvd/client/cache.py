@@ -1,0 +1,163 @@
+"""The KV tier's client operations (worker process): batches of pages in and out of the daemon's
+evictable cache, as I/O-free generators (`ops.py`) that `Client` and `AsyncClient` drive.
+
+A put asks the daemon for room for the whole batch (cache_put), copies each new page once,
+straight into the pool, and commits (cache_commit); a get asks where the hits are (cache_get),
+copies each once, straight out of the pool into the caller's tensor, and releases them
+(cache_release, no reply). Batches over the daemon's cap (MAX_BATCH keys) go as several.
+A full tier answers False, never an exception; transport errors raise as in any call.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from kvd.errors import BadRequest, ProtocolError
+from kvd.wire import protocol as p
+
+from .ops import NO_REPLY, Operation
+from .tensors import DTYPE_NAMES, copy_in
+
+MAX_BATCH = 4096  # keys per request, the daemon's cap (kvd.daemon.store.cache.MAX_BATCH)
+# (`core` below is the driving client, a kvd.client.core._ClientCore: not imported, since core imports us)
+
+
+def _keys(keys: Sequence[str]) -> list[str]:
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+        raise BadRequest("cache keys must be a sequence of str")
+    return list(keys)
+
+
+def _check_namespace(namespace: str) -> None:
+    if not isinstance(namespace, str):
+        raise BadRequest(f"a namespace must be a str, got {type(namespace).__name__}")
+
+
+def _checked_slot(core: Any, slot, nbytes: int) -> list[tuple[int, int]]:
+    """The daemon's segments for a page, checked before a byte moves: inside the pool, as long as the page."""
+    try:
+        segments = [(int(off), int(n)) for off, n in slot]
+    except (TypeError, ValueError):
+        raise ProtocolError(f"cache slot is not a list of [offset, length]: {str(slot)[:80]}") from None
+    pool_size = core.info.pool_size
+    if sum(n for _, n in segments) != nbytes or not all(0 <= off and 0 < n and off + n <= pool_size
+                                                        for off, n in segments):
+        raise ProtocolError(f"cache slot {str(slot)[:80]} does not hold a page of {nbytes} bytes inside the pool")
+    return segments
+
+
+def _page(tensor: object, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise BadRequest(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in DTYPE_NAMES:
+        raise BadRequest(f"{what}: dtype {tensor.dtype} is not supported")
+    if tensor.device.type == "meta":
+        raise BadRequest(f"{what} is a meta tensor; give one with memory")
+    return tensor.detach()
+
+
+def cache_put(core: Any, keys: Sequence[str], pages: Sequence[torch.Tensor], namespace: str) -> Operation:
+    keys = _keys(keys)
+    _check_namespace(namespace)
+    pages = [_page(t, f"page {i}") for i, t in enumerate(pages)]
+    if len(pages) != len(keys):
+        raise BadRequest(f"{len(keys)} keys but {len(pages)} pages")
+    results: list[bool] = []
+    for start in range(0, len(keys), MAX_BATCH):
+        batch = pages[start:start + MAX_BATCH]
+        generation = core._generation
+        reply = yield p.CachePut(req=next(core._reqs), namespace=namespace, keys=keys[start:start + MAX_BATCH],
+                                 pages=[[DTYPE_NAMES[t.dtype], list(t.shape)] for t in batch]), 0.0
+        slots = reply.slots
+        if not isinstance(slots, list) or len(slots) != len(batch):
+            raise ProtocolError(f"cache_slots has {len(slots)} slots for {len(batch)} pages")
+        writes = [i for i, slot in enumerate(slots) if isinstance(slot, list)]
+        if writes:
+            try:
+                pool = core._pool_of(generation)
+                for i in writes:
+                    page = batch[i]
+                    segments = _checked_slot(core, slots[i], page.numel() * page.element_size())
+                    if segments:
+                        copy_in(pool, page, segments)
+                core._sync_device()
+            except BaseException:
+                yield p.CacheCommit(req=next(core._reqs), token=reply.token, ok=False), NO_REPLY
+                raise
+            yield p.CacheCommit(req=next(core._reqs), token=reply.token), 0.0
+        results += [slot is True or isinstance(slot, list) for slot in slots]
+    return results
+
+
+def _copy_out(pool: torch.Tensor, segments: list[tuple[int, int]], out: torch.Tensor) -> None:
+    """Pool bytes -> out (same byte count), one copy (torch's, threaded: faster out of the pool)."""
+    if len(segments) == 1:
+        off, n = segments[0]
+        out.copy_(pool[off:off + n].view(out.dtype).view(out.shape))
+        return
+    target = out if out.is_contiguous() and out.device == pool.device else torch.empty_like(out, device=pool.device)
+    flat = target.reshape(-1).view(torch.uint8)
+    pos = 0
+    for off, n in segments:
+        flat[pos:pos + n].copy_(pool[off:off + n])
+        pos += n
+    if target is not out:
+        out.copy_(target)
+
+
+def cache_get(core: Any, keys: Sequence[str], outs: Sequence[torch.Tensor], namespace: str) -> Operation:
+    keys = _keys(keys)
+    _check_namespace(namespace)
+    outs = [_page(t, f"outs[{i}]") for i, t in enumerate(outs)]
+    if len(outs) != len(keys):
+        raise BadRequest(f"{len(keys)} keys but {len(outs)} out tensors")
+    results: list[bool] = []
+    for start in range(0, len(keys), MAX_BATCH):
+        batch = outs[start:start + MAX_BATCH]
+        sizes = [t.numel() * t.element_size() for t in batch]
+        generation = core._generation
+        reply = yield p.CacheGet(req=next(core._reqs), namespace=namespace, keys=keys[start:start + MAX_BATCH],
+                                 sizes=sizes), 0.0
+        slots = reply.slots
+        hits = [i for i, slot in enumerate(slots)
+                if slot is not None] if isinstance(slots, list) and len(slots) == len(batch) else None
+        try:
+            if hits is None:
+                raise ProtocolError(f"cache_slots has {len(slots)} slots for {len(batch)} pages")
+            pool = core._pool_of(generation)
+            for i in hits:
+                segments = _checked_slot(core, slots[i], sizes[i])
+                if segments:
+                    _copy_out(pool, segments, batch[i])
+            core._sync_device()
+        finally:
+            if hits != []:  # (a lease exists only when something was found)
+                yield p.CacheRelease(req=next(core._reqs), token=reply.token), NO_REPLY
+        found = set(hits)
+        results += [i in found for i in range(len(batch))]
+    return results
+
+
+def cache_exists(core: Any, keys: Sequence[str], namespace: str) -> Operation:
+    keys = _keys(keys)
+    _check_namespace(namespace)
+    total = 0
+    for start in range(0, len(keys), MAX_BATCH):
+        batch = keys[start:start + MAX_BATCH]
+        reply = yield p.CacheExists(req=next(core._reqs), namespace=namespace, keys=batch), 0.0
+        if type(reply.value) is not int or not 0 <= reply.value <= len(batch):
+            raise ProtocolError(f"cache_exists answered {reply.value!r} for {len(batch)} keys")
+        total += reply.value
+        if reply.value < len(batch):
+            break
+    return total
+
+
+def give_back(request: p.Message, reply: p.CacheSlots, req: int) -> p.Message | None:
+    """What returns a late cache_slots' hold (its request was given up on): uncommitted room, or pins."""
+    if isinstance(request, p.CachePut) and any(isinstance(slot, list) for slot in reply.slots or ()):
+        return p.CacheCommit(req=req, token=reply.token, ok=False)
+    if isinstance(request, p.CacheGet) and any(slot is not None for slot in reply.slots or ()):
+        return p.CacheRelease(req=req, token=reply.token)
+    return None

@@ -1,0 +1,161 @@
+"""The KV tier's requests from local clients (daemon process): cache_put/commit, cache_get/release,
+exists, clear, stats, answered at once from `store/cache.py`; and its Prometheus families.
+
+Each batch is one request and one reply: a put reserves pool room for its new pages and says
+where to write them (the client copies, then commits the token); a get pins its hits and says
+where to read them (the client copies, then releases the token, without a reply). Tokens belong
+to the connection that got them: another connection cannot commit or release them, and a
+connection that hangs up gives back what it held (its uncommitted pages go, its pins end).
+A reservation not committed within the lease timeout is dropped; a pin has no deadline, since
+its reader may still be copying out (it ends with the reader's release or its disconnect).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvd.errors import BadRequest, NotFound
+from kvd.wire import protocol as p
+from kvd.wire.layout import physical_segments
+
+from .store.cache import TOP_NAMESPACES, CacheStore, Page
+
+log = logging.getLogger(__name__)
+
+MAX_LABEL = 64  # characters of a namespace shown as a metrics label (they are printable ASCII)
+
+
+class CacheService:
+    def __init__(self, store: CacheStore, block_size: int, lease_timeout: float) -> None:
+        self.store = store
+        self.block_size = block_size
+        self.lease_timeout = lease_timeout
+        self._owner: dict[int, bytes] = {}  # open token -> the connection it was given to
+        self._held: dict[bytes, set[int]] = {}  # connection -> its open tokens
+        self._deadlines: dict[int, float] = {}  # reservation token -> commit deadline (monotonic)
+
+    def handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
+        store = self.store
+        match msg:
+            case p.CachePut():
+                token, results = store.reserve(msg.namespace, msg.keys, msg.pages)
+                if store.writing(token):
+                    self._own(rid, token)
+                    self._deadlines[token] = time.monotonic() + self.lease_timeout
+                return p.CacheSlots(req=msg.req, token=token, slots=[self._slot(r) for r in results])
+            case p.CacheCommit():
+                self._disown(rid, msg.token, "reservation")
+                self._deadlines.pop(msg.token, None)
+                return p.Ok(req=msg.req, value=store.commit(msg.token, ok=msg.ok))
+            case p.CacheGet():
+                token, found = store.lease(msg.namespace, msg.keys, msg.sizes)
+                if any(page is not None for page in found):
+                    self._own(rid, token)
+                return p.CacheSlots(req=msg.req, token=token,
+                                    slots=[None if page is None else self._segments(page) for page in found])
+            case p.CacheRelease():
+                if self._owner.get(msg.token) == rid:  # (fire and forget: a stale token is ignored)
+                    self._disown(rid, msg.token, "lease")
+                    store.release(msg.token)
+                return None
+            case p.CacheExists():
+                return p.Ok(req=msg.req, value=store.exists(msg.namespace, msg.keys))
+            case p.CacheClear():
+                return p.Ok(req=msg.req, value=store.clear(msg.namespace))
+            case p.CacheStats():
+                return p.Ok(req=msg.req, value=store.stats(msg.namespace))
+        raise BadRequest(f"{msg.TYPE} is not a cache request")
+
+    def _slot(self, result: Page | bool) -> list | bool | None:
+        if result is True:
+            return True
+        return None if result is False else self._segments(result)
+
+    def _segments(self, page: Page) -> list:
+        extents = page.extents
+        if len(extents) == 1:  # (the common case: one run of blocks)
+            return [[extents[0][0] * self.block_size, page.nbytes]] if page.nbytes else []
+        return [list(s) for s in physical_segments(extents, self.block_size, 0, page.nbytes)]
+
+    def _own(self, rid: bytes, token: int) -> None:
+        self._owner[token] = rid
+        self._held.setdefault(rid, set()).add(token)
+
+    def _disown(self, rid: bytes, token: int, what: str) -> None:
+        if self._owner.get(token) != rid:
+            raise NotFound(f"no cache {what} {token} open on this connection (it ran out, or it was never "
+                           "this connection's)")
+        del self._owner[token]
+        held = self._held[rid]
+        held.discard(token)
+        if not held:
+            del self._held[rid]
+
+    def in_use(self, rid: bytes) -> bool:
+        return rid in self._held
+
+    def client_gone(self, rid: bytes) -> None:
+        """Its reservations are dropped, its pins end (it copies nothing any more)."""
+        for token in self._held.pop(rid, ()):
+            del self._owner[token]
+            self._end(token)
+
+    def sweep(self, now: float) -> None:
+        """Drop reservations whose writer did not commit in time."""
+        late = [token for token, deadline in self._deadlines.items() if deadline <= now]
+        for token in late:
+            rid = self._owner.get(token)
+            if rid is not None:
+                self._disown(rid, token, "reservation")
+            self._end(token)
+            log.warning("a cache put was not committed within %gs (--lease-timeout); its pages are dropped",
+                        self.lease_timeout)
+
+    def _end(self, token: int) -> None:
+        self._deadlines.pop(token, None)
+        if self.store.writing(token):
+            self.store.commit(token, ok=False)
+        else:
+            self.store.release(token)
+
+
+def label(namespace: str) -> str:
+    return namespace if len(namespace) <= MAX_LABEL else namespace[:MAX_LABEL - 3] + "..."
+
+
+class CacheCollector(Collector):
+    """The tier's gauges and counters, read at scrape time; per namespace only the TOP_NAMESPACES
+    biggest (so the page stays bounded however many namespaces clients name)."""
+
+    def __init__(self, store: CacheStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator:
+        store = self.store
+        stats = store.stats()
+        yield GaugeMetricFamily("kvd_cache_budget_bytes", "KV tier budget (--cache-size)", value=stats["budget"])
+        yield GaugeMetricFamily("kvd_cache_used_bytes", "Pool bytes held by KV tier pages (whole blocks, parked "
+                                "ones included)", value=stats["used_bytes"])
+        yield GaugeMetricFamily("kvd_cache_parked_bytes", "Pool bytes of removed KV tier pages a reader still "
+                                "copies from", value=stats["parked_bytes"])
+        top = sorted(store.namespaces(), key=lambda item: (-item[1].bytes, item[0]))[:TOP_NAMESPACES]
+        for name, help_text, kind in (
+                ("entries", "KV tier pages held", GaugeMetricFamily),
+                ("bytes", "KV tier page bytes held", GaugeMetricFamily),
+                ("hits", "KV tier keys found by cache_get", CounterMetricFamily),
+                ("misses", "KV tier keys not found by cache_get", CounterMetricFamily),
+                ("evictions", "KV tier pages evicted (budget full, or a handoff needed the room)", CounterMetricFamily),
+                ("stored", "KV tier pages stored", CounterMetricFamily),
+                ("refused", "KV tier pages refused (over the budget, or the pool full of handoffs)",
+                 CounterMetricFamily)):
+            yield kind(f"kvd_cache_{name}", help_text, value=stats[name])
+            if top:  # (separate families: a namespace may be called anything, "" and "*" included)
+                family = kind(f"kvd_cache_namespace_{name}", f"{help_text}, for the {TOP_NAMESPACES} namespaces "
+                              "holding the most bytes", labels=["namespace"])
+                for namespace, counts in top:
+                    family.add_metric([label(namespace)], getattr(counts, name))
+                yield family

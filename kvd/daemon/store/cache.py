@@ -1,0 +1,354 @@
+"""The KV tier's entries (daemon process): evictable pages by (namespace, key), LRU within a budget.
+
+Pure bookkeeping beside the handoff store (`entries.py`): both take blocks from one pool
+(`SharedPool`). A handoff is never evicted; when one needs blocks the pool lacks, cache
+entries go first, least recently used first. Cache entries live within `budget_blocks`, a cap
+(not a reservation: handoffs may squeeze the tier to nothing).
+
+An entry is written by one client (`reserve`, then `commit`), after which it is visible and
+never changes. Reads never consume it: `lease` pins the hits for one reader, `release` unpins
+them. An entry that is pinned is never freed: eviction skips it, and a clear or delete only
+unlists it (its blocks are parked until its last reader lets go). Tokens name one batch's
+reservation or lease; the daemon's handlers tie them to the connection that got them.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from kvd.errors import BadRequest, PoolFull
+from kvd.wire.dtypes import DTYPE_ITEMSIZE
+from kvd.wire.layout import Extent
+from .allocator import BlockAllocator
+
+MAX_BATCH = 4096  # keys per request: a reply's slots stay far below the 1 MiB header
+MAX_KEY_LEN = 256  # a chained SHA-256 hex key is 64
+MAX_NAMESPACE_LEN = 256
+MAX_DIMS = 8
+# keys: printable ASCII without spaces; namespaces: printable ASCII (spaces allowed). Nothing that
+# needs escaping in a log line, a status page or a Prometheus label.
+KEY_RE = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_KEY_LEN)
+NAMESPACE_RE = re.compile(r"[\x20-\x7e]{0,%d}" % MAX_NAMESPACE_LEN)
+TOP_NAMESPACES = 16  # namespaces shown by name in stats and metrics (by bytes held); the rest summed
+MAX_NAMESPACES = 65536  # namespaces with counters of their own; past it, only the totals count
+
+
+class SharedPool(BlockAllocator):
+    """The pool's allocator, shared by handoffs and the tier: a handoff's allocation that does not
+    fit asks `reclaim(blocks short)` (the tier evicts) before it is refused."""
+
+    reclaim: Callable[[int], None] | None = None
+
+    def allocate(self, count: int, evict: bool = True) -> list[Extent]:
+        if evict and count > self.free_blocks and self.reclaim is not None:
+            self.reclaim(count - self.free_blocks)
+        return super().allocate(count)
+
+
+@dataclass(slots=True, eq=False)
+class Page:
+    """One cache entry: a page's bytes, with the dtype and shape it was stored with."""
+
+    namespace: str
+    key: str
+    dtype: str
+    shape: tuple
+    nbytes: int
+    extents: list[Extent] | None  # None once freed
+    blocks: int
+    writing: int = 0  # the reservation's token until committed; 0: committed (visible)
+    readers: int = 0  # leases pinning it
+    removed: bool = False
+    parked: bool = False  # removed while pinned or written: its blocks wait for the reader or writer
+
+
+@dataclass(slots=True)
+class Counts:
+    """Counters of one namespace (and of all)."""
+
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    refused: int = 0
+    evictions: int = 0
+    entries: int = 0
+    bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "stored": self.stored, "refused": self.refused,
+                "evictions": self.evictions, "entries": self.entries, "bytes": self.bytes}
+
+
+def page_size(dtype: object, shape: object) -> int:
+    """Bytes of a page of that dtype and shape, or BadRequest saying what is wrong."""
+    if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+        raise BadRequest(f"page dtype must be one of {', '.join(DTYPE_ITEMSIZE)}, got {dtype!r}")
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS or not all(
+            type(d) is int and 0 <= d < 1 << 40 for d in shape):
+        raise BadRequest(f"page shape must be at most {MAX_DIMS} non-negative ints, got {shape!r}")
+    count = 1
+    for d in shape:
+        count *= d
+    return count * DTYPE_ITEMSIZE[dtype]
+
+
+def check_batch(namespace: object, keys: object) -> None:
+    if not isinstance(namespace, str) or not NAMESPACE_RE.fullmatch(namespace):
+        raise BadRequest(f"a namespace is at most {MAX_NAMESPACE_LEN} printable ASCII characters, got "
+                         f"{str(namespace)[:80]!r}")
+    if not isinstance(keys, list) or len(keys) > MAX_BATCH:
+        raise BadRequest(f"a cache batch is a list of at most {MAX_BATCH} keys"
+                         + (f", got {len(keys)}" if isinstance(keys, list) else ""))
+    for key in keys:
+        if not isinstance(key, str) or not KEY_RE.fullmatch(key):
+            raise BadRequest(f"a cache key is 1-{MAX_KEY_LEN} printable ASCII characters without spaces, got "
+                             f"{str(key)[:80]!r}")
+
+
+class CacheStore:
+    def __init__(self, pool: SharedPool, block_size: int, budget_bytes: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.budget_blocks = max(0, budget_bytes // block_size)
+        self.blocks = 0  # held by pages: visible, being written, or parked under a reader
+        self.parked_blocks = 0  # of those: removed pages a reader still pins
+        self._pages: dict[tuple[str, str], Page] = {}  # visible and being written
+        self._lru: collections.OrderedDict[tuple[str, str], Page] = collections.OrderedDict()  # visible, oldest first
+        self._writes: dict[int, list[Page]] = {}
+        self._reads: dict[int, list[Page]] = {}
+        self._tokens = itertools.count(1)
+        self.total = Counts()
+        self._by_ns: dict[str, Counts] = {}
+        pool.reclaim = self.reclaim
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget_blocks * self.block_size
+
+    def _counts(self, namespace: str) -> Counts:
+        counts = self._by_ns.get(namespace)
+        if counts is None:
+            counts = Counts()
+            if len(self._by_ns) < MAX_NAMESPACES:  # (any client may name any namespace)
+                self._by_ns[namespace] = counts
+        return counts
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def reserve(self, namespace: str, keys: list[str], pages: list) -> tuple[int, list[Page | bool]]:
+        """Room for a batch of pages ([dtype, shape] each): per key a Page to write (then `commit`
+        the token), True (already held or being written: nothing to do) or False (refused:
+        over the budget, the pool full of what cannot be evicted). BadRequest for bad input,
+        before anything is reserved."""
+        check_batch(namespace, keys)
+        if not isinstance(pages, list) or len(pages) != len(keys):
+            raise BadRequest("a cache put names one [dtype, shape] per key")
+        sizes = []
+        for page in pages:
+            if not isinstance(page, list) or len(page) != 2:
+                raise BadRequest(f"a page is described as [dtype, shape], got {str(page)[:80]}")
+            sizes.append(page_size(page[0], page[1]))
+        token = next(self._tokens)
+        counts = self._counts(namespace)
+        results: list[Page | bool] = []
+        written: list[Page] = []
+        for key, (dtype, shape), nbytes in zip(keys, pages, sizes):
+            if (namespace, key) in self._pages:
+                results.append(True)
+                continue
+            blocks = -(-nbytes // self.block_size)
+            extents = self._take(blocks)
+            if extents is None:
+                counts.refused += 1
+                self.total.refused += 1
+                results.append(False)
+                continue
+            page = Page(namespace, key, dtype, tuple(shape), nbytes, extents, blocks, writing=token)
+            self._pages[(namespace, key)] = page
+            self.blocks += blocks
+            written.append(page)
+            results.append(page)
+        if written:
+            self._writes[token] = written
+        return token, results
+
+    def _take(self, blocks: int) -> list[Extent] | None:
+        """Blocks for a new page within the budget, evicting LRU pages; None if it cannot fit."""
+        if blocks > self.budget_blocks:
+            return None
+        while self.blocks + blocks > self.budget_blocks:
+            if not self._evict_one():
+                return None
+        while True:
+            try:
+                return self.pool.allocate(blocks, evict=False)
+            except PoolFull:  # handoffs hold the rest of the pool: make room from our own pages
+                if not self._evict_one():
+                    return None
+
+    def commit(self, token: int, ok: bool = True) -> int:
+        """The writer copied the batch's bytes (ok) or gave up: its pages become visible, or go.
+        Returns how many became visible (a page cleared meanwhile is freed, not published)."""
+        published = 0
+        for page in self._writes.pop(token, ()):
+            page.writing = 0
+            if page.removed:  # cleared while it was written: its blocks waited for this
+                self._free_if_unused(page)
+            elif ok:
+                self._lru[(page.namespace, page.key)] = page
+                counts = self._counts(page.namespace)
+                for c in (counts, self.total):
+                    c.stored += 1
+                    c.entries += 1
+                    c.bytes += page.nbytes
+                published += 1
+            else:
+                self._unlist(page, visible=False)
+                self._free_if_unused(page)
+        return published
+
+    def writing(self, token: int) -> bool:
+        return token in self._writes
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def lease(self, namespace: str, keys: list[str], sizes: list) -> tuple[int, list[Page | None]]:
+        """Pin the hits of a batch for one reader: per key its Page, or None (absent, being
+        written, or not `sizes[i]` bytes). Hits become the most recently used."""
+        check_batch(namespace, keys)
+        if not isinstance(sizes, list) or len(sizes) != len(keys) or not all(type(s) is int for s in sizes):
+            raise BadRequest("a cache get names one size in bytes (an int) per key")
+        token = next(self._tokens)
+        counts = self._counts(namespace)
+        found: list[Page | None] = []
+        pinned: list[Page] = []
+        lru, pages = self._lru, self._pages
+        for key, size in zip(keys, sizes):
+            page = pages.get((namespace, key))
+            if page is None or page.writing or page.nbytes != size:
+                found.append(None)
+                continue
+            lru.move_to_end((namespace, key))
+            page.readers += 1
+            pinned.append(page)
+            found.append(page)
+        hits = len(pinned)
+        counts.hits += hits
+        counts.misses += len(keys) - hits
+        self.total.hits += hits
+        self.total.misses += len(keys) - hits
+        if pinned:
+            self._reads[token] = pinned
+        return token, found
+
+    def release(self, token: int) -> bool:
+        """The reader copied out (or gave up): unpin its pages. False for an unknown token."""
+        pinned = self._reads.pop(token, None)
+        if pinned is None:
+            return False
+        for page in pinned:
+            page.readers -= 1
+            self._free_if_unused(page)
+        return True
+
+    def exists(self, namespace: str, keys: list[str]) -> int:
+        """How many keys, from the first, are held (SGLang's batch_exists). Touches nothing."""
+        check_batch(namespace, keys)
+        count = 0
+        for key in keys:
+            page = self._pages.get((namespace, key))
+            if page is None or page.writing:
+                break
+            count += 1
+        return count
+
+    # --- removal ----------------------------------------------------------------------------------
+
+    def clear(self, namespace: str) -> int:
+        """Drop every page of a namespace (those being written are dropped at their commit);
+        returns how many visible pages went."""
+        check_batch(namespace, [])
+        doomed = [page for (ns, _), page in self._pages.items() if ns == namespace]
+        dropped = 0
+        for page in doomed:
+            dropped += not page.writing
+            self._remove(page)
+        return dropped
+
+    def reclaim(self, short: int) -> None:
+        """A handoff needs `short` more free blocks than the pool has: evict LRU pages until it
+        has them, or until nothing unpinned is left."""
+        target = self.pool.free_blocks + short
+        while self.pool.free_blocks < target and self._evict_one():
+            pass
+
+    def _evict_one(self) -> bool:
+        """Evict the least recently used page nobody reads; False if there is none."""
+        for page in self._lru.values():
+            if not page.readers:
+                counts = self._counts(page.namespace)
+                counts.evictions += 1
+                self.total.evictions += 1
+                self._remove(page)
+                return True
+        return False
+
+    def _remove(self, page: Page) -> None:
+        if page.removed:
+            return
+        self._unlist(page, visible=not page.writing)
+        self._free_if_unused(page)
+
+    def _unlist(self, page: Page, visible: bool) -> None:
+        page.removed = True
+        ident = (page.namespace, page.key)
+        if self._pages.get(ident) is page:
+            del self._pages[ident]
+        if visible and self._lru.pop(ident, None) is page:
+            counts = self._counts(page.namespace)
+            for c in (counts, self.total):
+                c.entries -= 1
+                c.bytes -= page.nbytes
+        if page.readers or page.writing:  # someone may still copy: the blocks wait for them
+            page.parked = True
+            self.parked_blocks += page.blocks
+
+    def _free_if_unused(self, page: Page) -> None:
+        if page.removed and not page.readers and not page.writing and page.extents is not None:
+            if page.parked:
+                page.parked = False
+                self.parked_blocks -= page.blocks
+            self.pool.free(page.extents)
+            page.extents = None
+            self.blocks -= page.blocks
+
+    # --- reading the state -------------------------------------------------------------------------
+
+    def stats(self, namespace: str | None = None) -> dict:
+        """Counters: of one namespace, or of all with the biggest namespaces by name."""
+        base = {"budget": self.budget_bytes, "block_size": self.block_size}
+        if namespace is not None:
+            check_batch(namespace, [])
+            counts = self._by_ns.get(namespace, Counts())
+            return {**counts.as_dict(), **base, "namespace": namespace}
+        top = sorted(self._by_ns.items(), key=lambda item: (-item[1].bytes, item[0]))[:TOP_NAMESPACES]
+        return {**self.total.as_dict(), **base, "used_bytes": self.blocks * self.block_size,
+                "parked_bytes": self.parked_blocks * self.block_size, "namespaces": len(self._by_ns),
+                "top_namespaces": {ns: counts.as_dict() for ns, counts in top},
+                "writes_open": len(self._writes), "reads_open": len(self._reads)}
+
+    def namespaces(self) -> Iterable[tuple[str, Counts]]:
+        return self._by_ns.items()
+
+    def check_invariants(self) -> None:
+        """For tests: the counters agree with the pages, pinned pages are never freed."""
+        visible = [p for p in self._pages.values() if not p.writing]
+        assert set(self._lru) == {(p.namespace, p.key) for p in visible}
+        assert self.total.entries == len(visible)
+        assert self.total.bytes == sum(p.nbytes for p in visible)
+        for pinned in self._reads.values():
+            assert all(p.extents is not None for p in pinned)
+        assert self.blocks == sum(p.blocks for p in self._pages.values()) + self.parked_blocks

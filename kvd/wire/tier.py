@@ -1,0 +1,97 @@
+"""The KV tier's messages (both processes): client <-> local daemon requests for evictable pages
+by (namespace, key), batched, one reply each. Plain data like `messages.py`; `protocol.py`
+adds them to its table of types and re-exports them. The keys' and batches' bounds are the
+daemon's (`kvd.daemon.store.cache`), written in `proto/PROTOCOL.md`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .messages import Message
+
+
+@dataclass(slots=True)
+class CachePut(Message):
+    """Client -> daemon: room for a batch of pages; answered by cache_slots."""
+
+    TYPE: ClassVar[str] = "cache_put"
+    req: int
+    namespace: str
+    keys: list  # [key, ...]
+    pages: list  # per key: [dtype, shape]
+
+
+@dataclass(slots=True)
+class CacheSlots(Message):
+    """Daemon -> client (cache_put, cache_get): per key null (refused / miss) or its pool
+    segments [[offset, length], ...]; for a put, true: already held, nothing to write."""
+
+    TYPE: ClassVar[str] = "cache_slots"
+    req: int
+    token: int  # the batch's reservation (put: cache_commit it) or read lease (get: cache_release it)
+    slots: list
+
+
+@dataclass(slots=True)
+class CacheCommit(Message):
+    """Client -> daemon: the put's pages are written (ok) or will not be; answered by ok."""
+
+    TYPE: ClassVar[str] = "cache_commit"
+    req: int
+    token: int
+    ok: bool = True
+
+
+@dataclass(slots=True)
+class CacheGet(Message):
+    """Client -> daemon: lease a batch's hits for copying out; answered by cache_slots."""
+
+    TYPE: ClassVar[str] = "cache_get"
+    req: int
+    namespace: str
+    keys: list
+    sizes: list  # per key: the bytes the caller expects (a page of another size is a miss)
+
+
+@dataclass(slots=True)
+class CacheRelease(Message):
+    """Client -> daemon, fire and forget: the get's copies are over; unpin its pages."""
+
+    TYPE: ClassVar[str] = "cache_release"
+    req: int
+    token: int
+
+
+@dataclass(slots=True)
+class CacheExists(Message):
+    """Client -> daemon: how many keys, from the first, are held (ok with an int)."""
+
+    TYPE: ClassVar[str] = "cache_exists"
+    req: int
+    namespace: str
+    keys: list
+
+
+@dataclass(slots=True)
+class CacheClear(Message):
+    """Client -> daemon: drop a namespace's pages (ok with how many went)."""
+
+    TYPE: ClassVar[str] = "cache_clear"
+    req: int
+    namespace: str
+
+
+@dataclass(slots=True)
+class CacheStats(Message):
+    """Client -> daemon: the tier's counters, of one namespace or of all (ok with a map)."""
+
+    TYPE: ClassVar[str] = "cache_stats"
+    req: int
+    namespace: str | None = None
+
+
+CACHE_REQUESTS = (CachePut, CacheCommit, CacheGet, CacheRelease, CacheExists, CacheClear, CacheStats)
+TIER_MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (*CACHE_REQUESTS, CacheSlots)}
+
+__all__ = ['CachePut', 'CacheSlots', 'CacheCommit', 'CacheGet', 'CacheRelease', 'CacheExists', 'CacheClear',
+           'CacheStats', 'CACHE_REQUESTS', 'TIER_MESSAGES']
