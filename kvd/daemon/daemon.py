@@ -29,7 +29,7 @@ from kvd.wire.endpoints import is_loopback_endpoint, unix_path
 
 from .config import Config
 from .registry import Directory
-from .handlers import HelloInfo, LocalHandlers
+from .handlers import HelloInfo, LocalHandlers, LocalSettings
 from .http import HttpEndpoint
 from .lifecycle import Lifecycle
 from .local_server import LocalServer
@@ -42,7 +42,7 @@ from .socket_path import claim_socket_path
 from .status import Status
 from .cache import CacheCollector, CacheService
 from .store.cache import CacheStore, SharedPool
-from .store.entries import Store
+from .store.entries import Entry, Store
 from .systemd import Notifier
 from .watch import EntryWatch
 
@@ -130,10 +130,11 @@ class Daemon:
         status.cache = self.cache
         hello = HelloInfo(cfg.node_id, life.incarnation, self.memory.client_path, cfg.pool_size, cfg.block_size,
                           cfg.device, self.memory.ipc_handle)
-        self.handlers = LocalHandlers(cfg, self.store, watch, self.transfers, self.metrics, self.local, life, hello,
-                                      status.snapshot, self.directory)
+        self.handlers = LocalHandlers(LocalSettings(hello, cfg.lease_timeout, cfg.scratch_max), self.store, watch,
+                                      self.transfers, self.metrics, self.local, life, stats=status.snapshot,
+                                      directory=self.directory)
         self.handlers.cache = self._cache_service = CacheService(self.cache, cfg.block_size, cfg.lease_timeout)
-        self._sweeper = Sweeper(self.store, watch, self.handlers, self.metrics)
+        self._sweeper = Sweeper(self.store, watch, self.handlers.puts.write_expired, self.metrics)
         if cfg.metrics_port:  # before the client socket: once a client is answered, /healthz answers too
             self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: life.ready,
                                      self.directory)
@@ -327,8 +328,9 @@ class Daemon:
 class Sweeper:
     """Expiry (daemon process): what ran out of time in the store, and who must hear of it."""
 
-    def __init__(self, store: Store, watch: EntryWatch, handlers: LocalHandlers, metrics: Metrics) -> None:
-        self.store, self.watch, self.handlers, self.metrics = store, watch, handlers, metrics
+    def __init__(self, store: Store, watch: EntryWatch, write_expired: Callable[[Entry], None],
+                 metrics: Metrics) -> None:
+        self.store, self.watch, self.write_expired, self.metrics = store, watch, write_expired, metrics
 
     def sweep(self, now: float) -> None:
         expired, abandoned, stale = self.store.sweep(now)
@@ -337,7 +339,7 @@ class Sweeper:
         self.metrics.expired.inc(len(expired))
         for entry in abandoned:
             log.warning("dropped %s: its writer did not finish within the lease", entry.request_id)
-            self.handlers.write_expired(entry)
+            self.write_expired(entry)
         self.metrics.abandoned.inc(len(abandoned))
         for lease in stale:
             self.watch.lease_expired(lease)

@@ -1,18 +1,19 @@
 """What each local client connection holds (daemon process): pure bookkeeping, no sockets.
 
-A connection holds reservations it writes into (a put between put_slots and its commit), read
-leases (a get between get_slots and get_done), by token, and loans of scratch blocks (one per
-small put it may have in flight). Tokens are sequential, so everything is bound to its
-connection: another connection naming a token finds nothing. When a connection closes, `gone`
-says what to give back.
+A connection holds reservations it writes into (a put between put_slots and its commit, each
+with its `LocalWrite`), read leases (a get between get_slots and get_done), by token, loans of
+scratch blocks (one per small put it may have in flight), and answers it is owed (a push's
+put_ok, a locate). Tokens are sequential, so everything is bound to its connection: another
+connection naming a token finds nothing. When a connection closes, `gone` says what to give back.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvd.errors import KvdError, NotFound
+from kvd.errors import NotFound
 
 from .store.entries import Entry, Store
+from .writes import LocalWrite
 
 PRUNE_AT = 1024  # per connection: holds tracked before ended ones are pruned
 
@@ -24,9 +25,11 @@ class Hold:
     entry: Entry | None = None  # the reservation (None: a read lease)
     req: int = 0  # the put_alloc that made a reservation: its writer is told on it if the put ends
     stream: bool = False
-    # why the reservation ended while its writer was connected (lease ran out, deleted, push
-    # failed): its blocks stay parked until the writer acknowledges (commit, delete) or hangs up
-    ended: KvdError | None = None
+    write: LocalWrite | None = None  # a reservation's life (made with the hold)
+
+    def __post_init__(self) -> None:
+        if self.entry is not None and self.write is None:
+            self.write = LocalWrite()
 
     @property
     def writing(self) -> bool:
@@ -39,6 +42,18 @@ class Holds:
         self._held: dict[bytes, dict[int, Hold]] = {}  # connection -> what it holds, by token
         self._writers: dict[int, bytes] = {}  # reservation token -> the connection writing it
         self._loans: dict[bytes, dict[int, int]] = {}  # connection -> {token: blocks} lent to it
+        self._owed: dict[bytes, int] = {}  # connection -> answers it still waits for, besides its reads
+
+    def owe(self, conn: bytes, count: int) -> None:
+        """The connection waits for `count` more (or, negative, fewer) answers."""
+        owed = self._owed.get(conn, 0) + count
+        if owed > 0:
+            self._owed[conn] = owed
+        else:
+            self._owed.pop(conn, None)
+
+    def owed(self, conn: bytes) -> bool:
+        return conn in self._owed
 
     def loans(self, conn: bytes) -> dict[int, int]:
         """The connection's loans of scratch blocks: token -> blocks."""
@@ -113,6 +128,7 @@ class Holds:
     def gone(self, conn: bytes) -> tuple[list[int], list[Hold]]:
         """A connection closed: its scratch loans (tokens) and the holds still to give back."""
         held = self._held.pop(conn, {})
+        self._owed.pop(conn, None)
         for token in [t for t, h in held.items() if h.writing]:
             self._writers.pop(token, None)
         return list(self._loans.pop(conn, {})), [h for h in held.values() if self.is_live(h)]

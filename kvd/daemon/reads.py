@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from kvd.errors import BadRequest, NotFound, Timeout
 from kvd.wire import protocol as p
 
-from .config import Config
 from .registry import Directory
 from .metrics import Metrics
 from .pulls import HolderSearch, SharedPulls
@@ -68,10 +68,17 @@ class ConnectionWaits:
                 wait.cancel()
 
 
+@dataclass(frozen=True)
+class ReadSettings:
+    node_id: str
+    block_size: int
+    lease_timeout: float  # a client must finish a get's copy within this (--lease-timeout)
+
+
 class Reads:
-    def __init__(self, config: Config, store: Store, watch: EntryWatch, pulls: SharedPulls,
+    def __init__(self, settings: ReadSettings, store: Store, watch: EntryWatch, pulls: SharedPulls,
                  directory: Directory | None, reply: Callable[[bytes, p.Message], bool]) -> None:
-        self.config = config
+        self.settings = settings
         self.store = store
         self.watch = watch
         self.pulls = pulls
@@ -79,12 +86,12 @@ class Reads:
         self._reply = reply
 
     def _is_remote(self, peer: str | None) -> bool:
-        return peer is not None and peer != self.config.node_id
+        return peer is not None and peer != self.settings.node_id
 
     def lease_for_client(self, msg: p.Get, entry: Entry) -> p.GetSlots:
-        lease = self.store.lease(entry, consume=not msg.keep, deadline=time.monotonic() + self.config.lease_timeout)
+        lease = self.store.lease(entry, consume=not msg.keep, deadline=time.monotonic() + self.settings.lease_timeout)
         return p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
-                          segments=entry.segments(self.config.block_size), meta=entry.meta)
+                          segments=entry.segments(self.settings.block_size), meta=entry.meta)
 
     def waits_here(self, msg: p.Get) -> bool:
         """A get that can only wait for its entry here: no source to pull from, no registry to
@@ -120,14 +127,14 @@ class Reads:
         if gone is not None:
             peer, pushed = gone
             how = f"was pushed to {peer}" if pushed else f"was pulled by {peer}"
-            raise NotFound(f"request {request_id!r} {how} and is no longer on {self.config.node_id}: read it on {peer}")
+            raise NotFound(f"request {request_id!r} {how} and is no longer on {self.settings.node_id}: read it on {peer}")
 
     async def locate(self, msg: p.ClusterLocate) -> p.Message:
         return p.Ok(req=msg.req, value=await self.directory().locate(msg.request_id))
 
     def directory(self) -> Directory:
         if self._directory is None:
-            raise BadRequest(f"daemon {self.config.node_id} has no cluster registry (start it with --registry)")
+            raise BadRequest(f"daemon {self.settings.node_id} has no cluster registry (start it with --registry)")
         return self._directory
 
     async def get_stream(self, rid: bytes, msg: p.GetStream) -> p.Message | None:
@@ -162,11 +169,11 @@ class Reads:
                 search.stop()
         complete = entry.state is State.READY
         lease = self.store.lease(entry, consume=False, incomplete=True,
-                                 deadline=time.monotonic() + self.config.lease_timeout if complete else None)
+                                 deadline=time.monotonic() + self.settings.lease_timeout if complete else None)
         self.watch.stream_leases.add(lease.token)
         reader = StreamReader(rid, msg.req, entry, lease.token)
         slots = p.GetSlots(req=msg.req, token=lease.token, tensors=[s.to_wire() for s in entry.specs],
-                           segments=entry.segments(self.config.block_size), meta=entry.meta)
+                           segments=entry.segments(self.settings.block_size), meta=entry.meta)
         if not self._reply(rid, slots):
             return None  # the reader has gone; its lease went back
         ready = reader.news(entry.complete_tensors())
