@@ -1,4 +1,5 @@
-"""The docs' recipes stay honest: every shell and Python block of README.md and docs/*.md is read.
+"""The docs' recipes stay honest: every shell and Python block of README.md, docs/*.md, deploy/README.md,
+bench/RESULTS.md and proto/*.md is read, and their relative links resolve.
 
 - Shell blocks: every `kvd ...` command (`kvd`, `.venv/bin/kvd`, `python -m kvd`, `./dev serve`)
   names a real subcommand, and each of its flags is one that subcommand's parser has (the parser
@@ -31,7 +32,8 @@ from kvd.cli import build_parser
 from kvd.daemon.config import load_config, parse_labels, parse_peers
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md",
+        ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "proto").glob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 DEV_COMMANDS = {"serve", "test", "bench", "setup"}  # what ./dev dispatches (see the file's header)
@@ -357,7 +359,6 @@ def test_every_option_the_configuration_reference_names_exists(parsers):
     assert sorted(named - set(parsers["serve"]._option_string_actions)) == []
 
 
-LINKED = [*DOCS, ROOT / "deploy" / "README.md", ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "proto").glob("*.md"))]
 
 
 def anchors(text: str) -> set[str]:
@@ -366,7 +367,7 @@ def anchors(text: str) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
 
 
-@pytest.mark.parametrize("doc", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_and_their_anchors_resolve(doc):
     broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
