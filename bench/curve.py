@@ -1,5 +1,5 @@
 """What CURVE costs (the benchmark's process, with its daemons): push throughput with peer
-authentication and encryption on (a cluster CA, as the README's fleet recipe runs) and off, in
+authentication and encryption on (a cluster CA, as the fleet recipe of docs/operations.md runs) and off, in
 alternating rounds on the same machine in one run.
 
     python -m bench.curve              # 1, 16 and 256 MiB pushes, 3 rounds
