@@ -264,6 +264,9 @@ def test_the_docs_have_recipes_to_check(parsers):
     kvd_lines = [argv for text in texts for b in blocks(text) if b.lang in SHELL for argv in commands(b.code)
                  if _strip_prefixes(argv) and _strip_prefixes(argv)[0].endswith("kvd")]
     assert len(kvd_lines) >= 10
+    serve = [argv for argv in map(_strip_prefixes, kvd_lines) if argv[1:2] == ["serve"]]
+    parsed = [argv for argv in serve if not any(PLACEHOLDER.search(w) for w in argv[2:])]
+    assert len(parsed) >= 8, "kvd serve lines parsed with their values"
     assert sum(b.lang == "python" for text in texts for b in blocks(text)) >= 8
 
 
