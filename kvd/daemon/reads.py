@@ -105,7 +105,9 @@ class Reads:
             if entry is None and msg.request_id in self.store.entries:
                 entry = await self.watch.wait_ready(msg.request_id, deadline)  # already arriving (pushed)
             elif entry is None:
-                entry = await self.pulls.join(rid, msg.source, msg.request_id, msg.timeout, msg.keep)
+                # (the get's timeout bounds the link's handshake too: a down source costs no more)
+                entry = await self.pulls.join(rid, msg.source, msg.request_id, msg.timeout, msg.keep,
+                                              connect_within=msg.timeout)
             if entry.state is not State.READY:  # taken by another reader in the meantime
                 entry = await self.watch.wait_ready(msg.request_id, deadline)
         elif self._directory is not None and msg.request_id not in self.store.entries:
@@ -144,7 +146,8 @@ class Reads:
         deadline = time.monotonic() + msg.timeout
         pull = search = None
         if self._is_remote(msg.source) and msg.request_id not in self.store.entries:
-            pull = self.pulls.start(rid, msg.source, msg.request_id, msg.timeout, msg.keep)
+            pull = self.pulls.start(rid, msg.source, msg.request_id, msg.timeout, msg.keep,
+                                    connect_within=msg.timeout)
             pull.add_done_callback(lambda _: self.watch.wake(msg.request_id))  # a failed pull ends the wait
         elif self._directory is not None and msg.request_id not in self.store.entries:  # as a get does
             search = HolderSearch(self.pulls, rid, self._directory, msg.request_id, msg.keep, deadline,

@@ -7,6 +7,7 @@ carries it: it holds a `Channel` and sends frames; replies come back on the same
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -21,6 +22,10 @@ from kvd.wire import protocol as p
 from ..metrics import Metrics
 from .auth import CurveKeys, make_client
 from .channel import Channel
+from .handshake import (
+    Action, Answered, Closed, Expired, Fail, Forgotten, Forward, Handshake, Heartbeat, Log, Lost, Redial, Refused,
+    Resolve, Retrying, SendHello, SendPing, Silent, StartTimer, State, Wait,
+)
 from .loopsocket import LoopSocket
 from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
@@ -31,7 +36,6 @@ COPY_BELOW = (1 << 20) + 1  # bytes; frames up to 1 MiB are copied into ZeroMQ
 # message; these socket-monitor events are the only sign that a peer refused us there
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-REDIAL_INTERVAL = 2.0  # seconds between new attempts on a link whose handshake the peer refused
 PEER_SNDHWM = 10_000  # messages queued for one peer connection
 # bytes copied into ZeroMQ for one connection to our ROUTER and not yet written to the kernel; a
 # peer past it does not read what it asked for, and is cut (router.Router._channel)
@@ -53,21 +57,23 @@ def tune_peer_socket(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_CHUNK_BYTES)  # a bigger frame is a broken peer: drop it
     # pyzmq copies frames smaller than this instead of lending them to libzmq; a lent frame's
     # release goes through pyzmq's garbage-collector thread (two more thread wake-ups), which
-    # costs more than copying up to ~1 MiB here (64 KiB push 1.74 -> 1.51-1.57 ms, measured)
+    # costs more than copying up to ~1 MiB here (measured: bench/RESULTS.md, "Figures moved out
+    # of docstrings")
     sock.copy_threshold = COPY_BELOW
 
 
 class PeerLink:
-    """Our DEALER to one peer's ROUTER, with its handshake state."""
+    """Our DEALER to one peer's ROUTER: the shell of its handshake (`handshake.Handshake`), which
+    decides; this class feeds it what the sockets and timers saw and carries out its actions."""
 
     def __init__(self, ctx: zmq.Context, name: str, endpoint: str, node_id: str, incarnation: int,
                  on_message: Callable[["PeerLink", p.Message], None], curve: CurveKeys | None = None,
-                 on_lost: Callable[["PeerLink", str], None] | None = None, metrics: Metrics | None = None) -> None:
+                 on_lost: Callable[["PeerLink", str], None] | None = None, metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._metrics = metrics or Metrics()
         self.name = name
         self.endpoint = endpoint
-        self.remote_node_id: str | None = None
-        self.remote_incarnation: int | None = None
+        self.handshake = Handshake(name, endpoint, clock)
         self._node_id = node_id
         self._incarnation = incarnation
         self._on_message = on_message
@@ -81,127 +87,80 @@ class PeerLink:
         self._on_lost = on_lost  # (link, why): whatever was in flight on this link is gone
         self._monitor = LoopSocket(sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED),
                                    self._on_socket_event)
-        self.refusal: KvdError | None = None  # why the last handshake failed, until one succeeds
-        # ZeroMQ drops a connection for good once the peer refused its handshake (it redials
-        # only after network errors), so the link dials again itself: the peer may be fixed
-        self._given_up = False
-        self._dialed_at = time.monotonic()
         sock.connect(endpoint)
         self.socket = LoopSocket(sock, self._on_frames, copy=False)
         self.channel = Channel(("dealer", endpoint), name,
                                lambda frames, track: self.socket.send(frames, copy=False, track=track), self.cut)
         self.connection: TcpConnection | None = None  # the TCP connection the last hello answer came on
-        self._hello: asyncio.Future | None = None
-        self.connected = False
+        # what this shell keeps of each waiter, by the handshake's waiter id
+        self._waiter_ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._hellos: dict[int, asyncio.Future] = {}  # a waiter's hello send: called back if it gives up
+        self._now = 0.0  # the heartbeat's time, for a ping's nonce
         self.last_seen = 0.0  # monotonic time of the last message from this peer
         self.last_used = time.monotonic()  # when a transfer last asked for this link
 
-    def _hello_msg(self) -> p.PeerHello:
-        return p.PeerHello(node_id=self._node_id, incarnation=self._incarnation, features=list(p.FEATURES),
-                           cert=self._cert)
+    # --- what the rest of the daemon reads ----------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self.handshake.state is State.UP
+
+    @property
+    def refusal(self) -> KvdError | None:
+        """Why the last handshake failed, until one succeeds."""
+        return self.handshake.refusal
+
+    @property
+    def remote_node_id(self) -> str | None:
+        return self.handshake.node_id
+
+    @property
+    def remote_incarnation(self) -> int | None:
+        return self.handshake.incarnation
+
+    # --- events in ----------------------------------------------------------------------------------
 
     def ping(self, now: float) -> None:
         """Heartbeat: a Ping when connected, a fresh hello otherwise (reconnects in the background)."""
-        if self._given_up and now - self._dialed_at >= REDIAL_INTERVAL:
-            self._redial()
-        if self.socket.backlog:
-            return  # the last one has not left yet: the peer is not reachable
-        if self.connected:
-            self.channel.send(p.Ping(nonce=int(now * 1000)))
-        else:
-            self.channel.send(self._hello_msg())
+        self._now = now
+        self._do(self.handshake.handle(Heartbeat(backlog=bool(self.socket.backlog))))
 
     def ready(self, timeout: float) -> asyncio.Future:
         """Handshake once (again after a loss): a future that resolves once the peer answered our
-        PeerHello (at once when it has), or fails within timeout with the reason it did not."""
-        loop = asyncio.get_running_loop()
-        result = loop.create_future()
-        if self.connected:
-            result.set_result(None)
-            return result
-        if self._given_up:
-            self._redial()
-        if self._hello is None or self._hello.done():
-            self._hello = loop.create_future()
-        hello = self._hello
-        sent = self.channel.send(self._hello_msg())
-
-        def give_up(error: KvdError) -> None:
-            if not sent.done():
-                sent.cancel()  # never delivered: do not let it go out later
-            if not result.done():
-                result.set_exception(error)
-
-        def expired() -> None:
-            # the reason ZeroMQ saw, if any, says more than "no answer"
-            give_up(type(self.refusal)(self.refusal.message) if self.refusal is not None else
-                    PeerUnavailable(f"peer {self.name} ({self.endpoint}) did not answer within {timeout:g}s"))
-
-        def answered(done: asyncio.Future) -> None:
-            timer.cancel()
-            if done.cancelled() or done.exception() is None:
-                if not result.done():
-                    result.set_result(None)
-            else:
-                give_up(done.exception())  # the peer refused the handshake
-
-        timer = loop.call_later(timeout, expired)
-        hello.add_done_callback(answered)
+        PeerHello (at once when it has), or fails within timeout with the reason it did not (within
+        DOWN_GRACE when the link is known down)."""
+        waiter = next(self._waiter_ids)
+        result = self._waiting[waiter] = asyncio.get_running_loop().create_future()
+        self._do(self.handshake.handle(Wait(waiter, timeout)))
         return result
 
     async def ensure_ready(self, timeout: float) -> None:
         await self.ready(timeout)
 
+    def mark_lost(self) -> None:
+        """The heartbeat heard nothing for heartbeat_timeout (it fails what ran on the link)."""
+        self._do(self.handshake.handle(Silent()))
+
     def _on_socket_event(self, frames: list) -> None:
+        """ZeroMQ's monitor: the TCP connection closed (ZeroMQ reconnects by itself, but the peer
+        will not know the new connection, and a transfer cannot move to it: what ran on the link
+        fails now, not at the heartbeat timeout), or ZeroMQ's handshake failed: refused by the
+        peer (ZAP said no, or the mechanisms differ: a waiter fails at once, with the reason), or
+        cut off without detail (a connection error ZeroMQ retries: the reason is kept for the
+        timeout's message)."""
         event = parse_monitor_message(frames)
         if event["event"] == zmq.EVENT_DISCONNECTED:
-            self._on_disconnected()
-        else:
-            self._on_handshake_failure(event)
-
-    def _on_disconnected(self) -> None:
-        """The TCP connection closed (the peer stopped or restarted, or the network failed).
-        ZeroMQ reconnects by itself, but the peer will not know the new connection, and a
-        transfer cannot move to it: fail what ran on this link now, not at the heartbeat
-        timeout, and say hello again before the next message."""
-        if not self.connected:
+            self._do(self.handshake.handle(Closed()))
             return
-        log.warning("peer %s: connection closed; reconnecting", self.name)
-        self.mark_lost()
-        if self._on_lost is not None:
-            self._on_lost(self, f"connection to peer {self.name} closed")
-
-    def _on_handshake_failure(self, event: dict) -> None:
-        """ZeroMQ's handshake with the peer failed. Refused by the peer (ZAP said no, or the
-        mechanisms differ): fail a waiting handshake at once, with the reason, rather than at the
-        connect timeout. Cut off without detail (a connection error, which ZeroMQ retries by
-        itself: it may pass): keep the reason for the timeout's message."""
         refusal = handshake_refusal(self.name, self.endpoint, event["event"], event["value"], self._curve)
         if self.refusal is None or self.refusal.message != refusal.message:
             log.warning("%s", refusal.message)
-        self.refusal = refusal
-        self._given_up = event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        if self._given_up and self._hello is not None and not self._hello.done():
-            self._hello.set_exception(type(refusal)(refusal.message))
-            self._hello.exception()  # retrieved: whoever still waits on it raises it all the same
-
-    def _redial(self) -> None:
-        self._given_up = False
-        self._dialed_at = time.monotonic()
-        sock = self.socket.sock
-        try:
-            sock.disconnect(self.endpoint)
-        except zmq.ZMQError:
-            pass  # already forgotten
-        sock.connect(self.endpoint)
-
-    def mark_lost(self) -> None:
-        self.connected = False
-
-    def cut(self) -> bool:
-        """Cut our TCP connection to the peer: ZeroMQ drops the frames queued on it (with
-        IMMEDIATE, a DEALER discards its queue with the connection) and dials again."""
-        return self.connection is not None and self.connection.cut()
+        # ZeroMQ drops a connection for good once the peer refused its handshake (it redials only
+        # after network errors), so the link dials again itself: the peer may be fixed
+        self._do(self.handshake.handle(Retrying(refusal) if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                       else Refused(refusal, redial=True)))
 
     def _on_frames(self, frames: list) -> None:
         self.last_seen = time.monotonic()
@@ -217,43 +176,78 @@ class PeerLink:
             if uid is not None:  # another user's process listens there: never send it a cache
                 refusal = foreign_user_refusal(uid, f"the listener of peer {self.name} ({self.endpoint})")
                 log.warning("%s", refusal.message)
-                self.refusal = refusal
                 self.cut()
-                if self._hello is not None and not self._hello.done():
-                    self._hello.set_exception(refusal)
-                    self._hello.exception()
+                self._do(self.handshake.handle(Refused(refusal, redial=False)))
                 return
-            restarted = self.remote_incarnation is not None and self.remote_incarnation != msg.incarnation
-            self.remote_node_id, self.remote_incarnation = msg.node_id, msg.incarnation
             self.channel.features = frozenset(f for f in msg.features if isinstance(f, str))
-            if not self.connected:
-                log.info("peer %s connected: node %s at %s", self.name, msg.node_id, self.endpoint)
-            self.refusal = None
-            if restarted:
-                log.warning("peer %s answered with a new incarnation: it restarted", self.name)
-                if self._on_lost is not None:
-                    self._on_lost(self, f"peer {self.name} restarted")
-            self.connected = True
-            if self._hello is not None and not self._hello.done():
-                self._hello.set_result(None)
+            self._do(self.handshake.handle(Answered(msg.node_id, msg.incarnation)))
+        elif isinstance(msg, p.Pong):
             return
-        if isinstance(msg, p.Pong):
-            return
-        if isinstance(msg, p.Abort) and msg.xfer == 0 and msg.code == Unauthorized.code:
+        elif isinstance(msg, p.Abort) and msg.xfer == 0 and msg.code == Unauthorized.code:
             refusal = Unauthorized(f"peer {self.name} ({self.endpoint}) refused this daemon: {msg.message}")
             log.warning("%s", refusal.message)
-            self.refusal, self.connected = refusal, False
-            if self._hello is not None and not self._hello.done():
-                self._hello.set_exception(refusal)
-                self._hello.exception()
-            return
-        if isinstance(msg, p.Abort) and msg.xfer == 0 and self.connected:
-            # the peer does not know us (it restarted on the same address): introduce ourselves again
-            log.warning("peer %s no longer knows us (%s); handshaking again", self.name, msg.message)
-            self.connected = False
-            self.channel.send(self._hello_msg())
-            return
-        self._on_message(self, msg)
+            self._do(self.handshake.handle(Refused(refusal, redial=False)))
+        elif isinstance(msg, p.Abort) and msg.xfer == 0:  # (up: the peer restarted on the same address)
+            self._do(self.handshake.handle(Forgotten(msg.message)), msg)
+        else:
+            self._on_message(self, msg)
+
+    # --- actions out --------------------------------------------------------------------------------
+
+    def _do(self, actions: list[Action], msg: p.Message | None = None) -> None:
+        for action in actions:
+            kind = type(action)
+            if kind is SendHello:
+                sent = self.channel.send(self._hello_msg())
+                if action.waiter is not None:
+                    self._hellos[action.waiter] = sent
+            elif kind is SendPing:
+                self.channel.send(p.Ping(nonce=int(self._now * 1000)))
+            elif kind is StartTimer:
+                waiter = action.waiter
+                self._timers[waiter] = asyncio.get_running_loop().call_later(
+                    action.after, lambda: self._do(self.handshake.handle(Expired(waiter))))
+            elif kind is Resolve or kind is Fail:
+                self._end_wait(action)
+            elif kind is Lost:
+                if self._on_lost is not None:
+                    self._on_lost(self, action.reason)
+            elif kind is Redial:
+                self._redial()
+            elif kind is Forward:
+                self._on_message(self, msg)
+            elif kind is Log:
+                (log.warning if action.warning else log.info)("%s", action.text)
+
+    def _end_wait(self, action: Resolve | Fail) -> None:
+        timer, sent = self._timers.pop(action.waiter, None), self._hellos.pop(action.waiter, None)
+        result = self._waiting.pop(action.waiter)
+        if timer is not None:
+            timer.cancel()
+        if type(action) is Fail:
+            if sent is not None and not sent.done():
+                sent.cancel()  # never delivered: do not let it go out later
+            if not result.done():
+                result.set_exception(action.error)
+        elif not result.done():
+            result.set_result(None)
+
+    def _hello_msg(self) -> p.PeerHello:
+        return p.PeerHello(node_id=self._node_id, incarnation=self._incarnation, features=list(p.FEATURES),
+                           cert=self._cert)
+
+    def _redial(self) -> None:
+        sock = self.socket.sock
+        try:
+            sock.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass  # already forgotten
+        sock.connect(self.endpoint)
+
+    def cut(self) -> bool:
+        """Cut our TCP connection to the peer: ZeroMQ drops the frames queued on it (with
+        IMMEDIATE, a DEALER discards its queue with the connection) and dials again."""
+        return self.connection is not None and self.connection.cut()
 
     def close(self) -> None:
         self.socket.sock.disable_monitor()

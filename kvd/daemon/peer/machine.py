@@ -273,7 +273,7 @@ class Machine:
         # small is answered without accept or acks, so all of it goes (a stream committed before its
         # link was up may be cut into more, smaller chunks: one per tensor written)
         small = sealed and entry.total_bytes <= EAGER_CHUNKS * self.limits.chunk_size
-        out.window.window = max(EAGER_CHUNKS, len(out.window.chunks)) if small else EAGER_CHUNKS
+        out.window.max_in_flight = max(EAGER_CHUNKS, len(out.window.chunks)) if small else EAGER_CHUNKS
         now = self.clock()
         out.deadline = now + self.limits.transfer_timeout
         offer = p.Offer(
@@ -304,7 +304,7 @@ class Machine:
         return [Send(out.channel, p.Seal(xfer=out.xfer))]
 
     def _open_window(self, out: Outbound, msg: p.Accept) -> list:
-        out.window.window = self.limits.window
+        out.window.max_in_flight = self.limits.window
         out.deadline = self.clock() + self.limits.transfer_timeout
         return self._pump(out)
 

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 # a finished send whose frames ZeroMQ still holds is checked again after this, doubling up to the
 # housekeeping interval (its pyzmq trackers complete a few microseconds to milliseconds after done)
 DEFERRED_FIRST, DEFERRED_MAX = 0.002, 0.2
+# seconds a pull's handshake may take at least, whatever its get's timeout: a get with timeout 0
+# of an entry complete on a peer still has time to say hello on a link not up yet
+MIN_HANDSHAKE = 0.5
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,7 @@ class Transfers:
                 self.abort(started[0], NotFound(f"no reader on {self.config.node_id} waits for {request_id!r} any more"))
 
         handshake = self.config.connect_timeout if connect_within is None else min(self.config.connect_timeout,
-                                                                                   max(0.05, connect_within))
+                                                                                   max(MIN_HANDSHAKE, connect_within))
         link.ready(handshake).add_done_callback(linked)
         result.add_done_callback(called_off)
         return result

@@ -2,7 +2,7 @@
 bytes arrived.
 
 `SendWindow` is the sender's view: byte ranges queued for sending (all of an entry at once,
-or layer by layer while a stream is being written), cut into chunks, at most `window`
+or layer by layer while a stream is being written), cut into chunks, at most `max_in_flight`
 unacknowledged. `ReceiveLedger` is the receiver's: each chunk exactly once, inside the
 entry, never overlapping another. The daemon drives them with messages and does the I/O.
 """
@@ -19,7 +19,7 @@ from ..store.intervals import Intervals
 class SendWindow:
     total_bytes: int
     chunk_size: int
-    window: int
+    max_in_flight: int  # chunks sent and not yet acknowledged, at most (the transfer window)
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) by seq
     queued_bytes: int = 0
     next_seq: int = 0
@@ -27,9 +27,9 @@ class SendWindow:
     acked: int = 0
 
     @classmethod
-    def whole(cls, total_bytes: int, chunk_size: int, window: int) -> "SendWindow":
+    def whole(cls, total_bytes: int, chunk_size: int, max_in_flight: int) -> "SendWindow":
         """A window over a complete entry."""
-        sender = cls(total_bytes, chunk_size, window)
+        sender = cls(total_bytes, chunk_size, max_in_flight)
         sender.add_range(0, total_bytes)
         return sender
 
@@ -46,7 +46,7 @@ class SendWindow:
     def ready_to_send(self) -> list[int]:
         """Sequence numbers to send now; marks them in flight."""
         seqs = []
-        while self.next_seq < len(self.chunks) and len(self.in_flight) < self.window:
+        while self.next_seq < len(self.chunks) and len(self.in_flight) < self.max_in_flight:
             self.in_flight.add(self.next_seq)
             seqs.append(self.next_seq)
             self.next_seq += 1

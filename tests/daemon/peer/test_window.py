@@ -15,14 +15,14 @@ from kvd.daemon.peer.window import ReceiveLedger, SendWindow
 
 
 def test_whole_window_cuts_the_entry_into_chunks():
-    w = SendWindow.whole(total_bytes=95, chunk_size=10, window=3)
+    w = SendWindow.whole(total_bytes=95, chunk_size=10, max_in_flight=3)
     assert w.chunks == chunk_ranges(95, 10)
     assert w.queued_bytes == 95
     assert not w.all_acked
 
 
 def test_window_opens_up_to_its_size():
-    w = SendWindow.whole(total_bytes=100, chunk_size=10, window=3)
+    w = SendWindow.whole(total_bytes=100, chunk_size=10, max_in_flight=3)
     assert len(w.chunks) == 10
     assert w.ready_to_send() == [0, 1, 2]
     assert w.in_flight == {0, 1, 2}
@@ -36,7 +36,7 @@ def test_window_opens_up_to_its_size():
 
 
 def test_window_larger_than_chunk_count():
-    w = SendWindow.whole(total_bytes=25, chunk_size=10, window=8)
+    w = SendWindow.whole(total_bytes=25, chunk_size=10, max_in_flight=8)
     assert w.ready_to_send() == [0, 1, 2]
     assert w.ready_to_send() == []
     for seq in (2, 0, 1):
@@ -45,7 +45,7 @@ def test_window_larger_than_chunk_count():
 
 
 def test_ack_of_unsent_or_repeated_seq_raises():
-    w = SendWindow.whole(total_bytes=40, chunk_size=10, window=2)
+    w = SendWindow.whole(total_bytes=40, chunk_size=10, max_in_flight=2)
     with pytest.raises(ProtocolError, match="not in flight"):
         w.ack(0)  # nothing sent yet
     assert w.ready_to_send() == [0, 1]
@@ -63,14 +63,14 @@ def test_ack_of_unsent_or_repeated_seq_raises():
 
 
 def test_zero_byte_window_is_done_at_once():
-    w = SendWindow.whole(total_bytes=0, chunk_size=10, window=4)
+    w = SendWindow.whole(total_bytes=0, chunk_size=10, max_in_flight=4)
     assert w.chunks == []
     assert w.ready_to_send() == []
     assert w.all_acked
 
 
 def test_streamed_ranges_are_sent_as_they_are_queued():
-    w = SendWindow(total_bytes=30, chunk_size=8, window=4)
+    w = SendWindow(total_bytes=30, chunk_size=8, max_in_flight=4)
     assert w.ready_to_send() == []
     assert not w.all_acked  # nothing queued yet is not "done"
     w.add_range(0, 12)
@@ -89,7 +89,7 @@ def test_streamed_ranges_are_sent_as_they_are_queued():
 
 
 def test_queueing_more_than_the_entry_raises():
-    w = SendWindow(total_bytes=10, chunk_size=4, window=2)
+    w = SendWindow(total_bytes=10, chunk_size=4, max_in_flight=2)
     w.add_range(0, 6)
     with pytest.raises(ProtocolError, match="not inside"):
         w.add_range(6, 5)
@@ -101,13 +101,13 @@ def test_queueing_more_than_the_entry_raises():
     assert w.queued_bytes == 10
     assert w.chunks == [(0, 4), (4, 2), (6, 4)]
     with pytest.raises(ProtocolError):
-        SendWindow.whole(total_bytes=5, chunk_size=4, window=1).add_range(0, 1)
+        SendWindow.whole(total_bytes=5, chunk_size=4, max_in_flight=1).add_range(0, 1)
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 500), st.integers(1, 64), st.integers(1, 10), st.randoms(use_true_random=False))
 def test_window_never_exceeds_limit_and_finishes(total, chunk, window, rnd):
-    w = SendWindow.whole(total_bytes=total, chunk_size=chunk, window=window)
+    w = SendWindow.whole(total_bytes=total, chunk_size=chunk, max_in_flight=window)
     sent: list[int] = []
     outstanding: set[int] = set()
     while True:
@@ -134,7 +134,7 @@ def test_window_never_exceeds_limit_and_finishes(total, chunk, window, rnd):
 @given(st.lists(st.integers(0, 40), max_size=6), st.integers(1, 16), st.integers(1, 5))
 def test_streamed_window_chunks_partition_the_entry(pieces, chunk, window):
     total = sum(pieces)
-    w = SendWindow(total_bytes=total, chunk_size=chunk, window=window)
+    w = SendWindow(total_bytes=total, chunk_size=chunk, max_in_flight=window)
     offset = 0
     for piece in pieces:
         w.add_range(offset, piece)
@@ -254,7 +254,7 @@ def test_ledger_matches_a_byte_map(total, max_chunk, attempts):
 def test_window_and_ledger_agree():
     rng = random.Random(7)
     for total, chunk in [(1, 1), (4096, 1024), (10_000, 4096), (123_457, 1000)]:
-        w = SendWindow.whole(total_bytes=total, chunk_size=chunk, window=4)
+        w = SendWindow.whole(total_bytes=total, chunk_size=chunk, max_in_flight=4)
         ledger = ReceiveLedger(total_bytes=total, max_chunk=chunk)
         while not w.all_acked:
             batch = w.ready_to_send()
@@ -268,7 +268,7 @@ def test_window_and_ledger_agree():
 
 
 def test_all_sent_is_every_byte_queued_and_out():
-    w = SendWindow(total_bytes=10, chunk_size=4, window=8)
+    w = SendWindow(total_bytes=10, chunk_size=4, max_in_flight=8)
     assert not w.all_sent  # nothing queued
     w.add_range(0, 6)
     w.ready_to_send()

@@ -1,0 +1,325 @@
+"""The handshake of one outgoing peer link, as a machine (daemon process): events in, actions out.
+
+It never touches a socket, a loop or the wall clock (its clock is injected). `links.PeerLink`
+feeds it what its sockets, its timers and the heartbeat saw, and carries out the actions: send a
+hello or a ping, dial again, start a waiter's timer, resolve or fail a waiter, report the link
+lost. Who decides is the table, as for transfers (`table.py`): in each state, for each event,
+the first row whose guard holds names the handler and the state it leaves the link in.
+
+A link is "known down" once it was up and lost its connection (or went silent), or a handshake
+went unanswered (a waiter's whole budget, or a heartbeat's hello still queued a heartbeat later:
+no connection to send it on). A wait on a known-down or refused link gets DOWN_GRACE at most,
+not its whole budget: the link is found again by itself (ZeroMQ redials every RECONNECT_IVL_MAX,
+the heartbeat says hello), and a caller should not pay the connect timeout to learn it is down.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from kvd.errors import KvdError, PeerUnavailable
+
+DOWN_GRACE = 1.0  # seconds: twice ZeroMQ's longest redial interval (0.5 s), for a peer just back
+REDIAL_INTERVAL = 2.0  # seconds between new attempts on a link whose handshake the peer refused
+
+
+class State(enum.Enum):
+    DIALLING = "dialling"  # linked; no hello said yet
+    HELLO_SENT = "hello sent"  # a hello is out, unanswered; nothing known against the peer
+    UP = "up"  # the peer answered our hello: transfers may run on the link
+    DOWN = "down"  # known down: lost, or a handshake went unanswered; hellos go on
+    REFUSED = "refused"  # the peer, or ZeroMQ's handshake with it, said no (`refusal` says why)
+
+
+# --- events -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Wait:
+    waiter: int  # the shell's id for one caller that needs the link up
+    budget: float  # seconds it may wait for the handshake
+
+
+@dataclass(frozen=True)
+class Expired:
+    waiter: int  # its timer went off
+
+
+@dataclass(frozen=True)
+class Answered:
+    node_id: str  # the peer's PeerHelloOk (that passed the shell's checks)
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    error: KvdError  # what a put or get to the peer reports
+    redial: bool  # ZeroMQ dropped the connection for good: the link must dial again itself
+
+
+@dataclass(frozen=True)
+class Retrying:
+    error: KvdError  # ZeroMQ's handshake failed without detail; it retries by itself (it may pass)
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The TCP connection closed (the peer stopped or restarted, or the network failed)."""
+
+
+@dataclass(frozen=True)
+class Silent:
+    """The heartbeat heard nothing from the peer for heartbeat_timeout (it reports the loss)."""
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    message: str  # an abort with xfer 0: the peer does not know us (it restarted on our address)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    backlog: bool  # the last message sent on the link has not left yet
+
+
+Event = Union[Wait, Expired, Answered, Refused, Retrying, Closed, Silent, Forgotten, Heartbeat]
+
+
+# --- actions ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SendHello:
+    waiter: int | None = None  # whose hello (a waiter's is called back if it gives up), None: the heartbeat's
+
+
+@dataclass(frozen=True)
+class SendPing:
+    pass
+
+
+@dataclass(frozen=True)
+class Redial:
+    pass
+
+
+@dataclass(frozen=True)
+class StartTimer:
+    waiter: int
+    after: float  # seconds
+
+
+@dataclass(frozen=True)
+class Resolve:
+    waiter: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    waiter: int
+    error: KvdError
+
+
+@dataclass(frozen=True)
+class Lost:
+    reason: str  # whatever ran on the link is gone: its transfers fail with this
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Not the handshake's: the message goes to the transfers."""
+
+
+@dataclass(frozen=True)
+class Log:
+    warning: bool  # else info
+    text: str
+
+
+Action = Union[SendHello, SendPing, Redial, StartTimer, Resolve, Fail, Lost, Forward, Log]
+
+
+# --- the table --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Guard:
+    says: str
+    test: Callable[["Handshake", object], bool]
+
+
+@dataclass(frozen=True)
+class Row:
+    state: State
+    event: type
+    when: Guard | None
+    does: str  # a Handshake method, without its underscore
+    next: State
+
+
+D, H, U, DN, RF = State.DIALLING, State.HELLO_SENT, State.UP, State.DOWN, State.REFUSED
+NOT_UP = (D, H, DN, RF)
+PENDING = Guard("the waiter still waits", lambda hs, e: e.waiter in hs.waiters)
+BACKLOG = Guard("the last message has not left", lambda hs, e: e.backlog)
+REDIAL_DUE = Guard(f"ZeroMQ gave up, {REDIAL_INTERVAL:g}s ago or more",
+                   lambda hs, e: hs.needs_redial and hs.clock() - hs.dialled_at >= REDIAL_INTERVAL)
+
+TABLE: tuple[Row, ...] = (
+    Row(U, Wait, None, "resolve", U),
+    Row(D, Wait, None, "wait", H),
+    Row(H, Wait, None, "wait", H),
+    Row(DN, Wait, None, "wait_briefly", DN),
+    Row(RF, Wait, None, "wait_briefly", RF),
+    *(Row(s, Expired, PENDING, "expire", DN) for s in (D, H, DN)),
+    Row(RF, Expired, PENDING, "expire", RF),
+    *(Row(s, Expired, None, "nothing", s) for s in (*NOT_UP, U)),
+    *(Row(s, Answered, None, "up", U) for s in (*NOT_UP, U)),
+    *(Row(s, Refused, None, "refuse", RF) for s in (*NOT_UP, U)),
+    *(Row(s, Retrying, None, "note", s) for s in (*NOT_UP, U)),
+    Row(U, Closed, None, "close", DN),
+    *(Row(s, Closed, None, "nothing", s) for s in NOT_UP),
+    Row(U, Silent, None, "go_silent", DN),
+    *(Row(s, Silent, None, "nothing", s) for s in NOT_UP),
+    Row(U, Forgotten, None, "hello_again", H),
+    *(Row(s, Forgotten, None, "forward", s) for s in NOT_UP),
+    Row(U, Heartbeat, BACKLOG, "nothing", U),
+    Row(U, Heartbeat, None, "ping", U),
+    Row(D, Heartbeat, BACKLOG, "unreachable", DN),
+    Row(D, Heartbeat, None, "hello", H),
+    Row(H, Heartbeat, BACKLOG, "unreachable", DN),
+    Row(H, Heartbeat, None, "hello", H),
+    Row(DN, Heartbeat, BACKLOG, "nothing", DN),
+    Row(DN, Heartbeat, None, "hello", DN),
+    Row(RF, Heartbeat, REDIAL_DUE, "redial", RF),
+    Row(RF, Heartbeat, BACKLOG, "nothing", RF),
+    Row(RF, Heartbeat, None, "hello", RF),
+)
+ROWS: dict[tuple[State, type], list[Row]] = {}
+for _row in TABLE:
+    ROWS.setdefault((_row.state, _row.event), []).append(_row)
+
+
+class Handshake:
+    """The state of one link's handshake: `handle(event) -> actions` is the only way it moves."""
+
+    def __init__(self, name: str, endpoint: str, clock: Callable[[], float]) -> None:
+        self.name, self.endpoint, self.clock = name, endpoint, clock
+        self.state = State.DIALLING
+        self.refusal: KvdError | None = None  # why the last handshake failed, until one succeeds
+        self.needs_redial = False  # ZeroMQ will not dial this peer again by itself (it refused us)
+        self.dialled_at = clock()
+        self.down_since = 0.0
+        self.down_why = ""
+        self.node_id: str | None = None  # who answered our last hello
+        self.incarnation: int | None = None
+        self.waiters: dict[int, float] = {}  # waiter -> the budget it was given
+
+    @property
+    def where(self) -> str:
+        return f"peer {self.name} ({self.endpoint})"
+
+    def handle(self, event: Event) -> list[Action]:
+        rows = ROWS[self.state, type(event)]  # (every state has a row for every event: a test checks)
+        row = next(r for r in rows if r.when is None or r.when.test(self, event))
+        actions = getattr(self, "_" + row.does)(event)
+        if row.next is State.DOWN and self.state is not State.DOWN:
+            self.down_since = self.clock()
+        self.state = row.next
+        return actions
+
+    # --- handlers: what the row does; none assigns the state ----------------------------------------
+
+    def _nothing(self, event: Event) -> list[Action]:
+        return []
+
+    def _forward(self, event: Event) -> list[Action]:
+        return [Forward()]
+
+    def _resolve(self, event: Wait) -> list[Action]:
+        return [Resolve(event.waiter)]
+
+    def _wait(self, event: Wait, budget: float | None = None) -> list[Action]:
+        self.waiters[event.waiter] = budget = event.budget if budget is None else budget
+        return [SendHello(event.waiter), StartTimer(event.waiter, budget)]
+
+    def _wait_briefly(self, event: Wait) -> list[Action]:
+        actions = self._redial(None, hello=False) if self.needs_redial else []
+        return actions + self._wait(event, min(event.budget, DOWN_GRACE))
+
+    def _expire(self, event: Expired) -> list[Action]:
+        budget = self.waiters.pop(event.waiter)
+        if self.state is State.HELLO_SENT or self.state is State.DIALLING:
+            self.down_why = "a handshake went unanswered"
+        if self.refusal is not None:  # the reason ZeroMQ saw, if any, says more than "no answer"
+            return [Fail(event.waiter, type(self.refusal)(self.refusal.message))]
+        if self.state is State.DOWN:
+            ago = self.clock() - self.down_since
+            text = (f"{self.where} is not connected ({self.down_why} {ago:.1f}s ago) and did not answer "
+                    f"within {budget:g}s")
+        else:
+            text = f"{self.where} did not answer within {budget:g}s"
+        return [Fail(event.waiter, PeerUnavailable(text))]
+
+    def _up(self, event: Answered) -> list[Action]:
+        restarted = self.incarnation is not None and self.incarnation != event.incarnation
+        self.node_id, self.incarnation = event.node_id, event.incarnation
+        self.refusal = None
+        actions: list[Action] = []
+        if self.state is not State.UP:
+            actions.append(Log(False, f"peer {self.name} connected: node {event.node_id} at {self.endpoint}"))
+        if restarted:
+            actions += [Log(True, f"peer {self.name} answered with a new incarnation: it restarted"),
+                        Lost(f"peer {self.name} restarted")]
+        actions += [Resolve(w) for w in self.waiters]
+        self.waiters.clear()
+        return actions
+
+    def _refuse(self, event: Refused) -> list[Action]:
+        self.refusal = event.error
+        self.needs_redial = self.needs_redial or event.redial
+        error = event.error
+        actions: list[Action] = [Fail(w, type(error)(error.message)) for w in self.waiters]
+        self.waiters.clear()
+        return actions
+
+    def _note(self, event: Retrying) -> list[Action]:
+        self.refusal = event.error  # kept for the timeout's message
+        return []
+
+    def _close(self, event: Closed) -> list[Action]:
+        self.down_why = "its connection closed"
+        return [Log(True, f"peer {self.name}: connection closed; reconnecting"),
+                Lost(f"connection to peer {self.name} closed")]
+
+    def _go_silent(self, event: Silent) -> list[Action]:
+        self.down_why = "it went silent"
+        return []
+
+    def _hello_again(self, event: Forgotten) -> list[Action]:
+        return [Log(True, f"peer {self.name} no longer knows us ({event.message}); handshaking again"), SendHello()]
+
+    def _ping(self, event: Heartbeat) -> list[Action]:
+        return [SendPing()]
+
+    def _hello(self, event: Heartbeat) -> list[Action]:
+        return [SendHello()]
+
+    def _unreachable(self, event: Heartbeat) -> list[Action]:
+        self.down_why = "no connection to it"
+        return []
+
+    def _redial(self, event: Heartbeat | None, hello: bool = True) -> list[Action]:
+        self.needs_redial = False
+        self.dialled_at = self.clock()
+        return [Redial(), *([SendHello()] if hello and event is not None and not event.backlog else [])]
+
+
+def markdown() -> str:
+    """The table as PROTOCOL.md-style rows (for a reader; nothing generates code from it)."""
+    lines = ["| state | event | when | does | next |", "|---|---|---|---|---|"]
+    for row in TABLE:
+        lines.append(f"| {row.state.value} | {row.event.__name__} | {row.when.says if row.when else ''} "
+                     f"| {row.does} | {row.next.value} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())
