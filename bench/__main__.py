@@ -3,6 +3,7 @@
     python -m bench            # full run (a few minutes on 2 cores)
     python -m bench --quick    # fewer repeats, for a smoke check
     python -m bench --peers    # also Mooncake and NIXL rows (bench/peers.py; own venv, .venv-peers)
+    python -m bench --sglang   # only SGLang's HiCache L3: kvd's backend against its file backend (sglang_tier.py)
     python -m bench --connector [--sizes ... --requests N --rows ...]   # TTFT through vLLM engines
                                # (bench/connector.py: kvd's connector, NixlConnector, one engine alone)
 """
@@ -56,7 +57,14 @@ def main() -> int:
     parser.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
     parser.add_argument("--peers", action="store_true",
                         help="also measure Mooncake Transfer Engine and NIXL (installed into .venv-peers on first use)")
+    parser.add_argument("--sglang", action="store_true",
+                        help="only the SGLang HiCache backends side by side: kvd against SGLang's file backend "
+                             "on tmpfs (bench/sglang_tier.py; --quick: fewer pages)")
     args = parser.parse_args()
+    if args.sglang:
+        from . import sglang_tier
+
+        return sglang_tier.main(["--quick"] if args.quick else [])
     started = time.time()
     rows: list[tuple[str, str, str, str, str, str]] = []  # kvd's cases, in the order measured
     checks: list[tuple[str, float, str, float, bool]] = []
