@@ -47,6 +47,9 @@ from .connector_report import (
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 4096  # tokens: the example's model says 2048; its weights do not care (RoPE, no position table)
 WARMUP_TOKENS = 64
+# kvd's engine sets: the connector as it is, and (to measure a change against) with every push's
+# commit in the engine's step, waiting for the peer (kvd.integrations.vllm.worker)
+KVD_SIDES = {"kvd": {}, "inline": {"KVD_VLLM_COMMIT_INLINE": "1"}}
 
 
 def make_model(workdir: Path) -> tuple[str, int]:
@@ -77,17 +80,17 @@ class Bench:
         self.servers: dict[str, eng.Server] = {}
         self.pids: dict[str, dict[str, int]] = {}  # engine set -> process name -> pid
         self.failed: dict[str, str] = {}  # engine set -> why it did not start
+        self.kvd: dict[str, tuple[str, str, str]] = {}  # kvd set -> (P's socket, D's socket, D's listen)
 
     def start(self) -> None:
         """Every engine set the rows need, started together; a set that fails to start is left
         out (its rows get a line saying why), the others go on."""
         started = time.monotonic()
         sides = {side_of(row) for row in self.rows}
-        if "kvd" in sides:
+        for side in sorted(sides & set(KVD_SIDES)):
             dp, dd = self.daemons.pair(pool_size="1GiB")
-            self.daemon_sockets = (dp.socket, dd.socket)
-            self.decode_kvd = dd.listen
-            self._pair("kvd", [eng.kvd_config(dp.socket), eng.kvd_config(dd.socket)], [{}, {}],
+            self.kvd[side] = (dp.socket, dd.socket, dd.listen)
+            self._pair(side, [eng.kvd_config(dp.socket), eng.kvd_config(dd.socket)], [KVD_SIDES[side]] * 2,
                        {"daemon P": dp.pid, "daemon D": dd.pid})
         if "nixl" in sides:
             from .peers import VENV, PeerSetupError, ensure_venv
@@ -122,6 +125,11 @@ class Bench:
         self.pids[side] = {"prefill engine": self.servers[f"{side}-P"].proc.pid,
                            "decode engine": self.servers[f"{side}-D"].proc.pid, **others}
 
+    def decode_kvd(self, row: str) -> str | None:
+        """The decode daemon a kvd push names."""
+        side = side_of(row)
+        return self.kvd[side][2] if side in self.kvd else None
+
     def runnable(self, row: str) -> bool:
         return side_of(row) not in self.failed
 
@@ -145,15 +153,16 @@ class Bench:
             nixl_blocks.append(sum(len(g) if isinstance(g, list) else 1 for g in ids))
 
         logs_before = self.nixl_failures() if side == "nixl" else (0, 0)
-        received = eng.daemon_received(self.daemon_sockets[1]) if side == "kvd" else 0
+        sockets = self.kvd[side][:2] if side in self.kvd else ()
+        received = eng.daemon_received(sockets[1]) if sockets else 0
         cpu0 = eng.process_tree_cpu(pids)
         samples, wall = load.send_all(row, batch, max_tokens, prefill_url, decode_url,
-                                      getattr(self, "decode_kvd", None), count_blocks if side == "nixl" else None)
+                                      self.decode_kvd(row), count_blocks if side == "nixl" else None)
         cpu = eng.cpu_delta(cpu0, eng.process_tree_cpu(pids))
         kv: int | None = None
-        if side == "kvd":
-            kv = eng.daemon_received(self.daemon_sockets[1]) - received
-            eng.wait_daemon_idle(list(self.daemon_sockets))
+        if sockets:
+            kv = eng.daemon_received(sockets[1]) - received
+            eng.wait_daemon_idle(list(sockets))
         elif side == "nixl":
             kv = sum(nixl_blocks) * self.block_bytes
         expired = invalid = 0
@@ -169,6 +178,8 @@ class Bench:
         return count_nixl_failures(text)
 
     def stop(self) -> None:
+        for server in self.servers.values():
+            server.terminate()
         for server in self.servers.values():
             server.stop()
         for failure in self.daemons.stop_all():
@@ -187,7 +198,7 @@ def run(rows: list[str], sizes: list[int], requests: int, max_tokens: int, passe
         for row in measured:
             prefill_url, decode_url = bench.ends(row)
             load.send_all(row, load.prompts(2, WARMUP_TOKENS, seed=99), 2, prefill_url, decode_url,
-                          getattr(bench, "decode_kvd", None))
+                          bench.decode_kvd(row))
         for index, size, row in schedule(measured, sizes, passes):
             batch = load.prompts(requests, size, seed=index)
             result = bench.measure(row, size, index, batch, max_tokens)

