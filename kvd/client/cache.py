@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from kvd.errors import BadRequest, ProtocolError
@@ -91,7 +92,15 @@ def cache_put(core: Any, keys: Sequence[str], pages: Sequence[torch.Tensor], nam
 
 
 def _copy_out(pool: torch.Tensor, segments: list[tuple[int, int]], out: torch.Tensor) -> None:
-    """Pool bytes -> out (same byte count), one copy (torch's, threaded: faster out of the pool)."""
+    """Pool bytes -> out (same byte count), one copy. Into a contiguous host tensor, one memcpy in
+    this thread: small pages are many, and torch's threaded copy spin-waits its OpenMP threads after
+    each one (bench.kv_tier at load 18-32 on 2 cores: 15.5 ms a 64 KiB page that way, 0.47 ms this way)."""
+    if out.device.type == "cpu" and pool.device.type == "cpu" and out.is_contiguous():
+        dst, src, pos = out.view(-1).view(torch.uint8).numpy(), pool.numpy(), 0
+        for off, n in segments:
+            np.copyto(dst[pos:pos + n], src[off:off + n])
+            pos += n
+        return
     if len(segments) == 1:
         off, n = segments[0]
         out.copy_(pool[off:off + n].view(out.dtype).view(out.shape))

@@ -43,6 +43,7 @@ class NodeRecord:
     labels: dict[str, str] = field(default_factory=dict)  # zone, host, model, ... (free form)
     started_at: float = 0.0  # unix time of the daemon's start
     device: str = "cpu"
+    cache_bytes: int = 0  # the KV tier's budget (--cache-size); 0: takes no tier pages. Sent only when > 0
     # with a cluster CA: the node's cert (base64) and its signature over the rest (base64); readers
     # that know the CA drop a record without both (kvd.cluster.signing)
     cert: str | None = None
@@ -84,6 +85,8 @@ def _node_fields(rec: NodeRecord) -> dict[str, Any]:
         "curve_public": rec.curve_public, "labels": dict(rec.labels),
         "started_at": rec.started_at, "device": rec.device,
     }
+    if rec.cache_bytes:  # (absent otherwise: a record without a tier keeps its old bytes)
+        fields["cache_bytes"] = rec.cache_bytes
     if rec.cert is not None:
         fields["cert"] = rec.cert
     return fields
@@ -196,7 +199,7 @@ def decode_node(raw: bytes | str) -> NodeRecord:
         pool_bytes=f.int("pool_bytes", 0), block_size=f.int("block_size", 0),
         protocol=(proto[0], proto[1]), curve_public=f.str("curve_public", optional=True),
         labels=dict(labels), started_at=f.num("started_at"),
-        device=f.str("device") if "device" in f.obj else "cpu",
+        device=f.str("device") if "device" in f.obj else "cpu", cache_bytes=f.int("cache_bytes", 0),
         cert=f.str("cert", optional=True), sig=f.str("sig", optional=True), payload=f.payload(),
     )
 

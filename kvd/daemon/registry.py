@@ -47,7 +47,7 @@ class Directory:
             node_id=config.node_id, incarnation=incarnation, endpoint=config.advertised, role=config.role,
             pool_bytes=config.pool_size, block_size=config.block_size, protocol=(PROTOCOL_VERSION, PROTOCOL_VERSION),
             curve_public=curve.public.decode() if curve else None, labels=dict(config.labels), started_at=time.time(),
-            device=config.device)
+            device=config.device, cache_bytes=config.cache_budget)
         try:
             backend = open_backend(config.registry, cluster=config.cluster,
                                    password_file=config.registry_password_file, ca_file=config.registry_ca,
@@ -161,7 +161,7 @@ class Directory:
 
     def nodes(self) -> list[dict]:
         return [{"node_id": n.node_id, "endpoint": n.endpoint, "role": n.role, "incarnation": f"{n.incarnation:x}",
-                 "pool_bytes": n.pool_bytes, "device": n.device, "labels": dict(n.labels),
+                 "pool_bytes": n.pool_bytes, "cache_bytes": n.cache_bytes, "device": n.device, "labels": dict(n.labels),
                  "started_at": n.started_at} for n in self.member.nodes()]
 
     def status(self) -> dict:
