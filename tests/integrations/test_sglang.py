@@ -189,7 +189,8 @@ def test_the_factory_builds_it_and_a_missing_daemon_is_misses_never_an_exception
     assert backend.batch_set_v1(keys, indices) == [False, False]
     assert backend.get("a", pool.get_dummy_flat_data_page()) is None
     assert backend.batch_get(keys, [pool.get_dummy_flat_data_page()] * 2) == [None, None]
-    assert backend.set("a", pool.get_data_page(0)) is False and backend.batch_set(keys, [pool.get_data_page(0)] * 2) is False
+    assert backend.set("a", pool.get_data_page(0)) is False
+    assert backend.batch_set(keys, [pool.get_data_page(0)] * 2) is False
     assert backend.exists("a") is False and backend.clear() is False and backend.tier_stats() == {}
     assert backend.get_stats() is None
     assert time.monotonic() - started < 5  # backed off after the first failure: no wait per call
@@ -222,7 +223,8 @@ def test_importing_kvd_never_needs_sglang():
     code = ("import sys; sys.modules['sglang'] = None\n"  # (None in sys.modules: any import of it fails)
             "import kvd, kvd.integrations.sglang\n"
             "from kvd.integrations.sglang import naming, pages, guard, settings, hostpool\n"
-            "try:\n    kvd.integrations.sglang.KvdHiCacheStorage\nexcept ImportError as e:\n    print('needs', e.name)\n")
+            "try:\n    kvd.integrations.sglang.KvdHiCacheStorage\n"
+            "except ImportError as e:\n    print('needs', e.name)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("needs sglang")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -104,18 +105,18 @@ class KvdHiCacheStorage(HiCacheStorage):
 
     # --- the zero-copy path (interface_v1): pages straight between the host pool and kvd's pool
 
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         if not keys:
             return 0
         return self._call("batch_exists", lambda c: c.cache_exists(keys, namespace=self.namespace), 0)
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         misses = [False] * len(keys)
         if not keys:
             return []
 
-        def get(client: kvd.Client) -> List[bool]:
+        def get(client: kvd.Client) -> list[bool]:
             pages = self._pages()
             outs, land = pages.targets(pages.starts(len(keys), host_indices))
             started = time.perf_counter()
@@ -126,14 +127,14 @@ class KvdHiCacheStorage(HiCacheStorage):
 
         return self._call("batch_get_v1", get, misses)
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         if not keys:
             return []
         if not self.is_writer:
             return [True] * len(keys)  # another rank writes these pages (MLA); SGLang counts them as backed up
 
-        def put(client: kvd.Client) -> List[bool]:
+        def put(client: kvd.Client) -> list[bool]:
             pages = self._pages()
             sources = pages.sources(pages.starts(len(keys), host_indices))
             started = time.perf_counter()
@@ -148,11 +149,11 @@ class KvdHiCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None):
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
         """Fill target_locations[i] with page keys[i]; each filled tensor is returned, None on a miss."""
         if not keys:
             return []
@@ -163,14 +164,14 @@ class KvdHiCacheStorage(HiCacheStorage):
             return [None] * len(keys)
         found = self._call("batch_get", lambda c: c.cache_get(keys, targets, namespace=self.namespace),
                            [False] * len(keys))
-        return [t if hit else None for t, hit in zip(targets, found)]
+        return [t if hit else None for t, hit in zip(targets, found, strict=False)]
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> bool:
         """Store flat page tensors; True only if every page is stored (SGLang's generic contract)."""
         if not keys:
             return True

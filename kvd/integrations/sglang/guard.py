@@ -1,4 +1,4 @@
-"""What keeps a failing daemon out of SGLang's threads (worker process; pure, no SGLang import).
+"""What keeps a failing daemon out of SGLang's threads (SGLang's scheduler process; pure, no SGLang import).
 
 SGLang calls the storage backend from its prefetch and backup threads; an exception there, or a
 None from a *_v1 call, ends the thread for good. So every call is wrapped: a failure becomes the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.errors import BadRequest, KvdError
 

@@ -1,4 +1,4 @@
-"""A host KV pool with the buffer and page methods of SGLang's MHATokenToKVPoolHost (tests and
+"""A host KV pool with the buffer and page methods of SGLang's MHATokenToKVPoolHost (the test and
 benchmarks; no SGLang import).
 
 Why it exists: SGLang's own host pool module (sglang.srt.mem_cache.pool_host.mha, 0.5.23) imports
@@ -53,7 +53,8 @@ class MHAHostPool:
         return page.flatten() if flat else page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim), dtype=self.dtype).flatten()
+        shape = (2, self.layer_num, self.page_size, self.head_num, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         if self.layout == "layer_first":

@@ -1,4 +1,4 @@
-"""Which KV tier namespace an SGLang rank's pages live in (worker process; pure, no SGLang import).
+"""Which KV tier namespace an SGLang rank's pages live in (SGLang's scheduler process; pure, no SGLang import).
 
 SGLang's L3 keys are chained SHA-256 hashes of token ids only: they carry no model, no rank and
 no tenant (sgl-project/sglang#37160). Two ranks, two models or two tenants with the same prompt
@@ -42,7 +42,7 @@ class RankIdentity:
     is_mla_model: bool = False
 
     @classmethod
-    def of(cls, storage_config: Any) -> "RankIdentity":
+    def of(cls, storage_config: Any) -> RankIdentity:
         """From an SGLang HiCacheStorageConfig (read by name: this module does not import SGLang)."""
         get = lambda name, default: getattr(storage_config, name, default)  # noqa: E731
         return cls(model_name=get("model_name", None), tp_rank=int(get("tp_rank", 0)), tp_size=int(get("tp_size", 1)),

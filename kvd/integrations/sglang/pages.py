@@ -1,4 +1,4 @@
-"""SGLang host-pool pages as tensors for the KV tier (worker process; no SGLang import, duck-typed).
+"""SGLang host-pool pages as tensors for the KV tier (SGLang's scheduler process; no SGLang import, duck-typed).
 
 SGLang's host pools (MHATokenToKVPoolHost, MLATokenToKVPoolHost, ...) give a page through
 `get_data_page(index, flat=False)`: for every layout (layer_first, page_first, page_first_direct)
@@ -16,7 +16,8 @@ path's flat page holds, so pages written by either path read back through the ot
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -72,7 +73,7 @@ class HostPages:
         outs = [self.pool.get_dummy_flat_data_page() for _ in starts]
 
         def land(found: list[bool]) -> None:
-            for start, out, hit in zip(starts, outs, found):
+            for start, out, hit in zip(starts, outs, found, strict=False):
                 if hit:
                     self.pool.set_from_flat_data_page(start, out)
 

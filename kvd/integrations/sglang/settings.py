@@ -1,4 +1,4 @@
-"""The backend's settings from SGLang's `--hicache-storage-backend-extra-config` JSON (pure).
+"""The backend's settings from SGLang's `--hicache-storage-backend-extra-config` JSON (scheduler process; pure).
 
 SGLang hands the whole JSON to the backend as `storage_config.extra_config`; its own keys
 (backend_name, module_path, class_name, interface_v1, prefetch_threshold, ...) sit beside ours.
@@ -8,7 +8,8 @@ tenant's pages), so it fails the attach with the list of known ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 DEFAULT_TIMEOUT = 5.0  # seconds a tier call may take before it counts as a miss (SGLang waits on it)
 
@@ -20,7 +21,7 @@ class Settings:
     timeout: float = DEFAULT_TIMEOUT  # kvd_timeout: seconds per call (connect included)
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> "Settings":
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
         extra = dict(extra or {})
         known = {"kvd_socket", "kvd_salt", "kvd_timeout"}
         unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("kvd_") and k not in known)
