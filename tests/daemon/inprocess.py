@@ -104,6 +104,7 @@ class Node:
 async def serving(workdir: Path, **config) -> AsyncIterator[Node]:
     settings = dict(node_id="A", listen=f"tcp://127.0.0.1:{free_port()}", socket=f"unix://{workdir}/kvd.sock",
                     pool_size=64 * BLOCK, block_size=BLOCK, chunk_size=16 * BLOCK, pool_prefault=False,
+                    pool_overcommit=True,  # (256 KiB: whatever else this host is running)
                     metrics_port=0, scratch_max=0, log_level="warning")
     settings.update(config)
     daemon, node = Daemon(Config(**settings)), None
@@ -130,3 +131,19 @@ def run(workdir: Path, scenario: Callable[[Node], Awaitable[None]], **config) ->
 def tensor(name: str, nbytes: int) -> list:
     """A tensor spec as the wire has it: [name, dtype, shape]."""
     return [name, "uint8", [nbytes]]
+
+
+def run_pair(workdir: Path, scenario: Callable[[Node, Node], Awaitable[None]], **config) -> None:
+    """Run scenario(a, b) against daemons A and B in this process, each the other's peer."""
+    ports = {"A": free_port(), "B": free_port()}
+    peers = {name: f"tcp://127.0.0.1:{port}" for name, port in ports.items()}
+
+    async def main() -> None:
+        (workdir / "A").mkdir()
+        (workdir / "B").mkdir()
+        async with serving(workdir / "A", node_id="A", listen=peers["A"], peers={"B": peers["B"]}, **config) as a:
+            async with serving(workdir / "B", node_id="B", listen=peers["B"], peers={"A": peers["A"]},
+                               **config) as b:
+                await asyncio.wait_for(scenario(a, b), 30)
+
+    asyncio.run(main())
