@@ -172,3 +172,25 @@ def test_metrics_and_kvd_status_show_the_tier(daemons):
     listing = subprocess.run([sys.executable, "-m", "kvd", "ls", "--socket", daemon.socket],
                              capture_output=True, text=True, timeout=60)
     assert "namespace 'tenant=1': 2 pages" in listing.stdout
+
+
+def test_a_page_being_read_is_never_evicted_under_its_reader(daemons):
+    daemon = daemons.start("A", pool_size="16MiB", extra=["--cache-size", "256KiB"])  # 4 pages of a block
+    with daemon.client() as client:
+        page = torch.arange(16 * KIB, dtype=torch.float32)
+        assert client.cache_put(["pinned"], [page]) == [True]
+        conn = raw_connection(daemon.socket)  # a reader that has its slots and is still copying
+        try:
+            conn.send(p.encode(p.CacheGet(req=1, namespace="", keys=["pinned"], sizes=[64 * KIB])))
+            slots = p.decode(conn.receive(5.0))
+            assert isinstance(slots, p.CacheSlots) and slots.slots[0] is not None
+            for i in range(8):  # twice the budget of newer pages: only unpinned ones go
+                client.cache_put([f"new{i}"], [torch.full((16 * KIB,), float(i))])
+            assert client.cache_exists(["pinned"]) == 1
+            assert client.cache_stats()["evictions"] == 5
+            conn.send(p.encode(p.CacheRelease(req=2, token=slots.token)))
+            eventually(lambda: client.cache_stats()["reads_open"] == 0)
+        finally:
+            conn.close()
+        client.cache_put(["last"], [page])  # now the pinned page is the least recent, and unpinned
+        assert client.cache_exists(["pinned"]) == 0
