@@ -36,7 +36,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deplo
         ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "proto").glob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
-DEV_COMMANDS = {"serve", "test", "bench", "setup"}  # what ./dev dispatches (see the file's header)
+# what ./dev dispatches: the words of its `case` (`    serve) setup; exec ...`)
+DEV_COMMANDS = set(re.findall(r"^    ([a-z]+)\)", (ROOT / "dev").read_text(), re.M))
 PLACEHOLDER = re.compile(r"\.\.\.|…|\[|\]|\$|[A-Z]{3,}[A-Z_]*(?![a-z])")  # `[--json]`, `...`, `$(POD_IP)`, `NODE`
 
 
@@ -262,6 +263,7 @@ def test_the_docs_recipes_use_real_commands_flags_and_names(doc, parsers):
 
 
 def test_the_docs_have_recipes_to_check(parsers):
+    assert {"serve", "test", "bench", "setup"} <= DEV_COMMANDS
     """The checker reads what it should: kvd commands and Python blocks in the README and docs."""
     texts = [doc.read_text() for doc in DOCS]
     kvd_lines = [argv for text in texts for b in blocks(text) if b.lang in SHELL for argv in commands(b.code)
@@ -285,7 +287,7 @@ for n in P D; do kvd status --socket unix:///tmp/$n.sock --jsn; done
 kvd serve --checksum md5
 kvd serve --pool-size 4 GiB
 kvd cluster list
-./dev lint
+./dev lnt
 python -m kvd serve --no-such-flag
 .venv/bin/python examples/vllm_disagg.py --prefill-tpp 2
 echo "kvd serve --not-checked"   # not a kvd command
@@ -307,7 +309,7 @@ def test_the_checker_finds_planted_mistakes(parsers):
     problems = check_markdown(BAD, parsers, "bad.md")
     expected = ["no flag --pool-sise", "no flag --ca-secrets", "no flag --jsn", "--window: invalid int value",
                 "--checksum: invalid choice", "unrecognized arguments: GiB", "no command 'cluster list'",
-                "./dev has no command 'lint'", "no flag --no-such-flag", "no flag --prefill-tpp",
+                "./dev has no command 'lnt'", "no flag --no-such-flag", "no flag --prefill-tpp",
                 "kvd.NoSuchThing does not exist", "kvd.Klient does not exist", "does not compile",
                 "kvd.no_such_module.x does not exist"]
     for text in expected:
