@@ -32,6 +32,7 @@ from .backend import (
 )
 from .etcd_auth import TokenAuth, refusal
 from .etcd_http import BodyTooLarge, GatewayClient, GatewayError, TLSError
+from .health import Backoff
 from .records import (
     EtcdKeys, HolderRecord, NodeRecord, RecordError, decode_holder, decode_node, encode_holder, encode_node,
 )
@@ -333,20 +334,19 @@ class EtcdBackend:
         return rev, [rec for kv in kvs if (rec := self._node_of(kv)) is not None]
 
     async def watch_nodes(self) -> AsyncIterator[NodeEvent]:
-        backoff = 0.05
+        backoff = Backoff(0.05, 1.0)  # between re-listings, reset by one that succeeds
         while True:
             try:
                 rev, nodes = await self.list_nodes()
                 yield Resync(tuple(nodes), rev)
-                backoff = 0.05
+                backoff.reset()
                 async with aclosing(self._watch(self.keys.nodes, rev + 1)) as events:
                     async for ev in events:
                         if (node_ev := self._node_event(ev)) is not None:
                             yield node_ev
             except RegistryUnavailable as e:
                 log.debug("etcd node watch: %s; re-listing", e)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            await asyncio.sleep(backoff.failed())
 
     def _node_event(self, ev: dict[str, Any]) -> NodeEvent | None:
         kv = ev.get("kv", {})

@@ -63,7 +63,7 @@ class ClusterMember:
         self._registered = asyncio.Event()
         self._kick = asyncio.Event()  # wakes the session task early (the writer saw the session die)
         self._tasks: list[asyncio.Task] = []
-        self._backoff = 0.05  # the writer's, after a failed batch
+        self._backoff = Backoff(0.05, 1.0)  # the writer's, after a failed batch
         self._resync_at: float | None = None  # when the pending re-publication of the snapshot is due
         self._resync_timer: asyncio.TimerHandle | None = None
 
@@ -263,7 +263,7 @@ class ClusterMember:
         return True
 
     async def _session_loop(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(0.1, max(self.ttl / 3, 0.1))  # between attempts while the registry fails
         while True:
             try:
                 if self._session is None:
@@ -283,7 +283,7 @@ class ClusterMember:
                     await self._guarded("keepalive", session.keepalive())
                     intact = await self._guarded("check_node", self.backend.check_node(session, self.record))
                 self.membership.on_refreshed()
-                backoff = 0.1
+                backoff.reset()
                 if not intact:  # someone changed or deleted our record: a keepalive alone never notices
                     log.warning("this node's record in the registry was changed or deleted: writing it again")
                     self.membership.on_session_lost()
@@ -302,8 +302,7 @@ class ClusterMember:
                         self._unreachable_logged = now  # (a refusal is logged by _guarded, as an error)
                         log.warning("cannot reach the cluster registry to register %s (%s): serving static peers "
                                     "meanwhile, retrying", self.record.node_id, e)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, max(self.ttl / 3, 0.1))
+                await asyncio.sleep(backoff.failed())
             except Exception:  # a bug here must not end the daemon's membership for good
                 log.exception("registry session task failed; starting over")
                 self._lost()
@@ -372,12 +371,11 @@ class ClusterMember:
             except RegistryUnavailable:
                 self.outbox.failed(ops)
                 self._work.set()
-                await asyncio.sleep(self._backoff)
-                self._backoff = min(self._backoff * 2, 1.0)
+                await asyncio.sleep(self._backoff.failed())
                 return
             else:
                 self.outbox.done(ops)
-                self._backoff = 0.05
+                self._backoff.reset()
 
     def _resync_when_due(self) -> None:
         """Re-publish the store's snapshot, after a random delay when this is a re-registration (a

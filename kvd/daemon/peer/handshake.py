@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 from kvd.errors import KvdError, PeerUnavailable
 
@@ -82,7 +83,7 @@ class Heartbeat:
     backlog: bool  # the last message sent on the link has not left yet
 
 
-Event = Union[Wait, Expired, Answered, Refused, Retrying, Closed, Silent, Forgotten, Heartbeat]
+Event = Wait | Expired | Answered | Refused | Retrying | Closed | Silent | Forgotten | Heartbeat
 
 
 # --- actions ----------------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class Log:
     text: str
 
 
-Action = Union[SendHello, SendPing, Redial, StartTimer, Resolve, Fail, Lost, Forward, Log]
+Action = SendHello | SendPing | Redial | StartTimer | Resolve | Fail | Lost | Forward | Log
 
 
 # --- the table --------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ Action = Union[SendHello, SendPing, Redial, StartTimer, Resolve, Fail, Lost, For
 @dataclass(frozen=True)
 class Guard:
     says: str
-    test: Callable[["Handshake", object], bool]
+    test: Callable[[Handshake, Any], bool]  # (the link, the event)
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,12 @@ for _row in TABLE:
 
 class Handshake:
     """The state of one link's handshake: `handle(event) -> actions` is the only way it moves."""
+
+    state: State
+    needs_redial: bool
+    dialled_at: float
+    clock: Callable[[], float]
+    waiters: dict[int, float]
 
     def __init__(self, name: str, endpoint: str, clock: Callable[[], float]) -> None:
         self.name, self.endpoint, self.clock = name, endpoint, clock

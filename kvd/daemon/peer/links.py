@@ -11,7 +11,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -67,8 +67,8 @@ class PeerLink:
     decides; this class feeds it what the sockets and timers saw and carries out its actions."""
 
     def __init__(self, ctx: zmq.Context, name: str, endpoint: str, node_id: str, incarnation: int,
-                 on_message: Callable[["PeerLink", p.Message], None], curve: CurveKeys | None = None,
-                 on_lost: Callable[["PeerLink", str], None] | None = None, metrics: Metrics | None = None,
+                 on_message: Callable[[PeerLink, p.Message], None], curve: CurveKeys | None = None,
+                 on_lost: Callable[[PeerLink, str], None] | None = None, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._metrics = metrics or Metrics()
         self.name = name
@@ -196,28 +196,30 @@ class PeerLink:
 
     def _do(self, actions: list[Action], msg: p.Message | None = None) -> None:
         for action in actions:
-            kind = type(action)
-            if kind is SendHello:
-                sent = self.channel.send(self._hello_msg())
-                if action.waiter is not None:
-                    self._hellos[action.waiter] = sent
-            elif kind is SendPing:
-                self.channel.send(p.Ping(nonce=int(self._now * 1000)))
-            elif kind is StartTimer:
-                waiter = action.waiter
-                self._timers[waiter] = asyncio.get_running_loop().call_later(
-                    action.after, lambda: self._do(self.handshake.handle(Expired(waiter))))
-            elif kind is Resolve or kind is Fail:
-                self._end_wait(action)
-            elif kind is Lost:
-                if self._on_lost is not None:
-                    self._on_lost(self, action.reason)
-            elif kind is Redial:
-                self._redial()
-            elif kind is Forward:
-                self._on_message(self, msg)
-            elif kind is Log:
-                (log.warning if action.warning else log.info)("%s", action.text)
+            match action:
+                case SendHello(waiter=waiter):
+                    sent = self.channel.send(self._hello_msg())
+                    if waiter is not None:
+                        self._hellos[waiter] = sent
+                case SendPing():
+                    self.channel.send(p.Ping(nonce=int(self._now * 1000)))
+                case StartTimer(waiter=waiter, after=after):
+                    self._timers[waiter] = asyncio.get_running_loop().call_later(after, self._expired, waiter)
+                case Resolve() | Fail():
+                    self._end_wait(action)
+                case Lost(reason=reason):
+                    if self._on_lost is not None:
+                        self._on_lost(self, reason)
+                case Redial():
+                    self._redial()
+                case Forward():
+                    if msg is not None:
+                        self._on_message(self, msg)
+                case Log(warning=warning, text=text):
+                    (log.warning if warning else log.info)("%s", text)
+
+    def _expired(self, waiter: int) -> None:
+        self._do(self.handshake.handle(Expired(waiter)))
 
     def _end_wait(self, action: Resolve | Fail) -> None:
         timer, sent = self._timers.pop(action.waiter, None), self._hellos.pop(action.waiter, None)

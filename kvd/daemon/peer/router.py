@@ -5,13 +5,15 @@ answered with `abort` xfer 0 and counted), admits a connection once it said `pee
 without CURVE, only if it is not another user's on this host; with CURVE, only as a node id its
 key may claim), and hands every other message
 of a known peer to the transfers, with the channel replies go back on (one per connection).
+Which connections wait for a hello, which are admitted and which were refused is bookkeeping in
+`admission.Admissions`; this module does the I/O around it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -22,6 +24,7 @@ from kvd.wire import protocol as p
 from ..config import Config
 from ..logs import Throttle
 from ..metrics import Metrics
+from .admission import Admissions
 from .auth import CurveKeys, make_server
 from .channel import Channel
 from .links import PEER_QUEUE_BYTES, tune_peer_socket
@@ -32,7 +35,6 @@ from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 log = logging.getLogger(__name__)
 
 REFUSED_CUT_DELAY = 0.1  # seconds: let the refusal's abort leave before the connection is cut
-READMIT_EVERY = 5.0  # seconds between checks that every admitted peer still is (cert expiry)
 # an abort's message quotes what was wrong, which can be what the peer sent (a type name of 64
 # KiB): what goes back is cut to this many characters
 MAX_ABORT_TEXT = 512
@@ -51,12 +53,10 @@ class Router:
         # --max-peer-connections, or fewer where the open-file limit cannot hold that many
         self.max_connections = config.max_peer_connections if max_connections is None else max_connections
         self._on_gone = on_gone or (lambda key, reason: None)
-        self._accepted: dict[int, float] = {}  # fd of a connection not yet known by hello -> when accepted
-        self._by_fd: dict[int, bytes] = {}  # fd -> routing id, once it said hello
+        self.admissions: Admissions[Unauthorized] = Admissions(self.max_connections, config.connect_timeout,
+                                                               time.monotonic)
         self._monitor: LoopSocket | None = None
         self._refusals = Throttle()
-        self._readmitted = 0.0
-        self._refused: dict[bytes, Unauthorized] = {}  # routing id -> why it was refused (recently)
         self.ctx = ctx
         self.curve = curve
         self.peers = peers
@@ -138,14 +138,11 @@ class Router:
         event = parse_monitor_message(frames)
         fd = event["value"]
         if event["event"] == zmq.EVENT_ACCEPTED:
-            if fd in self._by_fd:
-                return  # its hello came first (the monitor is another socket: no order between them)
-            self._accepted[fd] = time.monotonic()
-            if len(self._accepted) + len(self._by_fd) > self.max_connections:
-                self._cut_fd(fd, f"more than {self.max_connections} peer connections (--max-peer-connections)")
+            too_many = self.admissions.accepted(fd)
+            if too_many is not None:
+                self._cut_fd(fd, too_many)
             return
-        self._accepted.pop(fd, None)
-        rid = self._by_fd.pop(fd, None)
+        rid = self.admissions.closed(fd)
         if rid is not None:  # a known peer closed its connection: its transfers end now
             name = self.peers.router_name(rid)
             if self.peers.router_forget(rid):
@@ -155,13 +152,10 @@ class Router:
     def enforce(self, now: float) -> None:
         """Housekeeping: cut connections that did not say hello within connect_timeout, and, every
         READMIT_EVERY, peers whose cert has expired meanwhile."""
-        if now - self._readmitted >= READMIT_EVERY:
-            self._readmitted = now
+        if self.admissions.readmit_due():
             self.readmit()
-        for fd, accepted in list(self._accepted.items()):
-            if now - accepted > self.config.connect_timeout:
-                del self._accepted[fd]
-                self._cut_fd(fd, f"no peer_hello within {self.config.connect_timeout:g}s")
+        for fd, why in self.admissions.overdue():
+            self._cut_fd(fd, why)
 
     def _cut_fd(self, fd: int, why: str) -> None:
         conn = TcpConnection.of_fd(fd)
@@ -190,9 +184,7 @@ class Router:
         """Tell the peer why, then cut its connection (and forget it, if it had been admitted)."""
         (self.peers.router_channel(rid) or self._channel(rid)).send(
             p.Abort(xfer=0, code=refusal.code, message=refusal.message))
-        if len(self._refused) >= 1024:  # (bounded: anyone can be refused)
-            self._refused.clear()
-        self._refused[rid] = refusal
+        self.admissions.refuse(rid, refusal)
         if conn is not None:
             asyncio.get_running_loop().call_later(REFUSED_CUT_DELAY, conn.cut)
         name = self.peers.router_name(rid)
@@ -227,7 +219,7 @@ class Router:
             self._hello(rid, msg, TcpConnection.of_fd(frames[1].get(zmq.SRCFD)), key)
             return
         if channel is None:
-            refused = self._refused.get(rid)  # (a message already on its way when we cut the peer off)
+            refused = self.admissions.refusal(rid)  # (a message already on its way when we cut the peer off)
             self._channel(rid).send(p.Abort(xfer=getattr(msg, "xfer", 0),
                                             code=refused.code if refused else ProtocolError.code,
                                             message=refused.message if refused else "say peer_hello first"))
@@ -241,12 +233,11 @@ class Router:
             return
         channel = self.peers.router_channel(rid) or self._channel(rid)
         self.peers.router_hello(rid, msg, conn, channel, key)
-        if conn is not None:
-            self._accepted.pop(conn.fd, None)
-            self._by_fd[conn.fd] = rid
+        self.admissions.admitted(conn.fd if conn is not None else None, rid)
         channel.peer_name = msg.node_id
         channel.features = frozenset(f for f in msg.features if isinstance(f, str))
-        channel.send(p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation, features=list(p.FEATURES)))
+        channel.send(p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation,
+                                   features=list(p.FEATURES)))
 
 
 class RouterChannel(Channel):
