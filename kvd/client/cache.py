@@ -86,7 +86,14 @@ def cache_put(core: Any, keys: Sequence[str], pages: Sequence[torch.Tensor], nam
             except BaseException:
                 yield p.CacheCommit(req=next(core._reqs), token=reply.token, ok=False), NO_REPLY
                 raise
-            yield p.CacheCommit(req=next(core._reqs), token=reply.token), 0.0
+            done = yield p.CacheCommit(req=next(core._reqs), token=reply.token), 0.0
+            published = done.value  # per page written; None: the reservation ran out before the commit
+            if published is None:
+                published = [False] * len(writes)
+            if not isinstance(published, list) or len(published) != len(writes):
+                raise ProtocolError(f"cache_commit answered {str(published)[:80]} for {len(writes)} pages")
+            for i, ok in zip(writes, published):
+                slots[i] = bool(ok) and slots[i]
         results += [slot is True or isinstance(slot, list) for slot in slots]
     return results
 

@@ -48,6 +48,8 @@ class CacheService:
                     self._deadlines[token] = time.monotonic() + self.lease_timeout
                 return p.CacheSlots(req=msg.req, token=token, slots=[self._slot(r) for r in results])
             case p.CacheCommit():
+                if self._owner.get(msg.token) != rid:  # it ran out (or was never this connection's)
+                    return p.Ok(req=msg.req, value=None)
                 self._disown(rid, msg.token, "reservation")
                 self._deadlines.pop(msg.token, None)
                 return p.Ok(req=msg.req, value=store.commit(msg.token, ok=msg.ok))

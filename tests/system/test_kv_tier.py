@@ -123,7 +123,7 @@ def test_pages_outlive_their_client_and_two_clients_share(daemon):
 
 def test_bad_input_is_refused_clearly_and_loses_nothing(daemons):
     # 4 KiB blocks, so that 5,000 tiny pages (a block each) fit in the budget
-    daemon = daemons.start("A", extra=["--block-size", "4KiB", "--cache-size", "0.5"])
+    daemon = daemons.start("A", extra=["--block-size", "4KiB", "--cache-size", "0.5", "--lease-timeout", "3s"])
     client = daemon.client()
     assert client.cache_put(["keep"], [torch.ones(4)]) == [True]
     with pytest.raises(BadRequest, match="printable ASCII"):
@@ -138,10 +138,18 @@ def test_bad_input_is_refused_clearly_and_loses_nothing(daemons):
         conn.send(p.encode(p.CacheExists(req=5, namespace="", keys=["k"] * 5000)))
         reply = p.decode(conn.receive(5.0))
         assert isinstance(reply, p.Error) and "at most 4096 keys" in reply.message
-        # a reservation its writer never commits goes back when it hangs up
+        # a reservation not committed within the lease goes back; its late commit publishes nothing
+        conn.send(p.encode(p.CachePut(req=6, namespace="", keys=["late"], pages=[["uint8", [4096]]])))
+        late = p.decode(conn.receive(5.0))
+        assert isinstance(late, p.CacheSlots) and late.slots[0]
+        eventually(lambda: client.cache_stats()["writes_open"] == 0, timeout=15)
+        conn.send(p.encode(p.CacheCommit(req=7, token=late.token)))
+        assert p.decode(conn.receive(5.0)) == p.Ok(req=7, value=None)
+        assert client.cache_exists(["late"]) == 0
+        # one whose writer hangs up goes back at once
         conn.send(p.encode(p.CachePut(req=6, namespace="", keys=["orphan"], pages=[["uint8", [4096]]])))
         assert isinstance(p.decode(conn.receive(5.0)), p.CacheSlots)
-        assert client.cache_stats()["writes_open"] == 1
+        assert client.cache_stats()["writes_open"] == 1  # (well within its 3 s lease)
     finally:
         conn.close()
     eventually(lambda: client.cache_stats()["writes_open"] == 0)

@@ -189,12 +189,14 @@ class CacheStore:
                 if not self._evict_one():
                     return None
 
-    def commit(self, token: int, ok: bool = True) -> int:
+    def commit(self, token: int, ok: bool = True) -> list[bool]:
         """The writer copied the batch's bytes (ok) or gave up: its pages become visible, or go.
-        Returns how many became visible (a page cleared meanwhile is freed, not published)."""
-        published = 0
+        Returns, per page it reserved (in key order), whether it became visible (a page cleared
+        meanwhile is freed, not published)."""
+        published: list[bool] = []
         for page in self._writes.pop(token, ()):
             page.writing = 0
+            published.append(ok and not page.removed)
             if page.removed:  # cleared while it was written: its blocks waited for this
                 self._free_if_unused(page)
             elif ok:
@@ -204,7 +206,6 @@ class CacheStore:
                     c.stored += 1
                     c.entries += 1
                     c.bytes += page.nbytes
-                published += 1
             else:
                 self._unlist(page, visible=False)
                 self._free_if_unused(page)

@@ -38,13 +38,15 @@ def handoff(store: Store, name: str, blocks: int):
 def test_round_trip_counters_and_put_of_a_held_key_is_a_no_op():
     cache, _ = make()
     assert put(cache, ["a", "b"]) == ["new", "new"]
-    assert put(cache, ["a", "c"]) == [True, "new"]
+    token, _ = cache.reserve("ns", ["a", "c", "d"], [PAGE] * 3)
+    assert cache.commit(token) == [True, True]  # per page written (c, d), in key order
+    assert put(cache, ["a", "e"]) == [True, "new"]
     token, found = cache.lease("ns", ["a", "x", "c"], [BLOCK, BLOCK, BLOCK])
     assert [f is not None for f in found] == [True, False, True]
     assert cache.release(token) and not cache.release(token)
     stats = cache.stats()
-    assert (stats["hits"], stats["misses"], stats["stored"], stats["entries"], stats["bytes"]) == (2, 1, 3, 3, 3 * BLOCK)
-    assert cache.stats("ns")["entries"] == 3 and cache.stats("other")["entries"] == 0
+    assert (stats["hits"], stats["misses"], stats["stored"], stats["entries"], stats["bytes"]) == (2, 1, 5, 5, 5 * BLOCK)
+    assert cache.stats("ns")["entries"] == 5 and cache.stats("other")["entries"] == 0
 
 
 def test_a_duplicate_key_within_one_batch_is_written_once():
@@ -127,7 +129,7 @@ def test_a_page_cleared_while_written_is_freed_at_its_commit():
     free = cache.pool.free_blocks
     assert cache.clear("ns") == 0
     assert cache.pool.free_blocks == free  # the writer may still be copying
-    assert cache.commit(token) == 0
+    assert cache.commit(token) == [False]
     assert cache.pool.free_blocks == free + 1 and cache.exists("ns", ["a"]) == 0
     cache.check_invariants()
 
