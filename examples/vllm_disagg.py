@@ -482,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scenarios", nargs="*", metavar="SCENARIO",
                         help="any of " + ", ".join(SCENARIOS) + " (default: push, pull, noise, lost; with --registry "
                              "directory in place of pull). push: prefill's daemon streams to decode's; pull: decode's "
-                             "daemon pulls; directory (with --registry): the pull, found by request id in the registry; "
+                             "daemon pulls; directory (with --registry): the pull, found by request id in the "
+                             "registry; "
                              "noise: push, then the KV is replaced by noise (the output must change); "
                              "lost: push, then the KV is deleted (decode recomputes: same output)")
     parser.add_argument("--arch", choices=list(ARCHS), default="llama",

@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefill", required=True, help="prefill instance base URL, e.g. http://10.0.0.1:8100")
     parser.add_argument("--decode", required=True, help="decode instance base URL")
-    parser.add_argument("--decode-kvd", help="the decode node's kvd peer endpoint (or node id, on a registry): prefill pushes there")
+    parser.add_argument("--decode-kvd",
+                        help="the decode node's kvd peer endpoint (or node id, on a registry): prefill pushes there")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout", type=float, default=600.0)

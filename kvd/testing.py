@@ -58,7 +58,7 @@ class DaemonProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                raise AssertionError(f"daemon {self.node_id} did not exit on SIGTERM:\n{self.log()}")
+                raise AssertionError(f"daemon {self.node_id} did not exit on SIGTERM:\n{self.log()}") from None
         return self.proc.returncode
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

@@ -7,11 +7,11 @@ imports redis-py when it is opened (`pip install redis`); the etcd backend needs
 extra (it speaks etcd's JSON gateway). See proto/REGISTRY.md for the key schema and the semantics.
 
 Modules: records (records, JSON, keys), signing (signed records: who signs, what a reader
-believes), backend (the interface), outbox (what is still to be written), candidates (which holder to try), health (breaker, backoff,
-membership state), inmemory / etcd / redis (backends), etcd_http and etcd_auth (the gateway's HTTP
-client and its login), redis_lua (the Redis scripts), skips (what a backend skips as it reads, counted
-and logged), url (URLs, credentials, TLS and the backend factory), member (the daemon side), registry
-(the router side).
+believes), backend (the interface), outbox (what is still to be written), candidates (which
+holder to try), health (breaker, backoff, membership state), inmemory / etcd / redis (backends),
+etcd_http and etcd_auth (the gateway's HTTP client and its login), redis_lua (the Redis scripts),
+skips (what a backend skips as it reads, counted and logged), url (URLs, credentials, TLS and the
+backend factory), member (the daemon side), registry (the router side).
 """
 from .backend import (
     Added, Backend, Conflict, NodeEvent, Publish, Registered, RegistryRefused, RegistryUnavailable, Removed,
@@ -28,6 +28,6 @@ from .url import RegistryURL, open_backend, parse_url
 __all__ = [
     "Added", "Backend", "Breaker", "Candidate", "ClusterMember", "Conflict", "HolderRecord", "Membership",
     "NodeEvent", "NodeRecord", "Outbox", "Publish", "RecordError", "Registered", "Registry", "RegistryURL",
-    "RegistryRefused", "RegistryUnavailable", "Removed", "Resync", "Session", "SessionLost", "Unpublish", "open_backend",
-    "order_candidates", "parse_url", "rid_key",
+    "RegistryRefused", "RegistryUnavailable", "Removed", "Resync", "Session", "SessionLost", "Unpublish",
+    "open_backend", "order_candidates", "parse_url", "rid_key",
 ]

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from ..errors import PeerUnavailable
 from .records import HolderRecord, NodeRecord
@@ -121,34 +121,38 @@ class Session(Protocol):
         ...
 
 
+# the session type of one backend: its methods take only the sessions it opened itself
+SessionT = TypeVar("SessionT", bound=Session)
+
+
 @runtime_checkable
-class Backend(Protocol):
+class Backend(Protocol[SessionT]):
     op_timeout: float
     # records the backend skipped as it read them, by (kind, reason): kind "node" | "holder",
     # reason "undecodable" | "too_large" | "key_mismatch" | "unleased" | "truncated"
     # (kvd_registry_records_dropped_total)
     dropped: Counter[tuple[str, str]]
 
-    async def open_session(self, ttl: float) -> Session: ...
+    async def open_session(self, ttl: float) -> SessionT: ...
 
-    async def register_node(self, session: Session, record: NodeRecord) -> Registered | Conflict:
+    async def register_node(self, session: SessionT, record: NodeRecord) -> Registered | Conflict:
         """Create the node key under the session unless a record with another incarnation lives
         there. A record with the same incarnation is ours (a previous session of this process) and is
         replaced."""
         ...
 
-    async def update_node(self, session: Session, record: NodeRecord) -> None:
+    async def update_node(self, session: SessionT, record: NodeRecord) -> None:
         """Rewrite our own registered record (same node id and incarnation); SessionLost if the key
         is gone or holds another incarnation."""
         ...
 
-    async def replace_node(self, session: Session, record: NodeRecord, conflict: Conflict) -> Registered | Conflict:
+    async def replace_node(self, session: SessionT, record: NodeRecord, conflict: Conflict) -> Registered | Conflict:
         """Put our record in place of `conflict.existing`, exactly that stored version, under our
         session. The member calls it when the conflicting record is not to be believed (it does not
         verify against the cluster CA). A newer value meanwhile: Conflict with that one."""
         ...
 
-    async def check_node(self, session: Session, record: NodeRecord) -> bool:
+    async def check_node(self, session: SessionT, record: NodeRecord) -> bool:
         """Does our node key hold exactly `record` (byte for byte), bound to this session? False
         when someone changed or deleted it: the member then writes it again."""
         ...
@@ -176,7 +180,7 @@ class Backend(Protocol):
         revision `from_rev` is missed. Returns an empty list at the deadline."""
         ...
 
-    async def publish_batch(self, session: Session, ops: Sequence[PublishOp]) -> None:
+    async def publish_batch(self, session: SessionT, ops: Sequence[PublishOp]) -> None:
         """Apply the ops (each op's key is distinct); idempotent, so a failed batch may be retried."""
         ...
 

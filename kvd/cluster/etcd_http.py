@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 try:
@@ -214,7 +214,8 @@ class GatewayClient:
             return json.loads(data)
         raise AssertionError("unreachable")
 
-    async def stream(self, path: str, req: dict[str, Any], *, headers: Headers = ()) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, path: str, req: dict[str, Any], *,
+                     headers: Headers = ()) -> AsyncGenerator[dict[str, Any], None]:
         """A streaming call (watch): yields each JSON message's "result" as it arrives; ends when the
         server ends the stream. One message is capped at the client's max_body. Closing the generator
         closes the connection, which cancels the watch."""

@@ -89,10 +89,10 @@ class MemoryServer:
     def revoke(self, lid: int) -> None:
         if self.leases.pop(lid, None) is None:
             return
-        for node_id in [n for n, (_, l) in self.nodes.items() if l == lid]:
+        for node_id in [n for n, (_, lease) in self.nodes.items() if lease == lid]:
             del self.nodes[node_id]
             self.node_event(Removed(node_id, self._bump()))
-        for key in [k for k, (_, l) in self.holders.items() if l == lid]:
+        for key in [k for k, (_, lease) in self.holders.items() if lease == lid]:
             del self.holders[key]
             self._bump()
 
@@ -168,7 +168,8 @@ class MemoryBackend:
             return Conflict(held[0], version=held)
         return Registered(self._put_node(session, record))
 
-    async def replace_node(self, session: MemorySession, record: NodeRecord, conflict: Conflict) -> Registered | Conflict:
+    async def replace_node(self, session: MemorySession, record: NodeRecord,
+                           conflict: Conflict) -> Registered | Conflict:
         await self.server.enter(self.op_timeout)
         session.check()
         held = self.server.nodes.get(record.node_id)

@@ -7,6 +7,7 @@ they do not know and reject a record that lacks a field they need, with `RecordE
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import math
@@ -125,7 +126,8 @@ def holder_payload(rec: HolderRecord) -> bytes:
 # ---- decode ----
 
 class _Fields:
-    """Typed access to a decoded JSON object; every complaint names the record kind and field."""
+    """Typed access to a decoded JSON object; every complaint names the record kind and field.
+    (Its methods are named for the types they read: past `str` and `int`, annotations say builtins.)"""
 
     def __init__(self, raw: bytes | str, kind: str) -> None:
         self.kind = kind
@@ -156,13 +158,13 @@ class _Fields:
             raise self.fail(name, f"must be one of {', '.join(choices)}, not {v!r}")
         return v
 
-    def int(self, name: str, default: int | None = None) -> int:
+    def int(self, name: builtins.str, default: builtins.int | None = None) -> builtins.int:
         v = self.obj.get(name, default)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise self.fail(name, "must be a non-negative integer")
         return v
 
-    def num(self, name: str, *, optional: bool = False, default: float = 0.0) -> Any:
+    def num(self, name: builtins.str, *, optional: bool = False, default: float = 0.0) -> Any:
         v = self.obj.get(name, None if optional else default)
         if v is None and optional:
             return None
@@ -170,7 +172,7 @@ class _Fields:
             raise self.fail(name, "must be a finite number")
         return float(v)
 
-    def hex(self, name: str) -> int:
+    def hex(self, name: builtins.str) -> builtins.int:
         v = self.str(name)
         try:
             n = int(v, 16)

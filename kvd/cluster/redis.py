@@ -140,6 +140,7 @@ class RedisBackend:
         RegistryRefused: credentials or a certificate the server does not accept)."""
         from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
         task = asyncio.current_task()
+        assert task is not None  # (a coroutine runs in a task)
         cancels = task.cancelling()
         try:
             async with asyncio.timeout(self.op_timeout):

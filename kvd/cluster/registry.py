@@ -104,7 +104,7 @@ class Registry:
         if self.verifier is not None:
             verifier = self.verifier
             certs = {h.node_id: verifier.node(self._nodes[h.node_id]) for h in found if h.node_id in self._nodes}
-            found = [h for h in found if certs.get(h.node_id) is not None and verifier.holder(h, certs[h.node_id])]
+            found = [h for h in found if (cert := certs.get(h.node_id)) is not None and verifier.holder(h, cert)]
         return order_candidates(found, self._nodes, self_id=None, now=time.time(),
                                 labels=self.labels, allow_streaming=allow_streaming)
 

@@ -76,21 +76,26 @@ class RecordVerifier:
                 return self.authority.verify(cert.raw, record.node_id)
             except CertError as exc:
                 self._verified.pop(key, None)
-                return self._drop("node", exc.reason, f"node {record.node_id!r}: {exc.message}")
+                self._drop("node", exc.reason, f"node {record.node_id!r}: {exc.message}")
+                return None
         raw_cert, sig = _unb64(record.cert), _unb64(record.sig)
         if raw_cert is None or sig is None:
-            return self._drop("node", "unsigned", f"node {record.node_id!r}: its record carries no cert and "
-                                                  "signature, and this cluster has a CA")
+            self._drop("node", "unsigned", f"node {record.node_id!r}: its record carries no cert and "
+                                           "signature, and this cluster has a CA")
+            return None
         try:
             cert = self.authority.verify(raw_cert, record.node_id)
         except CertError as exc:
-            return self._drop("node", exc.reason, f"node {record.node_id!r}: {exc.message}")
+            self._drop("node", exc.reason, f"node {record.node_id!r}: {exc.message}")
+            return None
         if record.curve_public is not None and record.curve_public.encode() != cert.curve_z85:
-            return self._drop("node", "key_mismatch", f"node {record.node_id!r}: its record names another CURVE "
-                                                      "key than its cert")
+            self._drop("node", "key_mismatch", f"node {record.node_id!r}: its record names another CURVE "
+                                               "key than its cert")
+            return None
         if not signature_valid(cert.sign_public, NODE_RECORD_DOMAIN, key[1], sig):
-            return self._drop("node", "bad_signature", f"node {record.node_id!r}: its record is not signed by "
-                                                       "the key its cert names")
+            self._drop("node", "bad_signature", f"node {record.node_id!r}: its record is not signed by "
+                                                "the key its cert names")
+            return None
         if len(self._verified) >= _VERIFIED_KEEP:
             self._verified.clear()
         self._verified[key] = cert

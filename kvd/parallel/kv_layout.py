@@ -20,6 +20,7 @@ Rules, both vLLM's:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -110,15 +111,15 @@ class KVLayout:
         return head, head + 1
 
     def with_shard(self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-                   pp_partition: str | None = None) -> "KVLayout":
+                   pp_partition: str | None = None) -> KVLayout:
         """The same model, another shard."""
         return dataclasses.replace(self, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
                                    pp_partition=pp_partition)
 
-    def same_model(self, other: "KVLayout") -> bool:
+    def same_model(self, other: KVLayout) -> bool:
         return all(getattr(self, f) == getattr(other, f) for f in MODEL_FIELDS)
 
-    def check_compatible(self, other: "KVLayout") -> None:
+    def check_compatible(self, other: KVLayout) -> None:
         """Raise LayoutMismatch, naming every differing field, unless both describe the same model."""
         diffs = [f"{f} {getattr(self, f)!r} != {getattr(other, f)!r}"
                  for f in MODEL_FIELDS if getattr(self, f) != getattr(other, f)]
@@ -133,7 +134,7 @@ class KVLayout:
         return wire
 
     @classmethod
-    def from_wire(cls, raw: object) -> "KVLayout":
+    def from_wire(cls, raw: object) -> KVLayout:
         """Validate a dict from the wire; unknown keys are rejected, since they could change the meaning."""
         if not isinstance(raw, dict):
             raise BadRequest(f"KV layout must be a map, got {type(raw).__name__}")
@@ -226,11 +227,11 @@ def plan_reshard(src_layouts: Sequence[KVLayout], dst: KVLayout) -> list[ShardPi
     pieces: list[ShardPiece] = []
     prev_row: list[tuple[KVLayout, int, int]] = []
     row_start = l0
-    for a, b in zip(layer_cuts, layer_cuts[1:]):
+    for a, b in itertools.pairwise(layer_cuts):
         # cuts include every source boundary, so each source holds a cell wholly or not at all
         in_band = [(src, heads) for src, layers, heads in held if layers[0] <= a and b <= layers[1]]
         row: list[tuple[KVLayout, int, int]] = []
-        for c, d in zip(head_cuts, head_cuts[1:]):
+        for c, d in itertools.pairwise(head_cuts):
             holders = [src for src, heads in in_band if heads[0] <= c and d <= heads[1]]
             if not holders:
                 raise BadRequest(f"no source holds layers [{a}, {b}) x KV heads [{c}, {d}) needed by "

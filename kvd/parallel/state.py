@@ -23,7 +23,7 @@ class ParallelStateError(RuntimeError):
     """The parallel state was used in the wrong lifecycle phase (never crosses the wire)."""
 
 
-_current: "ParallelState | None" = None
+_current: ParallelState | None = None
 
 
 class ParallelState:

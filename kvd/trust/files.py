@@ -79,7 +79,7 @@ def _write(path: str, text: str, secret: bool) -> None:
 
 
 def _stamp() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def refuse_existing(paths: list[str], why: str) -> None:
@@ -190,7 +190,7 @@ def load_node_keys(path: str) -> NodeKeys:
 # ---- certs ----------------------------------------------------------------------------------------
 
 def write_cert(path: str, cert: NodeCert) -> None:
-    until = datetime.datetime.fromtimestamp(cert.not_after, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    until = datetime.datetime.fromtimestamp(cert.not_after, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     _write(path, f"#   kvd node cert: node {cert.node_id} of cluster {cert.cluster}, valid until {until}, "
                  "signed by the cluster CA\n"
                  f'cert = "{base64.b64encode(cert.raw).decode()}"\n', secret=False)

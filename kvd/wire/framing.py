@@ -14,7 +14,7 @@ after a framing error the stream cannot be resynchronized and the connection mus
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvd.errors import ProtocolError
 

@@ -40,7 +40,7 @@ class TensorSpec:
         return [self.name, self.dtype, list(self.shape)]
 
     @classmethod
-    def from_wire(cls, raw: object) -> "TensorSpec":
+    def from_wire(cls, raw: object) -> TensorSpec:
         if not (isinstance(raw, (list, tuple)) and len(raw) == 3):
             raise BadRequest(f"tensor spec must be [name, dtype, shape], got {raw!r:.80}")
         name, dtype, shape = raw

@@ -147,8 +147,7 @@ def decode(frames: typing.Sequence[Frame]) -> Message:
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise VersionMismatch(f"protocol version {version!r} not supported (this side speaks {PROTOCOL_VERSION})")
     kind = header.get("t")
-    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
+    if not isinstance(kind, str) or (cls := MESSAGE_TYPES.get(kind)) is None:
         raise ProtocolError(f"unknown message type {kind!r}")
     values: dict[str, Any] = {}
     for name, base, allowed, optional, required, to_float in _DECODE[kind]:
@@ -164,7 +163,7 @@ def decode(frames: typing.Sequence[Frame]) -> Message:
             raise ProtocolError(f"{kind}: field {name!r} must be {base}, got {type(value).__name__}")
         values[name] = float(value) if to_float else value
     msg = cls(**values)
-    if isinstance(msg, Chunk) or (isinstance(msg, Offer) and msg.lengths is not None):
+    if isinstance(msg, (Chunk, Offer)) and msg.lengths is not None:  # (a chunk's always are)
         msg.payload = _payload(kind, header.get("n", 0), msg.lengths, frames)
     elif len(frames) != 1:
         raise ProtocolError(f"{kind} carries no payload, but {len(frames) - 1} extra frames arrived")

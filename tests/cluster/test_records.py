@@ -91,4 +91,4 @@ def test_key_schema():
     assert r.holders("a:b") == "kvd:prod:req:a%3Ab"
     for bad in ("", "a/b", "a:b", "x" * 65, "-a"):
         with pytest.raises(ValueError, match="cluster name"):
-            EtcdKeys(bad).prefix
+            _ = EtcdKeys(bad).prefix

@@ -50,7 +50,8 @@ def test_a_password_file_overrides_the_urls_and_needs_the_etcd_user(tmp_path):
     pw.write_text("  fromfile  \nsecond line\n")
     u, tls = with_options(parse_url("etcd://kvd:inurl@h:1"), password_file=str(pw))
     assert (u.username, u.password, tls) == ("kvd", "fromfile", None)
-    assert parse_url("redis://r").password == "" and with_options(parse_url("redis://r"), password_file=str(pw))[0].password == "fromfile"
+    assert parse_url("redis://r").password == ""
+    assert with_options(parse_url("redis://r"), password_file=str(pw))[0].password == "fromfile"
     with pytest.raises(ValueError, match="needs the etcd user"):
         with_options(parse_url("etcd://h:1"), password_file=str(pw))
     with pytest.raises(ValueError, match="--registry-password-file .*cannot read"):

@@ -112,7 +112,8 @@ TP_PAIRS = [(1, 2), (2, 1), (1, 1), (2, 2), (2, 4), (4, 2)]
 
 def groups_of(kind: str) -> tuple[KVGroup, ...]:
     """Layers 0, 2 of `kind`, layers 1, 3 full attention."""
-    other = KVGroup(kind, 64 if kind == MAMBA else B, (name(0), name(2)), WINDOW if kind in (SLIDING, CHUNKED) else None)
+    other = KVGroup(kind, 64 if kind == MAMBA else B, (name(0), name(2)),
+                    WINDOW if kind in (SLIDING, CHUNKED) else None)
     return other, KVGroup(FULL, B, (name(1), name(3)))
 
 
@@ -142,7 +143,7 @@ def test_per_group_plans_rebuild_every_consumer_rank_exactly(kind):
             h0, h1 = s.head_range()
             layout = rank_layout(s, groups)
             rows = {}
-            for g, (group, table) in enumerate(zip(groups, src_tables)):
+            for group, table in zip(groups, src_tables):
                 first, stop = group.kept_blocks(n)
                 for layer in group.layers:
                     i = int(layer.split(".")[2])

@@ -218,10 +218,12 @@ def test_a_hybrid_worker_reports_a_failed_load_by_request_alone(model_dir, tmp_p
 
     for specs, blocks_reported in (([SPECS["swa"], FULL], False), ([FULL], True)):
         scheduler = make_scheduler(model_dir, specs=specs)
-        settings = ConnectorSettings.from_extra({"kvd_socket": f"unix://{tmp_path}/nobody.sock", "kvd_load_timeout": 0.2})
+        settings = ConnectorSettings.from_extra({"kvd_socket": f"unix://{tmp_path}/nobody.sock",
+                                                 "kvd_load_timeout": 0.2})
         worker = KVDWorker(scheduler.vllm_config, scheduler.kv_cache_config, settings)
         worker.register_kv_caches({name: torch.zeros(NUM_BLOCKS, 2, BLOCK, 128)
-                                   for group in scheduler.kv_cache_config.kv_cache_groups for name in group.layer_names})
+                                   for group in scheduler.kv_cache_config.kv_cache_groups
+                                   for name in group.layer_names})
         assert len(worker.paged.groups) == len(specs)
         tables = ([1, 2, 3],) * len(specs)
         worker.start_load(KVDConnectorMetadata(loads=[LoadSpec(req_id="r", request_key="eng:r", block_ids=tables,

@@ -86,7 +86,8 @@ def runner_output(requests: list[Request], *, recving: set[str] | None = None, f
         kv_out = KVConnectorOutput(finished_recving=recving or set(), failed_recving=failed or set(),
                                    invalid_block_ids=invalid_blocks or set())
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=[[token] if token is not None else [] for _ in req_ids], logprobs=None, prompt_logprobs_dict={},
+                             sampled_token_ids=[[token] if token is not None else [] for _ in req_ids],
+                             logprobs=None, prompt_logprobs_dict={},
                              pooler_output=None, kv_connector_output=kv_out)
 
 

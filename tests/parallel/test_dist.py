@@ -60,7 +60,7 @@ def check_unusable() -> None:
     with pytest.raises(ParallelStateError, match="not initialized"):
         par.tensor_model_parallel_all_reduce(torch.ones(1))
     with pytest.raises(ParallelStateError, match="before ParallelState.initialize"):
-        ParallelState().tp
+        _ = ParallelState().tp
 
 
 def check_groups(state: ParallelState, rank: int, world: int, tp: int, pp: int, dp: int, ep: int | None) -> None:

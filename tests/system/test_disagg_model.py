@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -37,7 +37,7 @@ def load_example():
 ex = load_example()
 
 
-@lru_cache(maxsize=None)
+@cache
 def model_for(dtype: str, which: str):
     """Separate instances for the 'prefill', 'decode' and 'reference' roles, built independently."""
     model = ex.build_model(replace(ex.SMALL, dtype=dtype))

@@ -390,7 +390,6 @@ def test_second_daemon_cannot_take_over_the_socket(daemons):
     second.proc.kill()
     second.proc.wait()
     import subprocess
-    import sys
 
     args = list(first.args)
     args[args.index("--listen") + 1] = f"tcp://127.0.0.1:{free_port()}"

@@ -268,7 +268,8 @@ def test_a_denied_key_is_cut_at_once_on_sighup(daemons, tmp_path):
     ca.node("A"), ca.node("B")
     port_b = free_port()
     b = daemons.start("B", port=port_b, extra=[*ca.node("B"), "--curve-deny", str(deny)])
-    a = daemons.start("A", peers={"B": f"tcp://127.0.0.1:{port_b}"}, extra=[*ca.node("A"), "--curve-allow", str(ca.dir)])
+    a = daemons.start("A", peers={"B": f"tcp://127.0.0.1:{port_b}"},
+                      extra=[*ca.node("A"), "--curve-allow", str(ca.dir)])
     with a.client() as ca_, b.client() as cb:
         ca_.put("before", kv_for("before"), dest="B")
         assert exact("before", cb.get("before", timeout=5))

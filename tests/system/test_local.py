@@ -206,7 +206,7 @@ def test_async_client_concurrent_requests(daemon):
             tensors = {f"r{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}
             await asyncio.gather(*(c.put(rid, {"x": t}) for rid, t in tensors.items()))
             got = await asyncio.gather(*(c.get(rid) for rid in tensors))
-            for (rid, t), kv in zip(tensors.items(), got):
+            for t, kv in zip(tensors.values(), got):
                 assert torch.equal(kv["x"], t)
             return await c.stats()
 

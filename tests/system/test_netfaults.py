@@ -55,7 +55,7 @@ class Net:
 @pytest.fixture(scope="module")
 def net(request) -> Net:
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (this runs as uid %d)" % os.geteuid())
+        pytest.skip(f"network namespaces need root (this runs as uid {os.geteuid()})")
     if shutil.which("ip") is None:
         pytest.skip("the `ip` command (iproute2) is not installed")
     tag = f"{os.getpid() % 100000}"

@@ -146,7 +146,7 @@ def test_bad_shards_are_refused_on_put_and_on_get(daemons):
         "head_dim": {k: v[..., :8] for k, v in good.items()},
     }
     with d.client() as c:
-        for case, kv in bad.items():
+        for kv in bad.values():
             with pytest.raises(LayoutMismatch):
                 put_shard(c, "r5", kv, src)
         assert c.list() == []  # refused before anything was sent

@@ -98,7 +98,7 @@ def test_get_stream_of_a_complete_entry_and_early_exit(client):
     client.put("done-already", layers)
     groups = list(client.get_stream("done-already", keep=True))
     assert sum(len(g) for g in groups) == 4
-    for group in client.get_stream("done-already"):
+    for _ in client.get_stream("done-already"):
         break  # stop early: the entry must not be consumed
     assert client.stats()["entries"] == 1
     got = client.get("done-already")

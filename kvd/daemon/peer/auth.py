@@ -158,7 +158,8 @@ def _own_cert(authority: Authority, own, secret_key_file: str, cert_file: str, n
 def _add_key_file(keys: CurveKeys, path: str) -> None:
     if path.endswith(".cert"):  # a peer's cert: the key to dial it by, as the CA vouches (it admits it anyway)
         if keys.authority is None:
-            raise BadRequest(f"--curve-allow {path}: a cert is checked against the cluster CA, and --curve-ca is not set")
+            raise BadRequest(f"--curve-allow {path}: a cert is checked against the cluster CA, and --curve-ca is "
+                             "not set")
         try:
             cert = keys.authority.verify(load_cert(path).raw)
         except CertError as exc:

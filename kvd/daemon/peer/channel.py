@@ -4,7 +4,7 @@ transfer state machine sees only `key` and `peer_name`. No ZeroMQ here."""
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.wire import protocol as p
 

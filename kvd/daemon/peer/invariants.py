@@ -46,7 +46,7 @@ def _check_sender(machine, out: Outbound, where: str, leases: set[int]) -> None:
     lease = machine.store.lease_of(out.lease_token)
     assert lease is not None and out.lease_token in entry.leases, f"{where}: its lease is not the store's"
     assert lease.claiming, f"{where}: its lease no longer claims the entry"
-    assert lease.consume == (out.kind is Kind.PUSH or not out.pull.keep), f"{where}: its lease consumes wrongly"
+    assert lease.consume == (out.pull is None or not out.pull.keep), f"{where}: its lease consumes wrongly"
     assert out.lease_token not in leases, f"{where} shares its lease with another transfer"
     leases.add(out.lease_token)
     assert sum(n for _, n in entry.extents) >= blocks_needed(entry.total_bytes, machine.store.block_size), \

@@ -38,6 +38,7 @@ MAX_PENDING = 10_000  # sends waiting for a socket that takes none: past this th
 # pyzmq's constants are enums; each `|` or lookup on them costs more than the socket call (and a
 # receive that finds nothing raises zmq.Again, which costs more still): ask EVENTS, with ints
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+# (get() is typed int | bytes for any option; EVENTS is an int one, and an int() per call would cost)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _NOBLOCK_MORE = _NOBLOCK | _SNDMORE
 _send_frame = zmq.backend.Socket.send  # pyzmq's own, under the sugar layer's per-call checks
@@ -252,7 +253,7 @@ class LoopSocket:
         handled = 0
         while handled < MAX_BATCH:
             try:
-                if not sock.get(_EVENTS) & _POLLIN:
+                if not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int option; see _EVENTS)
                     return
                 frames = [sock.recv(_NOBLOCK, copy=copy)]
                 while sock.get(_RCVMORE):  # (a message's parts arrive together)
@@ -313,7 +314,7 @@ class LoopSocket:
     def _check_input(self) -> None:
         """A send may have taken the descriptor's edge for input that arrived meanwhile: look."""
         try:
-            if self.sock.get(_EVENTS) & _POLLIN:
+            if self.sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int option; see _EVENTS)
                 self._schedule_check()
         except zmq.ZMQError:
             self._schedule_check()

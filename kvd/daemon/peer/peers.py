@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import zmq
 
@@ -131,7 +131,7 @@ class PeerSet:
         self._discovered.discard(name)
         self._silent_since_bytes.pop(name, None)
 
-    def set_peers(self, peers: dict[str, str], rekey: set[str] = frozenset()) -> None:
+    def set_peers(self, peers: dict[str, str], rekey: Collection[str] = frozenset()) -> None:
         """Apply a reloaded peer list: new names are linked, removed ones closed; links named in
         `rekey` (their CURVE key changed; "*": the allow list did) are dialled again."""
         self._configured = dict(peers)

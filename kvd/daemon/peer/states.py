@@ -84,6 +84,12 @@ class Outbound:
     deadline: float = 0.0  # no progress by then: it fails (not while WAITING or CONNECTING)
     started: float = 0.0  # by the machine's clock
 
+    def sending(self) -> tuple[Entry, SendWindow]:
+        """Its entry and window, which it has in every state but WAITING (the table's rows see to it)."""
+        if self.entry is None or self.window is None:
+            raise AssertionError(f"transfer {self.xfer:x} is {self.state} without an entry")
+        return self.entry, self.window
+
 
 @dataclass(eq=False)
 class Inbound:
@@ -99,6 +105,12 @@ class Inbound:
     checksum: str = "none"
     deadline: float = 0.0
     started: float = 0.0  # by the machine's clock: a pull from its Pull, a pushed entry from its Offer
+
+    def receiving(self) -> tuple[Entry, ReceiveLedger]:
+        """Its entry and ledger, which it has from its offer on (the table's rows see to it)."""
+        if self.entry is None or self.ledger is None:
+            raise AssertionError(f"transfer {self.xfer:x} is {self.state} without an entry")
+        return self.entry, self.ledger
 
 
 Transfer = Union[Outbound, Inbound]

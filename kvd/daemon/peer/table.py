@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from kvd.wire import protocol as p
 
@@ -37,7 +37,7 @@ EAGER_CHUNKS = 2
 @dataclass(frozen=True)
 class Guard:
     says: str
-    test: Callable[[object, object], bool]
+    test: Callable[[Any, Any], bool]  # (transfer, event): their types are the row's state's and event's
 
     def __call__(self, transfer, event) -> bool:
         return self.test(transfer, event)

@@ -30,7 +30,7 @@ class TcpConnection:
     remote: tuple[str, int]
 
     @classmethod
-    def of_fd(cls, fd: int) -> "TcpConnection | None":
+    def of_fd(cls, fd: int) -> TcpConnection | None:
         """The connection on descriptor fd; None if it is not (or no longer) a TCP connection."""
         try:
             with socket.socket(fileno=os.dup(fd)) as sock:

@@ -141,7 +141,7 @@ class Transfers:
         return push
 
     def _on_link(self, out: Outbound, ready: asyncio.Future) -> None:
-        error = ready.exception()
+        error = _kvd_error(ready.exception())
         self._run(self.machine.handle(ConnectFailed(out.xfer, error) if error else Connected(out.xfer)))
 
     def entry_written(self, entry: Entry, ranges: list[tuple[int, int]]) -> None:
@@ -159,7 +159,7 @@ class Transfers:
     def pushing(self, entry: Entry) -> str | None:
         """The peer a push is taking entry to, once the push claims it (a failed push drops the
         entry too: it is not readable here again)."""
-        for transfer in self.machine.carrying(entry):
+        for transfer in self._sending(entry):
             if transfer.kind is Kind.PUSH:
                 lease = self.store.lease_of(transfer.lease_token)
                 if lease is not None and lease.claiming:
@@ -180,7 +180,7 @@ class Transfers:
         outcome = push.outcome
         if outcome.done():
             callback(PeerUnavailable(f"daemon {self.config.node_id} is shutting down") if outcome.cancelled()
-                     else outcome.exception())
+                     else _kvd_error(outcome.exception()))
             return
         push.on_end.append(callback)
 
@@ -198,8 +198,8 @@ class Transfers:
         def linked(ready: asyncio.Future) -> None:
             if result.done():
                 return  # called off while connecting
-            if ready.exception() is not None:
-                result.set_exception(ready.exception())
+            if (error := ready.exception()) is not None:
+                result.set_exception(error)
                 return
             if expect is not None and (link.remote_node_id, link.remote_incarnation) != (expect.node_id,
                                                                                        expect.incarnation):
@@ -279,7 +279,7 @@ class Transfers:
                     sending = self._send(out.channel, chunk, track=True)
                     self.io.sent(hold, sending)
                     self._sends.setdefault(out.xfer, []).append(sending)
-                    nbytes = sum(chunk.lengths)
+                    nbytes = sum(chunk.lengths or ())  # (an offer that carries a chunk has them)
                     self.metrics.tally["sent_bytes"] += nbytes
                     self.metrics.transfer_bytes(out.channel.peer_name, "sent", nbytes)
                 case Send(channel=channel, msg=msg):
@@ -409,6 +409,14 @@ class Transfers:
             self._schedule_deferred_check()
         else:
             self._deferred_delay = DEFERRED_FIRST
+
+
+def _kvd_error(exc: BaseException | None) -> KvdError | None:
+    """A future's exception as a kvd error (links and pushes fail with nothing else; anything else
+    would be a bug, reported as the peer being unavailable rather than crashing the caller)."""
+    if exc is None or isinstance(exc, KvdError):
+        return exc
+    return PeerUnavailable(f"{type(exc).__name__}: {exc}")
 
 
 def _log_send_failure(sent: asyncio.Future) -> None:

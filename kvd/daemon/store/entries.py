@@ -119,7 +119,7 @@ class Entry:
         ranges = self.tensor_ranges()
         if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < len(ranges) for i in indices):
             raise BadRequest(f"tensor indices for {self.request_id!r} must be ints in 0..{len(ranges) - 1} (no tensor with that number)")
-        picked = []
+        picked: list[tuple[int, int]] = []  # merged [lo, hi) byte ranges
         for index in sorted(set(indices)):
             lo, hi = ranges[index]
             if hi > lo and self.written.overlaps(lo, hi):

@@ -59,7 +59,8 @@ class Side:
         return self.inboxes[FIRST]
 
     def entry(self, request_id: str, data: bytes, *, state: State = State.READY):
-        entry = self.store.reserve(request_id, [TensorSpec("x", "uint8", (len(data),))], None, None, State.WRITING, None)
+        entry = self.store.reserve(request_id, [TensorSpec("x", "uint8", (len(data),))], None, None, State.WRITING,
+                                   None)
         self.write(entry, data)
         if state is State.READY:
             self.store.publish(entry)

@@ -308,7 +308,8 @@ class TransferPair(RuleBasedStateMachine):
                 assert id(transfer.entry) not in self.consumed, f"{transfer.request_id} consumed twice"
                 self.consumed.add(id(transfer.entry))
             seed = transfer.entry.meta["seed"]
-            assert self.lied or any(isinstance(e, Published) and e.entry.meta["seed"] == seed for e in side.peer.events), \
+            assert self.lied or any(isinstance(e, Published) and e.entry.meta["seed"] == seed
+                                    for e in side.peer.events), \
                 f"{transfer.request_id} was sent, but {side.peer.name} never published it"
         if transfer.kind is Kind.PUSH and error is not None and transfer.entry.state is State.WRITING:
             # as the local handlers do: a stream whose push failed can never be delivered; its

@@ -148,7 +148,7 @@ def test_a_seal_before_the_offer_makes_a_sealed_offer_whose_chunks_all_go():
     entry = a.store.reserve("early", [TensorSpec(f"l{i}", "uint8", (1000,)) for i in range(5)], None, None,
                             State.WRITING, None)
     out = push(a, b, entry, sealed=False)
-    for i, (lo, hi) in enumerate(entry.tensor_ranges()):
+    for lo, hi in entry.tensor_ranges():
         a.handle(Written(out.xfer, [(lo, hi - lo)]))
     a.store.publish(entry)
     a.handle(Commit(out.xfer))

@@ -308,7 +308,7 @@ def test_sweep_gives_stale_leases_back():
     fresh = store.lease(keep, consume=False, deadline=now + 100)
     no_deadline = store.lease(keep, consume=False, deadline=None)
     expired, abandoned, stale = store.sweep(now + 10)
-    assert {l.token for l in stale} == {lease.token, keep_lease.token}
+    assert {s.token for s in stale} == {lease.token, keep_lease.token}
     assert expired == [] and abandoned == []
     # the consumed-but-abandoned entry is back, not lost; the stale leases no longer claim, but
     # pin the blocks until their readers release them (they may still be copying out)
