@@ -259,12 +259,13 @@ def import_sglang_host_pools():
     sys.modules.update({n: stand_in(n) for n in added} if not real else {})
     try:
         from sglang.srt.mem_cache import device_pool_info as info
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
         from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     finally:
         for name in added if not real else ():
             sys.modules.pop(name, None)
-    return info, MHATokenToKVPoolHost, MLATokenToKVPoolHost
+    return info, MHATokenToKVPoolHost, MLATokenToKVPoolHost, host_memory_budget_scope
 
 
 def real_mha_pool(info, cls, layout, dtype, *, layers=3, heads=2, dim=16, tokens=64):
@@ -299,7 +300,12 @@ def random_bits(tensor: torch.Tensor, seed: int) -> None:
 def test_the_real_sglang_host_pools(sglang, shared_daemon):
     """SGLang's own MHA and MLA host pools: pages are views (one copy each way), a backup and
     prefetch cycle is bit-exact, and MHAHostPool's pages and pointer tables equal the real ones."""
-    info, MHAHost, MLAHost = import_sglang_host_pools()
+    info, MHAHost, MLAHost, budget = import_sglang_host_pools()
+    with budget(1 << 30):  # (SGLang's own sizing keeps 10+ GiB of the host free; these pools are tiny)
+        cycle_on_real_pools(sglang, shared_daemon, info, MHAHost, MLAHost)
+
+
+def cycle_on_real_pools(sglang, shared_daemon, info, MHAHost, MLAHost):
     for n, (layout, dtype) in enumerate([(layout, dtype) for layout in LAYOUTS
                                          for dtype in (torch.bfloat16, torch.float16, torch.float32)]):
         pools = [real_mha_pool(info, MHAHost, layout, dtype) for _ in range(2)]
@@ -319,8 +325,10 @@ def test_the_real_sglang_host_pools(sglang, shared_daemon):
         random_bits(mla[0].kv_buffer, seed=50 + n)
         for kind, (src, dst), mla_model in (("mha", pools, False), ("mla", mla, True)):
             keys = page_keys(sglang, seed=200 + n, pages=PAGES)
-            writer, reader = (make_backend(sglang, shared_daemon.socket, pool, is_mla_model=mla_model, tp_rank=r,
-                                           tp_size=2 if mla_model else 1) for r, pool in enumerate((src, dst)))
+            # MHA: a second instance of the same rank; MLA: rank 1 of 2 reads what rank 0 wrote
+            writer, reader = (make_backend(sglang, shared_daemon.socket, pool, is_mla_model=mla_model,
+                                           tp_rank=r if mla_model else 0, tp_size=2 if mla_model else 1)
+                              for r, pool in enumerate((src, dst)))
             assert writer.host_pages.zero_copy and reader.host_pages.zero_copy, (kind, layout)
             order = list(range(PAGES))
             assert backup(sglang, writer, keys, token_indices(order)) == PAGES
