@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvd-sglang-bench-"))
     shm = tempfile.mkdtemp(prefix="kvd-sglang-file-", dir="/dev/shm")
     factory = DaemonFactory(workdir, log_level="warning")
-    pool_mib = (pages * page_bytes >> 20) + 256
+    pool_mib = (pages * page_bytes >> 20) + 64
     try:
         daemon = factory.start("A", pool_size=f"{pool_mib}MiB", extra=["--cache-size", "1.0"])
         drivers = [KvdDriver(sglang, daemon.socket, pool), FileDriver(sglang, shm, pool)]
@@ -198,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         single = {d.name: single_page(d, keys[0], indices[:PAGE_TOKENS], 50) for d in drivers}
         for d in drivers:
             d.clear()
+        # 10,000 small pages, on a daemon of small blocks (a tier page takes whole blocks: 64 KiB by default)
+        small_daemon = factory.start("B", pool_size="128MiB", extra=["--cache-size", "1.0", "--block-size", "8KiB"])
         small_pool = MHAHostPool(**SMALL, page_size=PAGE_TOKENS, pages=EXISTS_KEYS)
         small_keys = [hashlib.sha256(f"small {i}".encode()).hexdigest() for i in range(EXISTS_KEYS)]
-        small = [KvdDriver(sglang, daemon.socket, small_pool), FileDriver(sglang, shm, small_pool)]
+        small = [KvdDriver(sglang, small_daemon.socket, small_pool), FileDriver(sglang, shm, small_pool)]
         small_indices = torch.arange(EXISTS_KEYS * PAGE_TOKENS)
         for d in small:
             assert batched(d, d.put, small_keys, small_indices, batch, PAGE_TOKENS) == EXISTS_KEYS
