@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from .daemon.config import FIELD_NAMES, config_default, load_config, parse_labels, parse_peers, shown_default
 

@@ -12,7 +12,9 @@ import pytest
 def run_into_a_closed_pipe(argv: list[str], unbuffered: bool) -> subprocess.CompletedProcess:
     read, write = os.pipe()
     os.close(read)  # nobody reads: every write to the pipe fails (EPIPE)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | ({"PYTHONUNBUFFERED": "1"} if unbuffered else {})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
     try:
         return subprocess.run([sys.executable, "-m", "kvd", *argv], stdout=write, stderr=subprocess.PIPE,
                               env=env, timeout=60)
