@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from ssl import SSLContext
@@ -303,7 +303,8 @@ class EtcdBackend:
     async def _pages(self, prefix: str, kind: str, *, page: int, most: int, page_body: int,
                      budget: int) -> tuple[int, list[dict[str, Any]]]:
         start, end = prefix.encode(), _prefix_end(prefix)
-        rev, used, limit, out = 0, 0, page, []
+        rev, used, limit = 0, 0, page
+        out: list[dict[str, Any]] = []
         while True:
             req: dict[str, Any] = {"key": _b64(start), "range_end": end, "limit": str(min(limit, most - len(out)))}
             if rev:
@@ -358,7 +359,7 @@ class EtcdBackend:
             return Added(rec, mod)
         return Removed(node_id, mod)  # deleted, or overwritten with a record no listing would show
 
-    async def _watch(self, prefix: str, start: int) -> AsyncIterator[dict]:
+    async def _watch(self, prefix: str, start: int) -> AsyncGenerator[dict, None]:
         """Events on a prefix from revision `start`; RegistryUnavailable when the stream breaks or the
         revision was compacted (the caller re-lists). No deadline of its own: a watch idles by design,
         and the caller bounds it from outside."""
@@ -427,7 +428,7 @@ class EtcdBackend:
         if not ops:
             return
         lease = str(session.lease)
-        reqs = []
+        reqs: list[dict[str, Any]] = []
         for op in ops:
             key = _b64(self.keys.holder(op.record.rid, op.record.node_id))
             value = _b64(encode_holder(op.record))

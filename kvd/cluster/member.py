@@ -17,6 +17,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvd.trust import NodeCert
+
 from .backend import (
     Added, Backend, Conflict, NodeEvent, RegistryRefused, RegistryUnavailable, Removed, Resync, Session, SessionLost,
 )
@@ -53,7 +55,7 @@ class ClusterMember:
         self.last_error: str | None = None  # the registry's last refusal or failure, for status
         self.refused = False  # the registry refuses our credentials (until a call succeeds)
         self._view: dict[str, NodeRecord] = {}  # verified records only, when there is a verifier
-        self._certs: dict[str, object] = {}  # node id -> its verified NodeCert (with a verifier)
+        self._certs: dict[str, NodeCert] = {}  # node id -> its verified cert (with a verifier)
         # node ids that holders named and the watch has not shown: looked up one at a time, backing off
         self._missing: dict[str, Backoff] = {}
         self._refusals_logged = 0.0
@@ -114,7 +116,7 @@ class ClusterMember:
     def node(self, node_id: str) -> NodeRecord | None:
         return self._view.get(node_id)
 
-    def cert_of(self, node_id: str):
+    def cert_of(self, node_id: str) -> NodeCert | None:
         """The verified cert of a node in the view (with a verifier; else None)."""
         return self._certs.get(node_id)
 

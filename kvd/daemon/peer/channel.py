@@ -3,14 +3,26 @@ connection under it. A ROUTER routing id and a DEALER link look the same from he
 transfer state machine sees only `key` and `peer_name`. No ZeroMQ here."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from kvd.wire import protocol as p
 
 
+class Sending(Protocol):
+    """What a send returns: an asyncio.Future, or one of loopsocket's done-already stand-ins for
+    one (`Sent`, `NotSent`), which have the part of a Future's interface that callers use."""
+
+    def done(self) -> bool: ...
+    def cancelled(self) -> bool: ...
+    def cancel(self) -> bool: ...
+    def exception(self) -> BaseException | None: ...
+    def result(self) -> Any: ...
+    def add_done_callback(self, callback: Callable[[Any], object], /) -> None: ...
+
+
 class Channel:
-    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], asyncio.Future],
+    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], Sending],
                  cutter: Callable[[], bool]) -> None:
         self.key = key  # identifies the connection, so a message on another one is refused
         self.peer_name = peer_name
@@ -18,7 +30,7 @@ class Channel:
         self._sender = sender
         self._cutter = cutter
 
-    def send(self, msg: p.Message, track: bool = False) -> asyncio.Future:
+    def send(self, msg: p.Message, track: bool = False) -> Sending:
         """Queue a message; the future resolves (to a MessageTracker if track) once ZeroMQ took it."""
         return self._sender(p.encode(msg), track)
 

@@ -21,7 +21,7 @@ from kvd.wire import protocol as p
 
 from ..metrics import Metrics
 from .auth import CurveKeys, make_client
-from .channel import Channel
+from .channel import Channel, Sending
 from .handshake import (
     Action, Answered, Closed, Expired, Fail, Forgotten, Forward, Handshake, Heartbeat, Log, Lost, Redial, Refused,
     Resolve, Retrying, SendHello, SendPing, Silent, StartTimer, State, Wait,
@@ -96,7 +96,7 @@ class PeerLink:
         self._waiter_ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
-        self._hellos: dict[int, asyncio.Future] = {}  # a waiter's hello send: called back if it gives up
+        self._hellos: dict[int, Sending] = {}  # a waiter's hello send: called back if it gives up
         self._now = 0.0  # the heartbeat's time, for a ping's nonce
         self.last_seen = 0.0  # monotonic time of the last message from this peer
         self.last_used = time.monotonic()  # when a transfer last asked for this link

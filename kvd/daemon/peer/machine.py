@@ -43,6 +43,7 @@ from .window import ReceiveLedger, SendWindow
 log = logging.getLogger(__name__)
 
 MAX_PULL_WAIT = 3600.0  # seconds a holder waits for a pulled entry to appear (a local get's limit too)
+_NO_XFER = -1  # the id of no transfer (ids are 63 random bits): what an event without one is looked up by
 _FAILED = frozenset({S.FAILED, R.FAILED})
 
 
@@ -101,19 +102,20 @@ class Machine:
     def handle(self, event: Event, channel: Channel | None = None) -> list:
         """One event: a message from a peer (with the channel it came on) or a local one. Tick and
         ChannelLost are seen by every transfer (on that channel)."""
-        kind = type(event)
-        if kind is Tick or kind is ChannelLost:
+        if type(event) is Tick or type(event) is ChannelLost:
             actions: list = []
-            for transfer in [t for t in self.transfers.values() if kind is Tick or t.channel.key == event.key]:
-                actions += self._advance(transfer, event, None)
+            key = event.key if type(event) is ChannelLost else None
+            for each in [t for t in self.transfers.values() if key is None or t.channel.key == key]:
+                actions += self._advance(each, event, None)
             return actions
-        transfer = self.transfers.get(getattr(event, "xfer", None))
+        transfer = self.transfers.get(getattr(event, "xfer", _NO_XFER))
         if channel is not None and transfer is not None and transfer.channel.key != channel.key:
-            log.warning("message %s for transfer %x from the wrong connection; dropped", event.TYPE, event.xfer)
+            log.warning("message %s for transfer %x from the wrong connection; dropped",
+                        getattr(event, "TYPE", event), transfer.xfer)
             return []
         return self._advance(transfer, event, channel)
 
-    def _advance(self, transfer: Transfer | None, event: object, channel: Channel | None) -> list:
+    def _advance(self, transfer: Transfer | None, event: Event, channel: Channel | None) -> list:
         """The one place a transfer changes state: its row's handler runs, then the row's state is
         assigned. A handler of a row that fails returns (error, peer told?); any other returns
         actions; in `no transfer` it gets the channel for a transfer (and may start one)."""
@@ -130,21 +132,24 @@ class Machine:
             for when, does, next_state in rows:
                 if when is None or when(transfer, event):
                     break
-            if next_state in _FAILED:
+            if transfer is not None and next_state in _FAILED:  # (no row of `no transfer` fails)
                 error, notify = does(self, transfer, event)
                 return self._fail(transfer, error, notify)
             actions = does(self, channel if transfer is None else transfer, event)
         except KvdError as exc:  # (an entry a served pull waited for, taken meanwhile; a broken chunk...)
             if transfer is None:
-                transfer = self.transfers.get(event.xfer)  # (one this event started)
+                xfer = getattr(event, "xfer", _NO_XFER)  # (a row in `no transfer` is for a peer's message)
+                transfer = self.transfers.get(xfer)  # (one this event started)
                 if transfer is None:
-                    log.warning("transfer %x with %s refused: %s", event.xfer, channel.peer_name, exc)
-                    return [Send(channel, p.Abort(xfer=event.xfer, code=exc.code, message=exc.message))]
+                    if channel is None:
+                        raise
+                    log.warning("transfer %x with %s refused: %s", xfer, channel.peer_name, exc)
+                    return [Send(channel, p.Abort(xfer=xfer, code=exc.code, message=exc.message))]
             return self._failed(transfer, exc)
         if transfer is None:
             if next_state is NONE:
                 return actions
-            transfer = self.transfers[event.xfer]
+            transfer = self.transfers[getattr(event, "xfer", _NO_XFER)]
         transfer.state = next_state
         if next_state in TERMINAL:
             del self.transfers[transfer.xfer]
@@ -194,7 +199,7 @@ class Machine:
         self.transfers[msg.xfer] = out
         return [WaitForEntry(out, now + msg.timeout)]
 
-    def _take(self, target: Inbound | Channel, msg: p.Offer) -> Inbound:
+    def _take(self, target: Inbound | Channel, msg: p.Offer) -> tuple[Inbound, Entry]:
         """Reserve room for an offer, pushed (target: its channel) or answering our pull."""
         if msg.checksum not in ALGORITHMS:
             raise BadRequest(f"unknown checksum {msg.checksum!r}")
@@ -215,12 +220,12 @@ class Machine:
         inbound.ledger = ReceiveLedger(entry.total_bytes, msg.chunk_size)
         inbound.deadline = now + self.limits.transfer_timeout
         self.transfers[msg.xfer] = inbound
-        return inbound
+        return inbound, entry
 
     def _take_offer(self, target, msg: p.Offer) -> list:
         """Take an offer without a word back (a small sealed one: its chunks are all on their way
         already; `done` alone will answer)."""
-        entry = self._take(target, msg).entry
+        entry = self._take(target, msg)[1]
         return [Progress(entry, entry.complete_tensors())]  # a stream reader may be waiting for it
 
     def _accept_offer(self, target, msg: p.Offer) -> list:
@@ -228,18 +233,15 @@ class Machine:
 
     def _take_offer_and_publish(self, target, msg: p.Offer) -> list:
         """A sealed offer of zero bytes: nothing will follow."""
-        return [*self._take_offer(target, msg), *self._publish(self.transfers[msg.xfer], msg)]
+        inbound, entry = self._take(target, msg)
+        return [Progress(entry, entry.complete_tensors()), *self._publish(inbound, msg)]
 
     def _take_offer_with_chunk(self, target, msg: p.Offer) -> list:
         """An offer that carries its only chunk: done (or abort) is the whole answer."""
-        inbound = self._take(target, msg)
-        _check_inline(msg)
-        return self._store(inbound, _inline_chunk(msg))
+        return self._store(self._take(target, msg)[0], _inline_chunk(msg))
 
     def _take_offer_with_entry(self, target, msg: p.Offer) -> list:
-        inbound = self._take(target, msg)
-        _check_inline(msg)
-        return self._store_and_publish(inbound, _inline_chunk(msg))
+        return self._store_and_publish(self._take(target, msg)[0], _inline_chunk(msg))
 
     # --- handlers: sending ------------------------------------------------------------------------
 
@@ -252,12 +254,13 @@ class Machine:
         return self._serve_entry(out, event.entry, sealed=False)
 
     def _serve_entry(self, out: Outbound, entry: Entry, sealed: bool) -> list:
-        out.lease_token = self.store.lease(entry, consume=not out.pull.keep, deadline=None, incomplete=not sealed).token
+        keep = out.pull is not None and out.pull.keep  # (a served pull has its Pull)
+        out.lease_token = self.store.lease(entry, consume=not keep, deadline=None, incomplete=not sealed).token
         out.entry = entry
-        out.window = (SendWindow.whole if sealed else SendWindow)(entry.total_bytes, self.limits.chunk_size,
-                                                                  self.limits.window)
+        out.window = window = (SendWindow.whole if sealed else SendWindow)(entry.total_bytes, self.limits.chunk_size,
+                                                                           self.limits.window)
         for lo, hi in [] if sealed else entry.written.spans():
-            out.window.add_range(lo, hi - lo)
+            window.add_range(lo, hi - lo)
         return self._send_offer(out, sealed)
 
     def _offer(self, out: Outbound, event) -> list:
@@ -267,13 +270,13 @@ class Machine:
         return self._send_offer(out, sealed=False)
 
     def _send_offer(self, out: Outbound, sealed: bool) -> list:
-        entry = out.entry
+        entry, window = out.sending()
         # chunks follow the offer without waiting for accept (one round trip less per transfer),
         # but only EAGER_CHUNKS of them until the receiver has said it has room; a sealed offer that
         # small is answered without accept or acks, so all of it goes (a stream committed before its
         # link was up may be cut into more, smaller chunks: one per tensor written)
         small = sealed and entry.total_bytes <= EAGER_CHUNKS * self.limits.chunk_size
-        out.window.max_in_flight = max(EAGER_CHUNKS, len(out.window.chunks)) if small else EAGER_CHUNKS
+        window.max_in_flight = max(EAGER_CHUNKS, len(window.chunks)) if small else EAGER_CHUNKS
         now = self.clock()
         out.deadline = now + self.limits.transfer_timeout
         offer = p.Offer(
@@ -284,7 +287,7 @@ class Machine:
             meta=entry.meta, sealed=sealed,
         )
         chunks = self._pump(out)
-        if sealed and len(out.window.chunks) == 1 and chunks and p.INLINE_OFFER in out.channel.features:
+        if sealed and len(window.chunks) == 1 and chunks and p.INLINE_OFFER in out.channel.features:
             # the whole entry is one chunk, and the peer takes it inside the offer: one message
             # each way (offer, done) instead of two messages, two decodes and two sends
             chunk = chunks[0].msg
@@ -293,8 +296,9 @@ class Machine:
         return [Send(out.channel, offer), *chunks]
 
     def _queue(self, out: Outbound, event) -> list:
+        window = out.sending()[1]
         for offset, length in event.ranges:
-            out.window.add_range(offset, length)
+            window.add_range(offset, length)
         return []
 
     def _queue_and_send(self, out: Outbound, event) -> list:
@@ -304,19 +308,19 @@ class Machine:
         return [Send(out.channel, p.Seal(xfer=out.xfer))]
 
     def _open_window(self, out: Outbound, msg: p.Accept) -> list:
-        out.window.max_in_flight = self.limits.window
+        out.sending()[1].max_in_flight = self.limits.window
         out.deadline = self.clock() + self.limits.transfer_timeout
         return self._pump(out)
 
     def _ack_and_send(self, out: Outbound, msg: p.ChunkAck) -> list:
-        out.window.ack(msg.seq)
+        out.sending()[1].ack(msg.seq)
         out.deadline = self.clock() + self.limits.transfer_timeout
         return self._pump(out)
 
     def _finish_sending(self, out: Outbound, msg: p.Done) -> list:
         # the claim ends now (a push's entry is gone); the blocks stay until ZeroMQ lets go
         self.store.end_claim(out.lease_token, success=True)
-        log.debug("sent %s to %s (%d bytes)", out.request_id, out.channel.peer_name, out.entry.total_bytes)
+        log.debug("sent %s to %s (%d bytes)", out.request_id, out.channel.peer_name, out.sending()[0].total_bytes)
         return []
 
     def _wait_for_producer(self, out: Outbound, tick: Tick) -> list:
@@ -326,10 +330,10 @@ class Machine:
 
     def _pump(self, out: Outbound) -> list:
         actions = []
-        for seq in out.window.ready_to_send():
-            offset, length = out.window.chunks[seq]
-            pieces, hold = self.io.outbound(
-                physical_segments(out.entry.extents, self.store.block_size, offset, length))
+        entry, window = out.sending()
+        for seq in window.ready_to_send():
+            offset, length = window.chunks[seq]
+            pieces, hold = self.io.outbound(physical_segments(entry.extents, self.store.block_size, offset, length))
             chunk = p.Chunk(xfer=out.xfer, seq=seq, offset=offset, lengths=[len(x) for x in pieces],
                             digest=digest(self.limits.checksum, pieces), payload=pieces)
             actions.append(SendChunk(out, chunk, hold))
@@ -338,25 +342,25 @@ class Machine:
     # --- handlers: receiving ----------------------------------------------------------------------
 
     def _store(self, inbound: Inbound, msg: p.Chunk) -> list:
-        length, completed = self._check_and_mark(inbound, msg)
+        entry, length, completed = self._check_and_mark(inbound, msg)
         if completed:
-            return [Received(inbound, length), Progress(inbound.entry, completed)]
+            return [Received(inbound, length), Progress(entry, completed)]
         return [Received(inbound, length)]
 
     def _store_and_ack(self, inbound: Inbound, msg: p.Chunk) -> list:
-        length, completed = self._check_and_mark(inbound, msg)
+        entry, length, completed = self._check_and_mark(inbound, msg)
         ack = Send(inbound.channel, p.ChunkAck(xfer=inbound.xfer, seq=msg.seq))
         if completed:
-            return [Received(inbound, length), ack, Progress(inbound.entry, completed)]
+            return [Received(inbound, length), ack, Progress(entry, completed)]
         return [Received(inbound, length), ack]
 
     def _store_and_publish(self, inbound: Inbound, msg: p.Chunk) -> list:
         # no ack, no progress: its done acknowledges the chunk, and the entry is published
-        return [Received(inbound, self._check_and_mark(inbound, msg)[0]), *self._publish(inbound, msg)]
+        return [Received(inbound, self._check_and_mark(inbound, msg)[1]), *self._publish(inbound, msg)]
 
-    def _check_and_mark(self, inbound: Inbound, msg: p.Chunk) -> tuple[int, list[int]]:
-        """Store a chunk's bytes and mark them arrived: (its length, the tensors it completed)."""
-        entry, ledger = inbound.entry, inbound.ledger
+    def _check_and_mark(self, inbound: Inbound, msg: p.Chunk) -> tuple[Entry, int, list[int]]:
+        """Store a chunk's bytes and mark them arrived: (the entry, its length, the tensors it completed)."""
+        entry, ledger = inbound.receiving()
         length = sum(msg.lengths)
         ledger.check(msg.seq, msg.offset, length)
         # stored first, checked after: these bytes are nobody's yet (each byte arrives once, and
@@ -366,10 +370,10 @@ class Machine:
             raise ChecksumMismatch(f"chunk {msg.seq} of {entry.request_id!r} failed its {inbound.checksum} check")
         ledger.mark(msg.seq, msg.offset, length)
         inbound.deadline = self.clock() + self.limits.transfer_timeout
-        return length, entry.mark_range(msg.offset, length)
+        return entry, length, entry.mark_range(msg.offset, length)
 
     def _publish(self, inbound: Inbound, event) -> list:
-        entry = inbound.entry
+        entry = inbound.receiving()[0]
         self.store.publish(entry)
         log.debug("received %s from %s (%d bytes)", entry.request_id, inbound.channel.peer_name, entry.total_bytes)
         return [Send(inbound.channel, p.Done(xfer=inbound.xfer)), Published(entry)]
@@ -431,12 +435,10 @@ class Machine:
 _ROWS = compile_rows(lambda name: getattr(Machine, "_" + name))
 
 
-def _check_inline(msg: p.Offer) -> None:
-    if not (msg.sealed and msg.total_bytes <= msg.chunk_size):
-        raise ProtocolError("an offer may carry its entry only when it is sealed and one chunk long")
-
-
 def _inline_chunk(msg: p.Offer) -> p.Chunk:
+    """The chunk an offer carries (its row's guard saw lengths)."""
+    if not (msg.sealed and msg.total_bytes <= msg.chunk_size) or msg.lengths is None:
+        raise ProtocolError("an offer may carry its entry only when it is sealed and one chunk long")
     return p.Chunk(xfer=msg.xfer, seq=0, offset=0, lengths=msg.lengths, digest=msg.digest or 0, payload=msg.payload)
 
 

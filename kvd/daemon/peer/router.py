@@ -82,7 +82,7 @@ class Router:
         self.socket = LoopSocket(router, self._on_frames, copy=False, fail_when_full=True)
 
     def close(self) -> None:
-        if self.socket is not None:
+        if self.socket is not None and self._monitor is not None:  # (start made both)
             self.socket.sock.disable_monitor()
             self._monitor.close(linger=0)
             self.socket.close()
@@ -95,8 +95,10 @@ class Router:
         peer is not reading what it asked for, and its connection is cut: ZeroMQ drops what it
         held, the transfers on it fail as for a lost peer, and what is sent to it meanwhile is
         dropped here."""
-        backlog = Backlog(self.queue_cap, self.socket.sock.copy_threshold, curve=self.curve is not None)
-        socket_send = self.socket.send
+        socket = self.socket
+        assert socket is not None  # (a channel is for a connection that came in on it)
+        backlog = Backlog(self.queue_cap, socket.sock.copy_threshold, curve=self.curve is not None)
+        socket_send = socket.send
 
         def send(frames: list, track: bool):
             if backlog.cut:

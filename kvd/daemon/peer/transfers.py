@@ -27,7 +27,7 @@ from kvd.wire import protocol as p
 from ..config import Config
 from ..metrics import Metrics
 from ..store.entries import Entry, Store
-from .channel import Channel
+from .channel import Channel, Sending
 from .links import PeerLink
 from .machine import Limits, Machine
 from .peers import PeerSet
@@ -361,7 +361,7 @@ class Transfers:
         if direction == "received" or transfer.entry is not None:  # (a pull we served that never began: not)
             self.metrics.transfer_done(peer, direction, "failed", None)
 
-    def _send(self, channel: Channel, msg: p.Message, track: bool = False) -> asyncio.Future:
+    def _send(self, channel: Channel, msg: p.Message, track: bool = False) -> Sending:
         sent = channel.send(msg, track)
         sent.add_done_callback(_log_send_failure)
         return sent
@@ -419,6 +419,6 @@ def _kvd_error(exc: BaseException | None) -> KvdError | None:
     return PeerUnavailable(f"{type(exc).__name__}: {exc}")
 
 
-def _log_send_failure(sent: asyncio.Future) -> None:
+def _log_send_failure(sent: Sending) -> None:
     if not sent.cancelled() and sent.exception() is not None:
         log.warning("send to peer failed: %s", sent.exception())
