@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.errors import InternalError, KvdError, NotFound, Timeout
 from kvd.wire import protocol as p
@@ -74,7 +74,8 @@ class LocalPuts:
     def commit(self, rid: bytes, msg: p.PutCommit) -> p.PutOk | None:
         hold = self.holds.write_hold(rid, msg.token, msg.request_id)
         self.holds.release(rid, msg.token)
-        if hold.write.step(WriteEvent.COMMIT) is WriteAction.FAIL:  # committed after every copy: the parked blocks can go
+        # (an ended write committed after its every copy: the parked blocks can go)
+        if hold.write.step(WriteEvent.COMMIT) is WriteAction.FAIL:
             self.store.release_writer(hold.entry)
             raise hold.write.ended
         entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)

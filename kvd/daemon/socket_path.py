@@ -30,9 +30,9 @@ def claim_socket_path(endpoint: str, made: list[str]) -> None:
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
     except OSError as exc:
+        not_a_dir = f" ({exc.filename} is not a directory)" if exc.errno in (17, 20) and exc.filename else ""
         raise BadRequest(f"cannot make the socket directory {directory} for {endpoint}: {exc.strerror}"
-                         f"{' (' + exc.filename + ' is not a directory)' if exc.errno in (17, 20) and exc.filename else ''}"
-                         ) from None
+                         f"{not_a_dir}") from None
     made.extend(missing)
     check_runtime_dir(directory)
     if os.path.lexists(path):

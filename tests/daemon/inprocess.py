@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import itertools
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from kvd.daemon.config import Config
 from kvd.daemon.daemon import Daemon
@@ -54,7 +54,7 @@ class Conn:
         """No message comes within `within` seconds."""
         try:
             msg = await self.recv(within)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return
         raise AssertionError(f"unexpected {msg}")
 
