@@ -216,7 +216,8 @@ class RedisBackend:
     async def register_node(self, session: RedisSession, record: NodeRecord, _tries: int = 3) -> Registered | Conflict:
         return await self._claim(session, record, b"", _tries)
 
-    async def _claim(self, session: RedisSession, record: NodeRecord, judged: bytes, tries: int) -> Registered | Conflict:
+    async def _claim(self, session: RedisSession, record: NodeRecord, judged: bytes,
+                     tries: int) -> Registered | Conflict:
         for _ in range(tries):
             cur = await self._put(session, record, judged)
             if cur is None:
@@ -227,7 +228,8 @@ class RedisBackend:
             judged = cur  # not a record kvd would write: replace exactly that value
         raise RegistryUnavailable(f"redis: node key {record.node_id} keeps changing under registration")
 
-    async def replace_node(self, session: RedisSession, record: NodeRecord, conflict: Conflict) -> Registered | Conflict:
+    async def replace_node(self, session: RedisSession, record: NodeRecord,
+                           conflict: Conflict) -> Registered | Conflict:
         judged = conflict.version if isinstance(conflict.version, bytes) else b""
         return await self._claim(session, record, judged, 3)
 

@@ -32,7 +32,7 @@ UNPACK_LIMITS = dict(
     max_ext_len=0,
 )
 
-Frame = typing.Union[bytes, bytearray, memoryview]
+Frame = bytes | bytearray | memoryview
 from .messages import *  # noqa: E402,F403  (every message type, as p.Hello, p.Chunk, ...)
 from .messages import MESSAGE_TYPES, Chunk, Error, Message, Offer  # noqa: E402
 from .tier import *  # noqa: E402,F403  (the KV tier's messages, as p.CachePut, ...)
@@ -177,7 +177,7 @@ def _payload(kind: str, n_payload: Any, lengths: list, frames: typing.Sequence[F
     if len(frames) - 1 > MAX_PAYLOAD_FRAMES:
         raise ProtocolError(f"{kind} has {len(frames) - 1} payload frames (limit {MAX_PAYLOAD_FRAMES})")
     if len(lengths) != len(frames) - 1 or not all(
-        type(n) is int and n == len(f) for n, f in zip(lengths, frames[1:])
+        type(n) is int and n == len(f) for n, f in zip(lengths, frames[1:], strict=True)
     ):
         raise ProtocolError(f"{kind} payload frame sizes disagree with the header's lengths")
     return list(frames[1:])

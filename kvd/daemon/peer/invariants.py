@@ -12,6 +12,8 @@ every step of the property tests. It reads, never changes, and is too slow for t
 """
 from __future__ import annotations
 
+import itertools
+
 from kvd.wire.layout import blocks_needed
 
 from ..store.entries import State
@@ -54,7 +56,7 @@ def _check_sender(machine, out: Outbound, where: str, leases: set[int]) -> None:
     assert window.total_bytes == entry.total_bytes, f"{where}: the window is not its entry's"
     assert sum(n for _, n in window.chunks) == window.queued_bytes <= window.total_bytes, f"{where}: queued bytes"
     covered = sorted(window.chunks)
-    assert all(a + n <= b for (a, n), (b, _) in zip(covered, covered[1:])), f"{where}: chunks overlap"
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(covered)), f"{where}: chunks overlap"
     assert window.next_seq <= len(window.chunks), f"{where}: sent chunks that are not queued"
     assert all(0 <= seq < window.next_seq for seq in window.in_flight), f"{where}: in flight but never sent"
     assert window.acked + len(window.in_flight) == window.next_seq, f"{where}: acks and chunks in flight"

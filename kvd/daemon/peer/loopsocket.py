@@ -24,7 +24,7 @@ import os
 import socket
 import struct
 import termios
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
@@ -286,7 +286,7 @@ class LoopSocket:
 
     # --- sending -----------------------------------------------------------------------------------
 
-    def send(self, frames: list, copy: bool = True, track: bool = False) -> "asyncio.Future | Sent":
+    def send(self, frames: list, copy: bool = True, track: bool = False) -> asyncio.Future | Sent:
         """Send now if possible; the future resolves (to a MessageTracker with track) once ZeroMQ
         has it: a `Sent`, done already, when it took the message at once."""
         if not self._pending and not self._closed:

@@ -22,7 +22,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.errors import BadRequest, ChecksumMismatch, KvdError, NotFound, PeerUnavailable, ProtocolError, error_from_code
 from kvd.memory.io import PoolIO
@@ -129,7 +129,7 @@ class Machine:
             return self._failed(transfer, ProtocolError(
                 f"unexpected {getattr(event, 'TYPE', type(event).__name__)} for a transfer that is {state.value}"))
         try:
-            for when, does, next_state in rows:
+            for when, does, next_state in rows:  # noqa: B007 (the row taken: used after the break)
                 if when is None or when(transfer, event):
                     break
             if transfer is not None and next_state in _FAILED:  # (no row of `no transfer` fails)

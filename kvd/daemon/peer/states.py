@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Union
 
 from kvd.errors import KvdError
 from kvd.wire import protocol as p
@@ -113,7 +112,7 @@ class Inbound:
         return self.entry, self.ledger
 
 
-Transfer = Union[Outbound, Inbound]
+Transfer = Outbound | Inbound
 
 
 # --- events -------------------------------------------------------------------------------------
@@ -179,8 +178,8 @@ class Tick:
 
 
 LOCAL_EVENTS = (Connected, ConnectFailed, Written, Commit, EntryReady, EntryMissing, Cancel, ChannelLost, Tick)
-Event = Union[p.Message, Connected, ConnectFailed, Written, Commit, EntryReady, EntryMissing, Cancel,
-              ChannelLost, Tick]
+Event = (p.Message | Connected | ConnectFailed | Written | Commit | EntryReady | EntryMissing | Cancel
+         | ChannelLost | Tick)
 
 
 # --- actions --------------------------------------------------------------------------------------
@@ -239,4 +238,4 @@ class Finished:
     error: KvdError | None
 
 
-Action = Union[Send, SendChunk, Received, WaitForEntry, Progress, Published, Dropped, Finished]
+Action = Send | SendChunk | Received | WaitForEntry | Progress | Published | Dropped | Finished

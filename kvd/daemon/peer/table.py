@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from kvd.wire import protocol as p
 
@@ -54,7 +55,8 @@ class Row:
 
 # --- guards -----------------------------------------------------------------------------------------
 
-CARRIES_ALL = Guard("it carries its whole entry", lambda t, e: e.lengths is not None and sum(e.lengths) == e.total_bytes)
+CARRIES_ALL = Guard("it carries its whole entry",
+                    lambda t, e: e.lengths is not None and sum(e.lengths) == e.total_bytes)
 CARRIES_PART = Guard("it carries less than its entry", lambda t, e: e.lengths is not None)
 SEALED_EMPTY = Guard("sealed, 0 bytes", lambda t, e: e.sealed and e.total_bytes == 0)
 SEALED_SMALL = Guard(f"sealed, at most {EAGER_CHUNKS} chunks",

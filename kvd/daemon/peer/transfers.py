@@ -18,7 +18,8 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from kvd.errors import KvdError, NotFound, PeerUnavailable
 from kvd.memory.io import PoolIO
@@ -215,7 +216,8 @@ class Transfers:
 
         def called_off(done: asyncio.Future) -> None:
             if done.cancelled() and started:
-                self.abort(started[0], NotFound(f"no reader on {self.config.node_id} waits for {request_id!r} any more"))
+                self.abort(started[0], NotFound(f"no reader on {self.config.node_id} waits for {request_id!r} "
+                                                "any more"))
 
         handshake = self.config.connect_timeout if connect_within is None else min(self.config.connect_timeout,
                                                                                    max(MIN_HANDSHAKE, connect_within))
