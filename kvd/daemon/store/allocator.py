@@ -9,6 +9,7 @@ Running out raises PoolFull; it is never an assert.
 from __future__ import annotations
 
 import bisect
+import itertools
 
 from kvd.errors import PoolFull
 from kvd.wire.layout import Extent
@@ -89,7 +90,7 @@ class BlockAllocator:
     def check_invariants(self) -> None:
         """For tests: sorted, non-overlapping, non-adjacent extents that add up."""
         total = 0
-        for (a, n), (b, _) in zip(self._free, self._free[1:]):
+        for (a, n), (b, _) in itertools.pairwise(self._free):
             assert a + n < b, f"free extents overlap or touch: {(a, n)} {(b, _)}"
         for start, count in self._free:
             assert count > 0 and 0 <= start and start + count <= self.num_blocks

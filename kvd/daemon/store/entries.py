@@ -24,7 +24,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.errors import AlreadyExists, BadRequest, NotFound, PoolFull
 from kvd.wire.protocol import MAX_HEADER_BYTES, packed_size
@@ -94,7 +94,7 @@ class Entry:
         These ranges partition [0, total_bytes), so sending every tensor's range sends the entry."""
         starts = self.offsets
         ends = starts[1:] + [self.total_bytes]
-        return list(zip(starts, ends))
+        return list(zip(starts, ends, strict=True))
 
     def complete_tensors(self) -> list[int]:
         return [i for i, left in enumerate(self.remaining) if left == 0]
@@ -118,7 +118,8 @@ class Entry:
         """A local producer wrote these tensors; returns their (merged) byte ranges."""
         ranges = self.tensor_ranges()
         if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < len(ranges) for i in indices):
-            raise BadRequest(f"tensor indices for {self.request_id!r} must be ints in 0..{len(ranges) - 1} (no tensor with that number)")
+            raise BadRequest(f"tensor indices for {self.request_id!r} must be ints in 0..{len(ranges) - 1} "
+                             "(no tensor with that number)")
         picked: list[tuple[int, int]] = []  # merged [lo, hi) byte ranges
         for index in sorted(set(indices)):
             lo, hi = ranges[index]
@@ -145,7 +146,7 @@ class Entry:
     def segments(self, block_size: int) -> list[list[tuple[int, int]]]:
         return [
             physical_segments(self.extents, block_size, offset, spec.nbytes)
-            for spec, offset in zip(self.specs, self.offsets)
+            for spec, offset in zip(self.specs, self.offsets, strict=True)
         ]
 
     def describe(self) -> dict:
@@ -238,7 +239,7 @@ class Store:
         if bound <= ANSWERABLE_HEADER // 2:
             return
         segments = [physical_segments(extents, self.block_size, offset, spec.nbytes)
-                    for spec, offset in zip(specs, offsets)]
+                    for spec, offset in zip(specs, offsets, strict=True)]
         size = packed_size([[s.to_wire() for s in specs], segments, meta])
         if size > ANSWERABLE_HEADER:
             raise BadRequest(f"{request_id!r} would be described in {size} bytes (tensor names, pool segments and "
@@ -337,7 +338,7 @@ class Store:
 
     @staticmethod
     def _consumer_of(entry: Entry) -> Lease | None:
-        return next((l for l in entry.leases.values() if l.consume and l.claiming), None)
+        return next((lease for lease in entry.leases.values() if lease.consume and lease.claiming), None)
 
     # --- reading and sending ------------------------------------------------------------
 
@@ -426,7 +427,7 @@ class Store:
             if e.write_deadline is not None and e.write_deadline <= now
             and e.state in (State.WRITING, State.RECEIVING)
         ]
-        stale = [l for _, l in self._leases.values() if l.deadline is not None and l.deadline <= now]
+        stale = [lease for _, lease in self._leases.values() if lease.deadline is not None and lease.deadline <= now]
         for lease in stale:
             self.end_claim(lease.token, success=False)
         for entry in expired:

@@ -39,13 +39,13 @@ class Intervals:
 
     def spans(self) -> list[tuple[int, int]]:
         """What was added, in order, as (start, end)."""
-        return list(zip(self._starts, self._ends))
+        return list(zip(self._starts, self._ends, strict=True))
 
     def gaps(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """The parts of [lo, hi) not yet added, in order, as (start, end)."""
         gaps = []
         cursor = lo
-        for start, end in zip(self._starts, self._ends):
+        for start, end in zip(self._starts, self._ends, strict=True):
             if end <= cursor:
                 continue
             if start >= hi:
