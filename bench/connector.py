@@ -47,9 +47,9 @@ from .connector_report import (
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 4096  # tokens: the example's model says 2048; its weights do not care (RoPE, no position table)
 WARMUP_TOKENS = 64
-# kvd's engine sets: the connector as it is, and (to measure a change against) with every push's
-# commit in the engine's step, waiting for the peer (kvd.integrations.vllm.worker)
-KVD_SIDES = {"kvd": {}, "inline": {"KVD_VLLM_COMMIT_INLINE": "1"}}
+# kvd's engine sets: the connector as it is, and (a change measured against it) with every push's
+# commit off the engine's thread (kvd.integrations.vllm.worker)
+KVD_SIDES = {"kvd": {}, "background": {"KVD_VLLM_COMMIT_IN_BACKGROUND": "1"}}
 
 
 def make_model(workdir: Path) -> tuple[str, int]:
@@ -186,8 +186,14 @@ class Bench:
             print(f"connector: daemon {failure.splitlines()[0]}", flush=True)
 
 
+def dump(results: list[Pass], path: Path | None) -> None:
+    """Every sample so far, as JSON (after each pass: a run cut short keeps what it measured)."""
+    if path is not None:
+        path.write_text(json.dumps([{**vars(p), "samples": [vars(s) for s in p.samples]} for p in results]))
+
+
 def run(rows: list[str], sizes: list[int], requests: int, max_tokens: int, passes: int,
-        workdir: Path) -> list[Pass]:
+        workdir: Path, json_path: Path | None = None) -> list[Pass]:
     measured = [r for r in rows if r not in NOT_ON_CPU]
     bench = Bench(workdir, measured)
     results: list[Pass] = []
@@ -203,6 +209,7 @@ def run(rows: list[str], sizes: list[int], requests: int, max_tokens: int, passe
             batch = load.prompts(requests, size, seed=index)
             result = bench.measure(row, size, index, batch, max_tokens)
             results.append(result)
+            dump(results, json_path)
             good = [s for s in result.samples if s.error is None]
             ttft = sorted(s.ttft_s for s in good)
             failed = f", {len(result.samples) - len(good)} FAILED ({result.samples[0].error})" if len(good) < len(
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvd-connector-"))
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    results = run(rows, sizes, args.requests, args.max_tokens, args.passes, workdir)
+    results = run(rows, sizes, args.requests, args.max_tokens, args.passes, workdir, args.json)
     summaries = summarize(results)
     report = "\n".join([
         f"{args.requests} concurrent requests per row and size, {args.max_tokens} output tokens, {args.passes} passes, "
@@ -253,8 +260,6 @@ def main(argv: list[str] | None = None) -> int:
     print(report, flush=True)
     if args.output:
         args.output.write_text(report + "\n")
-    if args.json:
-        args.json.write_text(json.dumps([{**vars(p), "samples": [vars(s) for s in p.samples]} for p in results]))
     return 0
 
 

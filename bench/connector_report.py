@@ -15,7 +15,7 @@ ROWS = {
     "kvd-pull": "kvd, pull: decode's daemon pulls from prefill's",
     "nixl": "vLLM's NixlConnector, kv_buffer_device cpu, UCX over TCP",
     "split": "the same two kvd engines, no KV handed over: decode recomputes the prompt",
-    "kvd-push-inline": "kvd push, each step waiting for its pushes to be delivered (kvd before this benchmark)",
+    "kvd-push-background": "kvd push, each step's commits off the engine's thread (KVD_VLLM_COMMIT_IN_BACKGROUND=1)",
     "shared-storage": "vLLM's SharedStorageConnector on tmpfs",
     "lmcache": "LMCache's connector",
 }
@@ -31,7 +31,7 @@ DEFAULT_SIZES = [512, 1024, 2048]
 def side_of(row: str) -> str:
     """The engine set a row runs on: kvd's two (the engine alone is its decode engine), NIXL's
     two, or the shared-storage pair."""
-    return {"nixl": "nixl", "shared-storage": "storage", "kvd-push-inline": "inline"}.get(row, "kvd")
+    return {"nixl": "nixl", "shared-storage": "storage", "kvd-push-background": "background"}.get(row, "kvd")
 
 
 def parse_sizes(text: str) -> list[int]:

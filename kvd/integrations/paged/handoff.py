@@ -51,6 +51,7 @@ META_KEY = "paged_kv"
 # why a load by request id alone most often finds nothing: this node's daemon cannot ask a registry
 DIRECTORY_HINT = (" (its shards are listed in the prefill's cluster registry: this node's daemon finds them "
                   "only if it runs with --registry and --cluster of the same cluster)")
+MAX_COMMITS_IN_FLIGHT = 2  # steps whose pushes are being delivered while the engine goes on
 __all__ = ["LoadSpec", "PagedKVLayout", "PagedKVWorker", "SaveSpec", "SourceDeployment", "blocks_for", "entry_key"]
 
 
@@ -144,7 +145,7 @@ class PagedKVWorker:
 
     def __init__(self, caches: Mapping[str, torch.Tensor], layout: PagedKVLayout, *,
                  connect: Callable[[], Client], ttl: float = 300.0, load_timeout: float = 30.0,
-                 load_threads: int = 4, retry_after: float = 10.0) -> None:
+                 load_threads: int = 4, retry_after: float = 10.0, commit_in_background: bool = False) -> None:
         self.caches = dict(caches)
         self.layout = layout
         self._connect = connect
@@ -168,11 +169,19 @@ class PagedKVWorker:
         self.saves_shard = is_primary(layout.kv)
         self._stats = TransferStats()
         self._stats_lock = threading.Lock()  # loads finish on their own threads
+        # a push's commit returns once the peer has the entry: off the engine's thread, the step
+        # ends when its blocks are in the pool (copied at each write) and the next one's streams
+        # open on another connection while the last step's commits wait for their delivery
+        self.commit_in_background = commit_in_background
+        self._commits: list[tuple[Future, Client]] = []  # in flight, oldest first, on their connection
+        self._spare: list[Client] = []  # connections whose commits are done
+        self._committer: ThreadPoolExecutor | None = None
 
     # -- saves (engine thread) -------------------------------------------------------------
     def _save_client(self) -> Client:
         if self._client is None:
-            self._client = self._connect()
+            self._reap_commits(wait=len(self._commits) >= MAX_COMMITS_IN_FLIGHT)
+            self._client = self._spare.pop() if self._spare else self._connect()
         return self._client
 
     def save_layer(self, specs: list[SaveSpec], layer_name: str, kv_layer: torch.Tensor) -> None:
@@ -225,18 +234,67 @@ class PagedKVWorker:
         for name in self._states:
             self.save_layer(list(specs), name, self.caches[name])
         streams, self._streams = self._streams, {}
+        ready: dict[str, PutStream] = {}
         for req_id, (stream, written, expected) in streams.items():
-            try:
-                missing = [name for name in expected if name not in written]
-                if missing:  # an entry with unwritten layers would hand over garbage
-                    raise BadRequest(f"layers never saved in this step: {missing[:3]}")
-                stream.commit()
-                self._stats.saves += 1
-            except Exception as exc:
-                self._fail_save(req_id, exc, stream)
+            missing = [name for name in expected if name not in written]
+            if missing:  # an entry with unwritten layers would hand over garbage
+                self._fail_save(req_id, BadRequest(f"layers never saved in this step: {missing[:3]}"), stream)
+            else:
+                ready[req_id] = stream
+        if ready and self.commit_in_background and self._client is not None:
+            if self._committer is None:
+                self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-commit")
+            client, self._client = self._client, None  # the next step's streams open on another
+            self._commits.append((self._committer.submit(self._commit_all, ready), client))
+            self._reap_commits(wait=False)
+        else:
+            for req_id, stream in ready.items():
+                try:
+                    stream.commit()
+                    self._stats.saves += 1
+                except Exception as exc:
+                    self._fail_save(req_id, exc, stream)
         failed, self._failed_saves = self._failed_saves, set()
         self._stats.save_failures += len(failed)
         return failed
+
+    def _commit_all(self, streams: dict[str, PutStream]) -> bool:
+        """(The committer's thread) commit one step's streams, in order; False: their connection
+        failed and is not to be used again."""
+        healthy = True
+        for req_id, stream in streams.items():
+            try:
+                stream.commit()
+                with self._stats_lock:
+                    self._stats.saves += 1
+            except Exception as exc:  # the consumer recomputes (its load times out)
+                log.error("kvd: saving the KV of request %s failed: %s", req_id, exc)
+                with self._stats_lock:
+                    self._stats.save_failures += 1
+                if isinstance(exc, KvdError) and not isinstance(exc, (BadRequest, PoolFull)):
+                    healthy = False
+                    self._down_until = time.monotonic() + self.retry_after
+                else:
+                    try:
+                        stream.abort()
+                    except Exception:
+                        healthy = False
+        return healthy
+
+    def _reap_commits(self, wait: bool) -> None:
+        """Take back the connections whose commits are done (with wait, the oldest's too)."""
+        while self._commits and (self._commits[0][0].done() or wait):
+            future, client = self._commits.pop(0)
+            wait = False
+            if future.exception() is None and future.result():
+                self._spare.append(client)
+            else:
+                _discard(client)
+
+    def flush_commits(self) -> None:
+        """Wait until every commit handed to the background has ended."""
+        while self._commits:
+            self._reap_commits(wait=True)
 
     def _fail_save(self, req_id: str, exc: BaseException, stream: PutStream | None = None) -> None:
         self._failed_saves.add(req_id)
@@ -371,7 +429,13 @@ class PagedKVWorker:
         self._executor.shutdown(wait=True, cancel_futures=True)
         for req_id in list(self._streams):
             self._fail_save(req_id, RuntimeError("worker shutting down"))
+        self.flush_commits()
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
         self._client = _discard(self._client)
+        for client in self._spare:
+            _discard(client)
+        self._spare.clear()
         for client in self._load_clients:
             _discard(client)
         self._load_clients.clear()

@@ -9,6 +9,7 @@ over, in wait_for_save) and writes the blocks a load was given.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,8 +69,12 @@ class KVDWorker:
                                            cache_layout=self._cache_layout(), groups=() if one_group else groups)
         self._report_blocks = len(layout.kv_groups) == 1
         s = self.settings
+        # a push's commit waits for the peer, in the engine's step. KVD_VLLM_COMMIT_IN_BACKGROUND=1
+        # commits off the engine's thread (the step ends when its blocks are in the pool): not the
+        # default until it measures better (bench/RESULTS.md, "TTFT through the connector")
+        background = os.environ.get("KVD_VLLM_COMMIT_IN_BACKGROUND", "") == "1"
         self.paged = PagedKVWorker(caches, layout, connect=s.client, ttl=s.ttl, load_timeout=s.load_timeout,
-                                   load_threads=s.load_threads)
+                                   load_threads=s.load_threads, commit_in_background=background)
 
     def _quant_mode(self) -> str:
         groups = self.kv_cache_config.kv_cache_groups if self.kv_cache_config else []
