@@ -11,9 +11,10 @@ its reader may still be copying out (it ends with the reader's release or its di
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -37,6 +38,10 @@ class CacheService:
         self._owner: dict[int, bytes] = {}  # open token -> the connection it was given to
         self._held: dict[bytes, set[int]] = {}  # connection -> its open tokens
         self._deadlines: dict[int, float] = {}  # reservation token -> commit deadline (monotonic)
+        # with a registry: pages homed elsewhere are sent there and asked of it (tier_peers.py)
+        self.peers = None  # TierPeers
+        self.reply: Callable[[bytes, p.Message], bool] | None = None  # a late answer to a client
+        self._tasks: set[asyncio.Task] = set()
 
     def handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
         store = self.store
@@ -52,13 +57,34 @@ class CacheService:
                     return p.Ok(req=msg.req, value=None)
                 self._disown(rid, msg.token, "reservation")
                 self._deadlines.pop(msg.token, None)
-                return p.Ok(req=msg.req, value=store.commit(msg.token, ok=msg.ok))
+                pages = store.pending(msg.token)
+                published = store.commit(msg.token, ok=msg.ok)
+                if self.peers is not None and self.reply is not None:
+                    by_home = self._homes_of([page for page, ok in zip(pages, published) if ok])
+                    if by_home:  # answered once the homes have them (or within the tier's deadline)
+                        self._later(self._commit_at_homes(rid, msg.req, published, by_home))
+                        return None
+                return p.Ok(req=msg.req, value=published)
+            case p.CacheGet() if self.peers is not None and self.reply is not None:
+                token, found = store.lease(msg.namespace, msg.keys, msg.sizes, count=False)
+                misses = [i for i, page in enumerate(found) if page is None]
+                by_home = self._remote(msg.namespace, msg.keys, misses)
+                store.release(token)
+                if not by_home:
+                    return self._get(rid, msg)
+                self._later(self._get_from_homes(rid, msg, by_home))
+                return None
+            case p.CacheExists() if self.peers is not None and self.reply is not None:
+                local = store.exists(msg.namespace, msg.keys)
+                by_home = self._remote(msg.namespace, msg.keys, range(local, len(msg.keys)))
+                if local == len(msg.keys) or not any(local in idx for idx in by_home.values()):
+                    return p.Ok(req=msg.req, value=local)
+                self._later(self._exists_at_homes(rid, msg, local, by_home))
+                return None
             case p.CacheGet():
-                token, found = store.lease(msg.namespace, msg.keys, msg.sizes)
+                return self._get(rid, msg)
                 if any(page is not None for page in found):
                     self._own(rid, token)
-                return p.CacheSlots(req=msg.req, token=token,
-                                    slots=[None if page is None else self._segments(page) for page in found])
             case p.CacheRelease():
                 if self._owner.get(msg.token) == rid:  # (fire and forget: a stale token is ignored)
                     self._disown(rid, msg.token, "lease")
@@ -71,6 +97,58 @@ class CacheService:
             case p.CacheStats():
                 return p.Ok(req=msg.req, value=store.stats(msg.namespace))
         raise BadRequest(f"{msg.TYPE} is not a cache request")
+
+    def _get(self, rid: bytes, msg: p.CacheGet) -> p.CacheSlots:
+        token, found = self.store.lease(msg.namespace, msg.keys, msg.sizes)
+        if any(page is not None for page in found):
+            self._own(rid, token)
+        return p.CacheSlots(req=msg.req, token=token,
+                            slots=[None if page is None else self._segments(page) for page in found])
+
+    # --- pages homed on other nodes ---------------------------------------------------------------------
+
+    def _remote(self, namespace: str, keys: list[str], indices) -> dict[str, list[int]]:
+        """Of these indices of keys, those whose home is another node, by home."""
+        indices = list(indices)
+        by_home = self.peers.remote(namespace, [keys[i] for i in indices])
+        return {home: [indices[j] for j in idx] for home, idx in by_home.items()}
+
+    def _homes_of(self, pages: list[Page]) -> dict[str, list[Page]]:
+        if not pages:
+            return {}
+        namespace = pages[0].namespace  # (one batch, one namespace)
+        return {home: [pages[i] for i in idx]
+                for home, idx in self.peers.remote(namespace, [page.key for page in pages]).items()}
+
+    async def _commit_at_homes(self, rid: bytes, req: int, published: list[bool], by_home: dict) -> None:
+        """The pages stay here too (a near copy): a home that missed them costs other nodes a miss."""
+        await asyncio.gather(*(self.peers.store_at(home, pages[0].namespace, pages) for home, pages in by_home.items()))
+        self.reply(rid, p.Ok(req=req, value=published))
+
+    def _later(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name="cache-at-home")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _get_from_homes(self, rid: bytes, msg: p.CacheGet, by_home: dict[str, list[int]]) -> None:
+        try:
+            transit = set(await self.peers.fetch(msg.namespace, msg.keys, msg.sizes, by_home))
+            reply = self._get(rid, msg)
+            if transit:  # read once: they go as soon as this reader lets go of them
+                for page in [page for page in self.store.leased(reply.token) if page.key in transit]:
+                    self.store.drop(page)
+        except Exception as exc:
+            reply = p.error_reply(msg.req, exc, None)
+        if not self.reply(rid, reply) and isinstance(reply, p.CacheSlots) and self._owner.get(reply.token) == rid:
+            self._disown(rid, reply.token, "lease")  # its reader left meanwhile
+            self.store.release(reply.token)
+
+    async def _exists_at_homes(self, rid: bytes, msg: p.CacheExists, local: int, by_home: dict[str, list[int]]) -> None:
+        held = await self.peers.held(msg.namespace, msg.keys, by_home)
+        count = local
+        while count < len(msg.keys) and (count in held or self.store.exists(msg.namespace, [msg.keys[count]])):
+            count += 1
+        self.reply(rid, p.Ok(req=msg.req, value=count))
 
     def _slot(self, result: Page | bool) -> list | bool | None:
         if result is True:

@@ -42,6 +42,7 @@ from .socket_path import claim_socket_path
 from .status import Status
 from .cache import CacheCollector, CacheService
 from .store.cache import CacheStore, SharedPool
+from .tier_peers import tier_peers_for
 from .store.entries import Entry, Store
 from .systemd import Notifier
 from .watch import EntryWatch
@@ -115,14 +116,18 @@ class Daemon:
                              explain=self.directory.explain_missing if self.directory else None)
         io = with_fault_injection(self.memory.io(cfg.chunk_size, cfg.window))
         self.transfers = Transfers(cfg, self.store, io, self.metrics, watch, self.peers)
+        tier = tier_peers_for(cfg, self.cache, self.memory, self.peers, self.directory)  # pages homed elsewhere
+        on_peer, on_link = self.transfers.on_message, self.transfers.on_link_message
+        if tier is not None:  # (the tier's peer messages are answered there; the rest are transfers')
+            on_peer, on_link = tier.wrap(on_peer), tier.wrap(on_link)
         self.router = Router(cfg, self.ctx, curve, self.peers, self.metrics, life.incarnation,
                              on_gone=self.transfers.on_lost, max_connections=max_peer_connections)
         try:
-            self.router.start(self.transfers.on_message)
+            self.router.start(on_peer)
         except zmq.ZMQError as exc:
             raise BadRequest(f"cannot listen for peers on {cfg.listen} ({exc}): another kvd on this host? Give each "
                              "its own --listen port (and --socket, --metrics-port)") from None
-        self.peers.start(self.transfers.on_link_message, self.transfers.on_lost)
+        self.peers.start(on_link, self.transfers.on_lost)
         status = Status(cfg, life, self.store, self.transfers, self.peers, self.local, self.metrics,
                         self.router.bound_endpoint, __version__, self.directory)
         self.metrics.registry.register(status)
@@ -134,6 +139,8 @@ class Daemon:
                                       self.transfers, self.metrics, self.local, life, stats=status.snapshot,
                                       directory=self.directory)
         self.handlers.cache = self._cache_service = CacheService(self.cache, cfg.block_size, cfg.lease_timeout)
+        self._cache_service.peers = tier
+        self._cache_service.reply = lambda rid, msg: self.local.send(rid, msg)
         self._sweeper = Sweeper(self.store, watch, self.handlers.puts.write_expired, self.metrics)
         if cfg.metrics_port:  # before the client socket: once a client is answered, /healthz answers too
             self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: life.ready,

@@ -4,10 +4,10 @@ adds them to its table of types and re-exports them. The keys' and batches' boun
 daemon's (`kvd.daemon.store.cache`), written in `proto/PROTOCOL.md`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .messages import Message
+from .messages import Chunk, Message
 
 
 @dataclass(slots=True)
@@ -91,7 +91,66 @@ class CacheStats(Message):
 
 
 CACHE_REQUESTS = (CachePut, CacheCommit, CacheGet, CacheRelease, CacheExists, CacheClear, CacheStats)
-TIER_MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (*CACHE_REQUESTS, CacheSlots)}
+
+
+# ---- daemon <-> daemon: a page's home in a cluster (kvd.cluster.rendezvous) ------------------
+# Outside the transfer table: small request/reply exchanges, answered at once, on the same
+# connections. The page messages extend chunk for its payload frames (lengths, digest): the
+# codec checks their frames as a chunk's; xfer names the exchange, seq and offset are 0.
+
+
+@dataclass(slots=True)
+class TierStore(Chunk):
+    """A page set on another node, for its home: keep these pages (answered by tier_held: kept or not)."""
+
+    TYPE: ClassVar[str] = "tier_store"
+    checksum: str = "xxh3_64"
+    namespace: str = ""
+    keys: list = field(default_factory=list)
+    pages: list = field(default_factory=list)  # per key: [dtype, shape]; its bytes are payload frame i
+
+
+@dataclass(slots=True)
+class TierFetch(Message):
+    """Ask a page's home for pages (answered by tier_pages; never consumes them)."""
+
+    TYPE: ClassVar[str] = "tier_fetch"
+    xfer: int
+    namespace: str
+    keys: list
+    sizes: list
+
+
+@dataclass(slots=True)
+class TierPages(Chunk):
+    """The home's answer to tier_fetch: payload frame i is the page of keys[found[i]]."""
+
+    TYPE: ClassVar[str] = "tier_pages"
+    checksum: str = "xxh3_64"
+    found: list = field(default_factory=list)
+    pages: list = field(default_factory=list)  # per found page: [dtype, shape]
+
+
+@dataclass(slots=True)
+class TierAsk(Message):
+    """Ask a page's home which keys it holds (answered by tier_held)."""
+
+    TYPE: ClassVar[str] = "tier_ask"
+    xfer: int
+    namespace: str
+    keys: list
+
+
+@dataclass(slots=True)
+class TierHeld(Message):
+    TYPE: ClassVar[str] = "tier_held"
+    xfer: int
+    held: list  # per key: bool
+
+
+TIER_PEER = (TierStore, TierFetch, TierPages, TierAsk, TierHeld)
+TIER_MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (*CACHE_REQUESTS, CacheSlots, *TIER_PEER)}
 
 __all__ = ['CachePut', 'CacheSlots', 'CacheCommit', 'CacheGet', 'CacheRelease', 'CacheExists', 'CacheClear',
-           'CacheStats', 'CACHE_REQUESTS', 'TIER_MESSAGES']
+           'CacheStats', 'CACHE_REQUESTS', 'TIER_MESSAGES', 'TierStore', 'TierFetch', 'TierPages', 'TierAsk',
+           'TierHeld', 'TIER_PEER']

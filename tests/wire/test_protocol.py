@@ -47,6 +47,13 @@ EXAMPLES: dict[str, p.Message] = {
     "cache_exists": p.CacheExists(req=15, namespace="t", keys=["ab12", "cd34"]),
     "cache_clear": p.CacheClear(req=16, namespace="t"),
     "cache_stats": p.CacheStats(req=17, namespace="t"),
+    "tier_store": p.TierStore(xfer=18, seq=0, offset=0, lengths=[4], digest=7, payload=[b"abcd"], checksum="crc32",
+                              namespace="t", keys=["ab12"], pages=[["uint8", [4]]]),
+    "tier_fetch": p.TierFetch(xfer=19, namespace="t", keys=["ab12", "cd34"], sizes=[4, 8]),
+    "tier_pages": p.TierPages(xfer=19, seq=0, offset=0, lengths=[4], digest=7, payload=[b"abcd"], checksum="crc32",
+                              found=[0], pages=[["uint8", [4]]]),
+    "tier_ask": p.TierAsk(xfer=20, namespace="t", keys=["ab12"]),
+    "tier_held": p.TierHeld(xfer=20, held=[True, False]),
     "peer_hello": p.PeerHello(node_id="A", incarnation=123456789),
     "peer_hello_ok": p.PeerHelloOk(node_id="B", incarnation=987654321),
     "offer": p.Offer(xfer=11, request_id="req-1", tensors=[["x", "int8", [3, 3]]], total_bytes=9,
@@ -103,7 +110,7 @@ def test_defaults_round_trip(name):
         for f in dataclasses.fields(cls)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     }
-    if name == "chunk":
+    if name in ("chunk", "tier_store", "tier_pages"):
         required["lengths"] = []  # no payload frames by default, so no lengths either
     msg = cls(**required)
     assert p.decode(p.encode(msg)) == msg
@@ -390,8 +397,8 @@ def test_rejects_chunk_with_too_many_payload_frames():
     assert p.decode(p.encode(at_limit)) == at_limit
 
 
-@pytest.mark.parametrize("name", sorted(set(p.MESSAGE_TYPES) - {"chunk"}))
-def test_rejects_extra_frames_on_non_chunk(name):
+@pytest.mark.parametrize("name", sorted(set(p.MESSAGE_TYPES) - {"chunk", "tier_store", "tier_pages"}))
+def test_rejects_extra_frames_on_non_chunk(name):  # (the tier's page messages carry frames as a chunk does)
     frames = p.encode(EXAMPLES[name])
     assert len(frames) == 1
     with pytest.raises(ProtocolError, match="no payload"):

@@ -138,7 +138,8 @@ class CacheStore:
 
     # --- writing -------------------------------------------------------------------------------
 
-    def reserve(self, namespace: str, keys: list[str], pages: list) -> tuple[int, list[Page | bool]]:
+    def reserve(self, namespace: str, keys: list[str], pages: list,
+                over_budget: bool = False) -> tuple[int, list[Page | bool]]:
         """Room for a batch of pages ([dtype, shape] each): per key a Page to write (then `commit`
         the token), True (already held or being written: nothing to do) or False (refused:
         over the budget, the pool full of what cannot be evicted). BadRequest for bad input,
@@ -160,7 +161,7 @@ class CacheStore:
                 results.append(True)
                 continue
             blocks = -(-nbytes // self.block_size)
-            extents = self._take(blocks)
+            extents = self._take(blocks, over_budget)
             if extents is None:
                 counts.refused += 1
                 self.total.refused += 1
@@ -175,11 +176,12 @@ class CacheStore:
             self._writes[token] = written
         return token, results
 
-    def _take(self, blocks: int) -> list[Extent] | None:
-        """Blocks for a new page within the budget, evicting LRU pages; None if it cannot fit."""
-        if blocks > self.budget_blocks:
+    def _take(self, blocks: int, over_budget: bool = False) -> list[Extent] | None:
+        """Blocks for a new page within the budget, evicting LRU pages; None if it cannot fit.
+        over_budget: a page in transit (fetched for one reader, dropped once read) may pass it."""
+        if blocks > self.budget_blocks and not over_budget:
             return None
-        while self.blocks + blocks > self.budget_blocks:
+        while self.blocks + blocks > self.budget_blocks and not over_budget:
             if not self._evict_one():
                 return None
         while True:
@@ -214,9 +216,13 @@ class CacheStore:
     def writing(self, token: int) -> bool:
         return token in self._writes
 
+    def pending(self, token: int) -> list[Page]:
+        """The pages a reservation writes, in key order (what its commit answers for)."""
+        return list(self._writes.get(token, ()))
+
     # --- reading ---------------------------------------------------------------------------------
 
-    def lease(self, namespace: str, keys: list[str], sizes: list) -> tuple[int, list[Page | None]]:
+    def lease(self, namespace: str, keys: list[str], sizes: list, count: bool = True) -> tuple[int, list[Page | None]]:
         """Pin the hits of a batch for one reader: per key its Page, or None (absent, being
         written, or not `sizes[i]` bytes). Hits become the most recently used."""
         check_batch(namespace, keys)
@@ -236,14 +242,18 @@ class CacheStore:
             page.readers += 1
             pinned.append(page)
             found.append(page)
-        hits = len(pinned)
+        hits = len(pinned) if count else 0
+        misses = len(keys) - len(pinned) if count else 0
         counts.hits += hits
-        counts.misses += len(keys) - hits
+        counts.misses += misses
         self.total.hits += hits
-        self.total.misses += len(keys) - hits
+        self.total.misses += misses
         if pinned:
             self._reads[token] = pinned
         return token, found
+
+    def leased(self, token: int) -> list[Page]:
+        return list(self._reads.get(token, ()))
 
     def release(self, token: int) -> bool:
         """The reader copied out (or gave up): unpin its pages. False for an unknown token."""
@@ -278,6 +288,10 @@ class CacheStore:
             dropped += not page.writing
             self._remove(page)
         return dropped
+
+    def drop(self, page: Page) -> None:
+        """Remove one page (parked while a reader pins it)."""
+        self._remove(page)
 
     def reclaim(self, short: int) -> None:
         """A handoff needs `short` more free blocks than the pool has: evict LRU pages until it
