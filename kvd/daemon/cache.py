@@ -122,7 +122,11 @@ class CacheService:
 
     async def _commit_at_homes(self, rid: bytes, req: int, published: list[bool], by_home: dict) -> None:
         """The pages stay here too (a near copy): a home that missed them costs other nodes a miss."""
-        await asyncio.gather(*(self.peers.store_at(home, pages[0].namespace, pages) for home, pages in by_home.items()))
+        try:
+            await asyncio.gather(*(self.peers.store_at(home, pages[0].namespace, pages)
+                                   for home, pages in by_home.items()))
+        except Exception:  # (never: store_at says misses, not errors; the client is answered anyway)
+            log.exception("tier: storing pages at their homes failed")
         self.reply(rid, p.Ok(req=req, value=published))
 
     def _later(self, coro) -> None:
@@ -144,7 +148,11 @@ class CacheService:
             self.store.release(reply.token)
 
     async def _exists_at_homes(self, rid: bytes, msg: p.CacheExists, local: int, by_home: dict[str, list[int]]) -> None:
-        held = await self.peers.held(msg.namespace, msg.keys, by_home)
+        try:
+            held = await self.peers.held(msg.namespace, msg.keys, by_home)
+        except Exception:  # (as above: the client gets the local count)
+            log.exception("tier: asking the homes failed")
+            held = set()
         count = local
         while count < len(msg.keys) and (count in held or self.store.exists(msg.namespace, [msg.keys[count]])):
             count += 1
