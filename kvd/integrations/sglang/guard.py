@@ -56,4 +56,4 @@ class Guard:
         level = logging.WARNING if isinstance(error, KvdError) else logging.ERROR
         log.log(level, "kvd HiCache storage: %s failed, answering misses: %s: %s%s", op, type(error).__name__,
                 error, f" ({suppressed} more failures since the last report)" if suppressed else "",
-                exc_info=not isinstance(error, KvdError))
+                exc_info=error if error.__traceback__ is not None and not isinstance(error, KvdError) else None)
