@@ -88,7 +88,7 @@ class Bench:
         started = time.monotonic()
         sides = {side_of(row) for row in self.rows}
         for side in sorted(sides & set(KVD_SIDES)):
-            dp, dd = self.daemons.pair(pool_size="1GiB")
+            dp, dd = self.daemons.pair(pool_size="512MiB")  # 16 prompts of 2048 tokens: 128 MiB
             self.kvd[side] = (dp.socket, dd.socket, dd.listen)
             self._pair(side, [eng.kvd_config(dp.socket), eng.kvd_config(dd.socket)], [KVD_SIDES[side]] * 2,
                        {"daemon P": dp.pid, "daemon D": dd.pid})
