@@ -1,5 +1,5 @@
 """A host KV pool with the buffer and page methods of SGLang's MHATokenToKVPoolHost (the test and
-benchmarks; no SGLang import).
+benchmark processes; no SGLang import).
 
 Why it exists: SGLang's own host pool module (sglang.srt.mem_cache.pool_host.mha, 0.5.23) imports
 SGLang's model configs, which import torchvision and gguf at module level. PyPI's torchvision is
