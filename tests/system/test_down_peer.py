@@ -38,6 +38,18 @@ def test_a_get_from_an_unreachable_source_honours_its_timeout(daemons):
         assert ca.stats()["pool"]["used_bytes"] == 0
 
 
+def test_a_configured_peer_that_never_came_up_fails_a_push_fast(daemons):
+    # its heartbeat hello is still queued a heartbeat later: no connection, so the link is down
+    a = daemons.start("A", peers={"B": f"tcp://127.0.0.1:{free_port()}"}, extra=["--heartbeat-interval", "0.2s"])
+    with a.client() as ca:
+        time.sleep(0.6)  # (a few heartbeats)
+        assert not ca.stats()["peers"]["B"]["connected"]
+        error, took = timed(lambda: ca.put("y", {"x": torch.arange(8)}, dest="B"))
+        assert took <= 1.0 + SLACK, f"{took:.2f}s for a push to a peer never up"
+        assert "not connected" in str(error), error
+        assert ca.stats()["pool"]["used_bytes"] == 0 and ca.stats()["entries"] == 0
+
+
 def test_a_stopped_peer_fails_fast_and_is_found_again(daemons):
     a, b = daemons.pair()
     port_b = int(b.listen.rsplit(":", 1)[1])

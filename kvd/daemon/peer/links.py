@@ -3,6 +3,7 @@
 Each daemon binds one ROUTER (`--listen`) for peers that connect to it, and opens one
 DEALER per peer it connects to (`PeerLink`). A transfer does not care which of the two
 carries it: it holds a `Channel` and sends frames; replies come back on the same path.
+Whether a link is up, and what a wait for it gets, is decided by its `handshake.Handshake`.
 """
 from __future__ import annotations
 
@@ -131,8 +132,14 @@ class PeerLink:
         """Handshake once (again after a loss): a future that resolves once the peer answered our
         PeerHello (at once when it has), or fails within timeout with the reason it did not (within
         DOWN_GRACE when the link is known down)."""
+        result = asyncio.get_running_loop().create_future()
+        if self.handshake.state is State.UP:
+            # the table's (up, Wait) row, resolve, taken here without a waiter id: every push asks
+            # this of a link that is up, and the whole walk costs ~10 us more (measured) than this
+            result.set_result(None)
+            return result
         waiter = next(self._waiter_ids)
-        result = self._waiting[waiter] = asyncio.get_running_loop().create_future()
+        self._waiting[waiter] = result
         self._do(self.handshake.handle(Wait(waiter, timeout)))
         return result
 
