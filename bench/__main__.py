@@ -182,12 +182,14 @@ def main() -> int:
             ratios = gets.ratios
             rows.append(("kvd first get(out=) on B after a push", "16MiB", "",
                          f"{statistics.median(gets.first) * 1e3:.3f}", "",
-                         f"{statistics.median(ratios):.2f}x the same get repeated (median), {max(ratios):.2f}x at most"))
+                         f"{statistics.median(ratios):.2f}x the same get repeated (median), "
+                         f"{max(ratios):.2f}x at most"))
             target("first get after a 16MiB push / repeated get (median)", statistics.median(ratios), "<=", 1.5)
             target("first get after a 16MiB push / repeated get (max)", max(ratios), "<=", 3.0)
             # the worst pair is as much the VM's noise as anything the push left behind: the slowest
             # first get against the slowest repeated one says whether the first is any worse
-            rows.append(("kvd slowest first get / slowest repeated get", "16MiB", "", f"{max(gets.first) * 1e3:.3f}", "",
+            rows.append(("kvd slowest first get / slowest repeated get", "16MiB", "",
+                         f"{max(gets.first) * 1e3:.3f}", "",
                          f"{max(gets.first) / max(gets.repeated):.2f}x (repeated: slowest "
                          f"{max(gets.repeated) / statistics.median(gets.repeated):.2f}x its median)"))
             put_faults, get_faults = cases.fresh_client_faults(a, BIG)
@@ -244,7 +246,8 @@ def main() -> int:
         "",
         "| target | measured | goal | result |",
         "|---|---|---|---|",
-        *[f"| {name} | {value:.2f} | {op} {limit} | {'PASS' if ok else 'FAIL'} |" for name, value, op, limit, ok in checks],
+        *[f"| {name} | {value:.2f} | {op} {limit} | {'PASS' if ok else 'FAIL'} |"
+          for name, value, op, limit, ok in checks],
         "",
         "What this machine allows, from this run's baselines (the least kvd's design can cost here):",
         "",

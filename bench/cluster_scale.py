@@ -527,7 +527,7 @@ def run_workers(target, jobs: list[tuple], meter_pids: list[int],
     for proc in procs:
         proc.start()
     try:
-        for proc in procs:
+        for _ in procs:
             if not ready.acquire(timeout=60):
                 raise RuntimeError("a client process did not connect within 60 s")
         meter = CpuMeter([registry_pid, *meter_pids])

@@ -5,7 +5,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             pause.clear()
             print(f"[{label}] " + "; ".join(
                 f"{r['daemon']}: fds {r['fds']}, rss {r['rss'] / 1e6:.1f} MB, pool {r['used'] >> 20} MiB"
-                + (f" held by {', '.join(r['held'])}" if r["held"] else "") for r in rows[-2:]) + f"; client ops {ops_so_far}, unexpected errors {unexpected}, "
+                + (f" held by {', '.join(r['held'])}" if r["held"] else "") for r in rows[-2:])
+                + f"; client ops {ops_so_far}, unexpected errors {unexpected}, "
                 f"mismatches {mism}", flush=True)
 
         try:

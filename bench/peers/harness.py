@@ -21,7 +21,8 @@ import sys
 import time
 import traceback
 from importlib import metadata
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
+from collections.abc import Callable
 
 import numpy as np
 

@@ -7,7 +7,8 @@ the engine exchanges the segment description on the first write. Prints one JSON
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import base64
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -103,7 +104,7 @@ class AsyncClient(_ClientCore):
     async def _receive(self, req: int, wait: float) -> p.Message:
         try:
             reply = await asyncio.wait_for(self._streams[req].get(), wait + self.reply_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Timeout(f"daemon at {self.endpoint} went silent during a stream") from None
         if isinstance(reply, KvdError):
             raise reply
@@ -115,7 +116,7 @@ class AsyncClient(_ClientCore):
         try:
             self._sock.send_now(p.encode(msg))
             reply = await asyncio.wait_for(fut, wait + self.reply_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._abandon(msg)
             raise Timeout(f"daemon at {self.endpoint} did not answer {msg.TYPE} in time") from None
         except asyncio.CancelledError:  # (asyncio.wait_for around a call, task.cancel())
@@ -191,7 +192,7 @@ class AsyncClient(_ClientCore):
         return await self._drive(self._get(request_id, source, timeout, out, keep, with_meta))
 
     async def put_stream(self, request_id: str, layout: Mapping[str, Any], *, dest: str | None = None,
-                         ttl: float | None = None, meta: dict | None = None) -> "AsyncPutStream":
+                         ttl: float | None = None, meta: dict | None = None) -> AsyncPutStream:
         """See Client.put_stream; use as `async with await c.put_stream(...) as s: await s.write(...)`."""
         await self.connect()
         state = StreamState(request_id, specs_from(layout), dest)
@@ -266,7 +267,7 @@ class AsyncClient(_ClientCore):
         self._pending.clear()
         self._close_transport()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         await self.connect()
         return self
 
@@ -289,7 +290,7 @@ class AsyncPutStream:
     async def abort(self) -> None:
         await self._client._drive(abort_stream(self._client, self._state))
 
-    async def __aenter__(self) -> "AsyncPutStream":
+    async def __aenter__(self) -> AsyncPutStream:
         return self
 
     async def __aexit__(self, exc_type, *rest: Any) -> None:

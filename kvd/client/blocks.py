@@ -10,7 +10,7 @@ the consumer's own block ids with one `index_copy_` per tensor. Operations are g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -98,7 +98,7 @@ def put_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_
 
     def write(segments: list) -> None:
         pool = core._pool_of(generation)
-        for spec, tensor_segments, (name, cache) in zip(specs, segments, caches.items()):
+        for spec, tensor_segments, (name, cache) in zip(specs, segments, caches.items(), strict=True):
             gather_rows(pool, tensor_segments, spec, cache, gathers[name])
 
     yield from core._put_with(request_id, specs, write, dest, ttl, meta)
@@ -113,7 +113,7 @@ def get_blocks(core, request_id: str, caches: Mapping[str, torch.Tensor], block_
     consume = not keep
     try:
         specs = [TensorSpec.from_wire(t) for t in slots.tensors]
-        by_name = {spec.name: (spec, segments) for spec, segments in zip(specs, slots.segments)}
+        by_name = {spec.name: (spec, segments) for spec, segments in zip(specs, slots.segments, strict=True)}
         if set(caches) != set(by_name):
             raise BadRequest(f"caches name {sorted(caches)}, the entry holds {sorted(by_name)}")
         scatters = {}

@@ -9,7 +9,8 @@ A full tier answers False, never an exception; transport errors raise as in any 
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from kvd.errors import BadRequest, ProtocolError
 from kvd.wire import protocol as p
 
 from .ops import NO_REPLY, Operation
-from .tensors import DTYPE_NAMES, copy_in
+from .tensors import DTYPE_NAMES, copy_in, host_strided_bytes
 
 MAX_BATCH = 4096  # keys per request, the daemon's cap (kvd.daemon.store.cache.MAX_BATCH)
 # (`core` below is the driving client, a kvd.client.core._ClientCore: not imported, since core imports us)
@@ -92,7 +93,7 @@ def cache_put(core: Any, keys: Sequence[str], pages: Sequence[torch.Tensor], nam
                 published = [False] * len(writes)
             if not isinstance(published, list) or len(published) != len(writes):
                 raise ProtocolError(f"cache_commit answered {str(published)[:80]} for {len(writes)} pages")
-            for i, ok in zip(writes, published):
+            for i, ok in zip(writes, published, strict=True):
                 slots[i] = bool(ok) and slots[i]
         results += [slot is True or isinstance(slot, list) for slot in slots]
     return results
@@ -110,6 +111,10 @@ def _copy_out(pool: torch.Tensor, segments: list[tuple[int, int]], out: torch.Te
         return
     if len(segments) == 1:
         off, n = segments[0]
+        strided = host_strided_bytes(out) if pool.device.type == "cpu" else None
+        if strided is not None:  # a host pool page view (SGLang's layer-first layout): one strided memcpy
+            np.copyto(strided, pool.numpy()[off:off + n].reshape(strided.shape))
+            return
         out.copy_(pool[off:off + n].view(out.dtype).view(out.shape))
         return
     target = out if out.is_contiguous() and out.device == pool.device else torch.empty_like(out, device=pool.device)

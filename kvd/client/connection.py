@@ -13,7 +13,8 @@ import os
 import select
 import socket
 import struct
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from kvd.errors import KvdError, ProtocolError, Timeout, Unauthorized, error_from_code
 from kvd.wire import protocol as p
@@ -125,7 +126,7 @@ class StreamConnection(asyncio.Protocol):
 
     @classmethod
     async def open(cls, endpoint: str, on_message: Callable[[list], None],
-                   on_lost: Callable[[KvdError], None], timeout: float) -> "StreamConnection":
+                   on_lost: Callable[[KvdError], None], timeout: float) -> StreamConnection:
         loop = asyncio.get_running_loop()
         sock = await loop.run_in_executor(None, _connect_socket, endpoint, timeout) \
             if unix_path(endpoint) is None else _connect_socket(endpoint, timeout)

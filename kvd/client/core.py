@@ -13,7 +13,8 @@ import collections
 import itertools
 import logging
 import os
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import msgpack
 import torch
@@ -206,7 +207,7 @@ class _ClientCore:
 
         def write(segments: list[list[Segment]]) -> None:
             pool = self._pool_of(generation)
-            for tensor, tensor_segments in zip(tensors.values(), segments):
+            for tensor, tensor_segments in zip(tensors.values(), segments, strict=True):
                 copy_in(pool, tensor, tensor_segments)
 
         yield from self._put_with(request_id, [spec_of(name, t) for name, t in tensors.items()], write,
@@ -226,7 +227,7 @@ class _ClientCore:
             token, extents, _ = scratch
             try:
                 write([physical_segments(extents, self.info.block_size, offset, spec.nbytes)
-                       for spec, offset in zip(specs, offsets)])
+                       for spec, offset in zip(specs, offsets, strict=True)])
                 self._sync_device()
             except BaseException:
                 self._scratch.append(scratch)  # still ours, and nobody else's bytes are in it
@@ -289,7 +290,7 @@ class _ClientCore:
                     check_out(spec, out[spec.name])
             result = {
                 spec.name: copy_out(pool, spec, segments, out.get(spec.name))
-                for spec, segments in zip(specs, slots.segments)
+                for spec, segments in zip(specs, slots.segments, strict=True)
             }
             self._sync_device()
         except BaseException:

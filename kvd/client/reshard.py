@@ -143,7 +143,7 @@ def get_shard(client: Client, request_id: str, layout: KVLayout, src_tp_size: in
                   for rank in needed}
         data = [(p, slice_shard(p, layers[p.src_tp_rank, p.src_pp_rank], head_axis)) for p in pieces]
         dst = [out[n] if out is not None else torch.empty(targets[n], dtype=dtype) for n in names]
-        result.update(zip(names, assemble(layout, data, head_axis, dst)))
+        result.update(zip(names, assemble(layout, data, head_axis, dst), strict=True))
     if consume:  # the data entries went with their get; the layout entries go too
         for rank in needed:
             client.delete(keys[rank] + LAYOUT_SUFFIX)
@@ -190,7 +190,7 @@ def _check_source(key: str, got: KVLayout, expected: KVLayout, dst: KVLayout) ->
     want = (expected.tp_rank, expected.tp_size, expected.pp_rank, expected.pp_size, expected.layer_partition())
     if mine != want:
         fields = ("tp_rank", "tp_size", "pp_rank", "pp_size", "layer partition")
-        diffs = ", ".join(f"{f} {a!r} != {b!r}" for f, a, b in zip(fields, mine, want) if a != b)
+        diffs = ", ".join(f"{f} {a!r} != {b!r}" for f, a, b in zip(fields, mine, want, strict=True) if a != b)
         raise LayoutMismatch(f"{key} was put by another deployment: {diffs} "
                              "(pass the prefill's src_tp_size, src_pp_size, src_pp_partition)")
 
@@ -296,7 +296,7 @@ def _scatter_op(core, fetches: list[ShardFetch], block_ids: list[int], rows: tup
             held.append((fetch, slots))
             # checked as soon as it is leased: a refusal need not wait for the other shards
             specs = {spec.name: (spec, segments) for spec, segments in
-                     zip((TensorSpec.from_wire(t) for t in slots.tensors), slots.segments)}
+                     zip((TensorSpec.from_wire(t) for t in slots.tensors), slots.segments, strict=True)}
             for piece in fetch.plan(slots.meta, {name: spec for name, (spec, _) in specs.items()}):
                 if piece.name not in specs:
                     raise LayoutMismatch(f"{fetch.key} holds no tensor {piece.name!r}")

@@ -7,7 +7,8 @@ become complete. The operations are generators (no I/O), driven by Client/AsyncC
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -146,7 +147,7 @@ class Client(_ClientCore):
             self._sock.close()
         self._sock = BlockingConnection(self.endpoint, self.connect_timeout)
 
-    def connect(self) -> "Client":
+    def connect(self) -> Client:
         """Connect and map the pool. Every operation calls it; explicit use is optional."""
         with self._lock:
             if not self._connected():
@@ -183,7 +184,7 @@ class Client(_ClientCore):
         return self._drive(self._get(request_id, source, timeout, out, keep, with_meta))
 
     def put_stream(self, request_id: str, layout: Mapping[str, Any], *, dest: str | None = None,
-                   ttl: float | None = None, meta: dict | None = None) -> "PutStream":
+                   ttl: float | None = None, meta: dict | None = None) -> PutStream:
         """Open a cache to be written tensor by tensor (e.g. layer by layer during prefill).
 
         layout maps every tensor name to a tensor of the final shape and dtype (a 'meta' tensor
@@ -278,7 +279,7 @@ class Client(_ClientCore):
         except Exception:
             pass
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self.connect()
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -302,7 +303,7 @@ class PutStream:
     def abort(self) -> None:
         self._client._drive(abort_stream(self._client, self._state))
 
-    def __enter__(self) -> "PutStream":
+    def __enter__(self) -> PutStream:
         return self
 
     def __exit__(self, exc_type, *rest: Any) -> None:

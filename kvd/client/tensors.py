@@ -31,7 +31,8 @@ def as_tensor(name: str, value: Any) -> torch.Tensor:
     else:
         raise BadRequest(f"tensor {name!r}: expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
     if tensor.dtype not in DTYPE_NAMES:
-        raise BadRequest(f"tensor {name!r}: dtype {tensor.dtype} is not supported; use one of {', '.join(TORCH_DTYPES)}")
+        raise BadRequest(f"tensor {name!r}: dtype {tensor.dtype} is not supported; use one of "
+                         f"{', '.join(TORCH_DTYPES)}")
     return tensor
 
 
@@ -56,6 +57,19 @@ def _host_bytes(tensor: torch.Tensor) -> np.ndarray | None:
     return _flat_bytes(tensor).numpy()
 
 
+def host_strided_bytes(tensor: torch.Tensor) -> np.ndarray | None:
+    """A strided numpy uint8 view of a non-contiguous CPU tensor whose last dim is dense, else None.
+
+    The same reason as _host_bytes: a page of SGLang's layer-first host pool is such a view, and
+    torch's copy of it took 10-23 ms a 512 KiB page on a loaded 2-core host; numpy's, about 1 ms."""
+    if tensor.device.type != "cpu" or tensor.is_contiguous() or tensor.dim() == 0 or tensor.stride(-1) != 1:
+        return None
+    try:
+        return tensor.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):  # strides that a byte view cannot express
+        return None
+
+
 def copy_in(pool: torch.Tensor, tensor: torch.Tensor, segments: list) -> None:
     """Caller's tensor -> its pool segments."""
     src = _host_bytes(tensor) if pool.device.type == "cpu" else None
@@ -67,6 +81,10 @@ def copy_in(pool: torch.Tensor, tensor: torch.Tensor, segments: list) -> None:
         return
     if len(segments) == 1:
         off, n = segments[0]
+        strided = host_strided_bytes(tensor) if pool.device.type == "cpu" else None
+        if strided is not None:  # one strided memcpy in this thread
+            np.copyto(pool.numpy()[off:off + n].reshape(strided.shape), strided)
+            return
         # one typed copy: handles non-contiguous and GPU sources without a temporary
         pool[off:off + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         return

@@ -136,7 +136,8 @@ class EtcdBackend:
             raise self._mapped(e) from None
         except TLSError as e:
             raise RegistryRefused(f"etcd at {self.name}: TLS failed ({e}); check --registry-ca, and "
-                                  "--registry-cert/--registry-key where the server asks for a client certificate") from None
+                                  "--registry-cert/--registry-key where the server asks for a client "
+                                  "certificate") from None
         except BodyTooLarge as e:
             raise _TooLarge(str(e)) from None
         except (OSError, EOFError, ValueError) as e:
@@ -387,7 +388,8 @@ class EtcdBackend:
             self._auth.invalidate()  # the next call logs in again
         elif (refused := refusal(reason, self.name, self._auth.user if self._auth else "")) is not None:
             return RegistryRefused(refused)
-        return RegistryUnavailable(f"etcd watch cancelled ({reason or 'compacted at ' + str(msg.get('compact_revision'))})")
+        why = reason or f"compacted at {msg.get('compact_revision')}"
+        return RegistryUnavailable(f"etcd watch cancelled ({why})")
 
     # ---- holders ----
 

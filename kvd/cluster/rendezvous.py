@@ -10,7 +10,7 @@ Weights are blake2b-64 of (node id, namespace, key), NUL-separated (neither may 
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from .records import NodeRecord
 

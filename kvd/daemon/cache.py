@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -60,7 +60,7 @@ class CacheService:
                 pages = store.pending(msg.token)
                 published = store.commit(msg.token, ok=msg.ok)
                 if self.peers is not None and self.reply is not None:
-                    by_home = self._homes_of([page for page, ok in zip(pages, published) if ok])
+                    by_home = self._homes_of([page for page, ok in zip(pages, published, strict=True) if ok])
                     if by_home:  # answered once the homes have them (or within the tier's deadline)
                         self._later(self._commit_at_homes(rid, msg.req, published, by_home))
                         return None

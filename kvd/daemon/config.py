@@ -10,7 +10,8 @@ import os
 import socket
 import tomllib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from kvd.units import parse_duration, parse_size
 from kvd.wire.checksum import ALGORITHMS
@@ -242,7 +243,8 @@ def _coerce(name: str, value: Any) -> Any:
     if name in _DURATIONS:
         return parse_duration(value)
     if name in _INTS:
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
+        if isinstance(value, bool) or not (isinstance(value, int)
+                                           or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
             raise ValueError(f"{name} must be a whole number, got {value!r}")
         return int(value)
     if name in _BOOLS:

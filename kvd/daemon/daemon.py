@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
@@ -149,7 +149,8 @@ class Daemon:
                 await self.http.start()
             except OSError as exc:
                 raise BadRequest(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port} ({exc.strerror}): "
-                                 "another kvd on this host? Give each its own --metrics-port (0 turns it off)") from None
+                                 "another kvd on this host? Give each its own --metrics-port (0 turns it "
+                                 "off)") from None
         await self.local.start(cfg.socket, self.handlers.on_local_message, self.handlers.on_client_gone)
         if self.directory is not None:
             await self.directory.start()  # registers in the background: a registry away never holds us up
@@ -198,7 +199,7 @@ class Daemon:
         if self.directory is not None:  # leave the registry first: nobody should pull from us any more
             try:
                 await asyncio.wait_for(self.directory.stop(), 2.0)
-            except (asyncio.TimeoutError, Exception) as exc:  # (a registry away: our lease runs out by itself)
+            except (TimeoutError, Exception) as exc:  # (a registry away: our lease runs out by itself)
                 log.warning("leaving the cluster registry failed: %s", exc)
         deadline = time.monotonic() + self.config.drain_timeout
         while self.transfers is not None and self.transfers.busy() and time.monotonic() < deadline:

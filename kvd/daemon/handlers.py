@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.errors import BadRequest, KvdError, NotFound, ShuttingDown
 from kvd.wire import protocol as p

@@ -31,7 +31,8 @@ import socket
 import struct
 import time
 import urllib.parse
-from typing import Awaitable, Callable, Protocol
+from typing import Protocol
+from collections.abc import Awaitable, Callable
 
 from kvd.errors import KvdError
 

@@ -26,7 +26,7 @@ import logging
 import os
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.errors import BadRequest, ProtocolError
 from kvd.wire import protocol as p
@@ -87,14 +87,14 @@ class LocalServer:
             host, port = tcp_address(endpoint)
             self._server = await loop.create_server(self._new_connection, host, port)
 
-    def _new_connection(self) -> "_ClientConnection":
+    def _new_connection(self) -> _ClientConnection:
         conn_id = b"c%d" % next(self._ids)
         conn = _ClientConnection(self, conn_id, full=len(self._connections) >= self.max_clients)
         if not conn.full:
             self._connections[conn_id] = conn
         return conn
 
-    def admit_at_cap(self, conn: "_ClientConnection") -> bool:
+    def admit_at_cap(self, conn: _ClientConnection) -> bool:
         """A connection that came at the cap: let it in if there is room now, or once the
         connection idle longest has been evicted to make some."""
         if len(self._connections) >= self.max_clients:

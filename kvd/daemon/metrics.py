@@ -73,7 +73,8 @@ class Metrics:
                                             ["operation"], buckets=DURATION_BUCKETS, registry=r))
         self.local_bytes = _Children(Counter("kvd_local_bytes", "Bytes handed over through the shared pool",
                                              ["direction"], registry=r))
-        self.errors = _Children(Counter("kvd_errors", "Errors returned to clients or peers, by code", ["code"], registry=r))
+        self.errors = _Children(Counter("kvd_errors", "Errors returned to clients or peers, by code", ["code"],
+                                        registry=r))
         self.expired = Counter("kvd_expired_entries", "Entries dropped because their ttl ran out", registry=r)
         self.abandoned = Counter("kvd_abandoned_writes", "Puts dropped because the writer never finished",
                                  registry=r)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.cluster import RegistryUnavailable
 from kvd.errors import KvdError, NotFound, PoolFull, ShuttingDown, Timeout

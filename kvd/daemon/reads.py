@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.errors import BadRequest, NotFound, Timeout
 from kvd.wire import protocol as p
@@ -129,7 +129,8 @@ class Reads:
         if gone is not None:
             peer, pushed = gone
             how = f"was pushed to {peer}" if pushed else f"was pulled by {peer}"
-            raise NotFound(f"request {request_id!r} {how} and is no longer on {self.settings.node_id}: read it on {peer}")
+            raise NotFound(f"request {request_id!r} {how} and is no longer on {self.settings.node_id}: "
+                           f"read it on {peer}")
 
     async def locate(self, msg: p.ClusterLocate) -> p.Message:
         return p.Ok(req=msg.req, value=await self.directory().locate(msg.request_id))

@@ -7,7 +7,7 @@ It changes nothing.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
@@ -126,7 +126,8 @@ def registry_metrics(status: dict) -> Iterator:
     yield GaugeMetricFamily("kvd_registry_up", "1 while the cluster registry answers", value=1 if status["up"] else 0)
     yield GaugeMetricFamily("kvd_registry_registered", "1 while this node is registered (0: away, or its id is "
                             "held by another live daemon)", value=1 if status["registered"] else 0)
-    yield GaugeMetricFamily("kvd_registry_outbox_entries", "Holder records waiting to be written", value=status["outbox"])
+    yield GaugeMetricFamily("kvd_registry_outbox_entries", "Holder records waiting to be written",
+                            value=status["outbox"])
     yield GaugeMetricFamily("kvd_registry_listed_entries", "Entries this node lists in the holder directory",
                             value=status["listed"])
     yield GaugeMetricFamily("kvd_cluster_nodes", "Nodes of the cluster this daemon sees", value=status["nodes"])
@@ -138,7 +139,8 @@ def registry_metrics(status: dict) -> Iterator:
     for result in ("hit", "miss", "stale", "unavailable"):
         lookups.add_metric([result], status["lookups"].get(result, 0))
     yield lookups
-    yield CounterMetricFamily("kvd_registry_resyncs", "Re-registrations with a full re-publication", value=status["resyncs"])
+    yield CounterMetricFamily("kvd_registry_resyncs", "Re-registrations with a full re-publication",
+                              value=status["resyncs"])
     dropped = CounterMetricFamily("kvd_registry_records_dropped", "Registry records not believed, by kind and reason "
                                   "(unsigned, bad_signature, wrong_node, expired, too_large, key_mismatch, ...)",
                                   labels=["kind", "reason"])

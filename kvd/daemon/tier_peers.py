@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import logging
 import random
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.cluster.rendezvous import homes
 from kvd.errors import KvdError
@@ -75,7 +75,7 @@ class TierPeers:
         """Store pages that came from a peer (checked by the caller); returns the indices refused
         (no room within the budget). over_budget: pages in transit to one reader, past the budget."""
         token, results = self.cache.reserve(namespace, keys, pages, over_budget=over_budget)
-        written = [(r, data) for r, data in zip(results, payload) if isinstance(r, Page)]
+        written = [(r, data) for r, data in zip(results, payload, strict=True) if isinstance(r, Page)]
         try:
             for page, data in written:
                 self._write(page, data)
@@ -107,7 +107,7 @@ class TierPeers:
             raise KvdError(f"{msg.TYPE}: {count} pages named, {len(msg.payload)} sent")
         if digest(msg.checksum, msg.payload) != msg.digest:
             raise KvdError(f"{msg.TYPE}: the page bytes fail their {msg.checksum} digest")
-        for (dtype, shape), data in zip(msg.pages, msg.payload):
+        for (dtype, shape), data in zip(msg.pages, msg.payload, strict=True):
             if page_size(dtype, shape) != len(data):
                 raise KvdError(f"{msg.TYPE}: a page of {dtype} {shape} arrived as {len(data)} bytes")
 
@@ -172,14 +172,15 @@ class TierPeers:
 
         try:
             return await asyncio.wait_for(ask(), TIMEOUT)
-        except (KvdError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KvdError) as exc:
             self.counts["timeouts"] += 1
             log.debug("tier: %s to %s unanswered: %s", msg.TYPE, home, exc)
             return None
         finally:
             self._waiting.pop(msg.xfer, None)
 
-    async def fetch(self, namespace: str, keys: list[str], sizes: list[int], by_home: dict[str, list[int]]) -> list[str]:
+    async def fetch(self, namespace: str, keys: list[str], sizes: list[int],
+                    by_home: dict[str, list[int]]) -> list[str]:
         """Fetch the keys (indices by home) from their homes and keep them here (a near copy within
         the budget, else in transit past it); returns the keys kept in transit, for the caller to
         drop once its reader has them pinned."""
@@ -196,7 +197,7 @@ class TierPeers:
                     self._checked(reply, len(reply.found))
                     if not all(type(j) is int and 0 <= j < len(part) for j in reply.found):
                         raise KvdError("tier_pages names a key it was not asked for")
-                    if any(len(d) != sizes[part[j]] for j, d in zip(reply.found, reply.payload)):
+                    if any(len(d) != sizes[part[j]] for j, d in zip(reply.found, reply.payload, strict=True)):
                         raise KvdError("tier_pages sent a page of another size")
                 except KvdError as exc:
                     self.counts["bad"] += 1
@@ -225,7 +226,7 @@ class TierPeers:
                                                         keys=[keys[i] for i in part]))
                 if reply is None or len(reply.held) != len(part):
                     return found
-                found |= {i for i, h in zip(part, reply.held) if h is True}
+                found |= {i for i, h in zip(part, reply.held, strict=True) if h is True}
             return found
 
         self.counts["asked"] += len(keys)

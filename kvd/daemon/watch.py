@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from kvd.errors import KvdError, NotFound, Timeout
 from kvd.wire import protocol as p
@@ -37,7 +37,7 @@ class ParkedGet:
 
     rid: bytes  # the client's connection on the local socket
     msg: p.Get
-    answer: Callable[["ParkedGet", "Entry | KvdError"], None]
+    answer: Callable[[ParkedGet, Entry | KvdError], None]
     timer: asyncio.TimerHandle | None = None
 
 
@@ -84,7 +84,7 @@ class EntryWatch:
     def not_here(self, request_id: str) -> NotFound:
         return NotFound(f"request {request_id!r} not found on {self.node_id}")
 
-    def park(self, rid: bytes, msg: p.Get, answer: Callable[[ParkedGet, "Entry | KvdError"], None]) -> ParkedGet:
+    def park(self, rid: bytes, msg: p.Get, answer: Callable[[ParkedGet, Entry | KvdError], None]) -> ParkedGet:
         """Wait for msg's entry to be READY here, for msg.timeout seconds (more than 0); answer(parked,
         entry) as it is, answer(parked, Timeout) after that."""
         parked = ParkedGet(rid, msg, answer)
@@ -150,7 +150,7 @@ class EntryWatch:
             self._waiters.setdefault(request_id, []).append(waiter)
             try:
                 await asyncio.wait_for(waiter, remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             finally:
                 waiters = self._waiters.get(request_id)

@@ -24,7 +24,7 @@ class ConnectorSettings:
     load_threads: int = 4
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
         unknown = sorted(k for k in extra if k.startswith("kvd_") and k not in OPTIONS)
         if unknown:
@@ -82,7 +82,7 @@ class RequestParams:
     load: RemoteKV | None = None  # a decode request's prompt KV, on some prefill's daemon
 
     @classmethod
-    def parse(cls, params: dict[str, Any] | None, push_to: str | None = None) -> "RequestParams":
+    def parse(cls, params: dict[str, Any] | None, push_to: str | None = None) -> RequestParams:
         """Raises ValueError on malformed kvd params (the request is then computed as a plain one)."""
         produce = bool((params or {}).get("do_remote_decode"))
         return cls(produce, dest_for_prefill(params, push_to) if produce else None, params_for_decode(params))

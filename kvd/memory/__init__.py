@@ -12,7 +12,7 @@ import typing
 
 from kvd.errors import BadRequest
 
-from .host import HostMemory, check_fits_in_ram
+from .host import HostMemory, check_fits_in_ram  # noqa: F401 (kvd.daemon's, from here)
 from .io import PoolIO
 
 

@@ -10,8 +10,8 @@ bounce buffers to the network (daemon process; worker processes map it through i
   the copy of chunk k+1 overlaps the network send of chunk k. Inbound frames are copied
   host-to-device through a pinned buffer on the same side stream.
 
-Needs torch built with CUDA and cupy (`pip install cupy-cuda12x`, or `'.[cuda]'` from kvd's checkout). Nothing here runs without a GPU;
-tests marked `cuda` exercise it on one.
+Needs torch built with CUDA and cupy (`pip install cupy-cuda12x`, or `'.[cuda]'` from kvd's
+checkout). Nothing here runs without a GPU; tests marked `cuda` exercise it on one.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class CudaMemory:
         self.tensor = as_torch(self._ptr, size, self.index, self)
         log.info("GPU pool: %d bytes on %s, exported by CUDA IPC", size, device)
 
-    def io(self, chunk_size: int, window: int) -> "CudaPoolIO":
+    def io(self, chunk_size: int, window: int) -> CudaPoolIO:
         return CudaPoolIO(self.tensor, chunk_size, slots=2 * window + 2)
 
     def close(self) -> None:

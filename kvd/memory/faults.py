@@ -8,7 +8,7 @@ on the hot path of a daemon that does not ask for it.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from .io import PoolIO, Segments
 

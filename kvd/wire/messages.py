@@ -390,4 +390,9 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     )
 }
 
-__all__ = ['EXTENSION', 'FEATURES', 'INLINE_OFFER', 'MESSAGE_TYPES', 'Hello', 'HelloOk', 'PutAlloc', 'PutSlots', 'PutCommit', 'Put', 'PutOk', 'PutPart', 'GetStream', 'TensorsReady', 'Get', 'GetSlots', 'GetDone', 'Delete', 'Stats', 'ListEntries', 'ClusterNodes', 'ClusterLocate', 'Ok', 'Error', 'PeerHello', 'PeerHelloOk', 'Offer', 'Seal', 'Accept', 'Chunk', 'ChunkAck', 'Done', 'Abort', 'Pull', 'Ping', 'Pong', 'LIST_PAGE', 'next_page_after']
+__all__ = [
+    'EXTENSION', 'FEATURES', 'INLINE_OFFER', 'MESSAGE_TYPES', 'Hello', 'HelloOk', 'PutAlloc', 'PutSlots', 'PutCommit',
+    'Put', 'PutOk', 'PutPart', 'GetStream', 'TensorsReady', 'Get', 'GetSlots', 'GetDone', 'Delete', 'Stats',
+    'ListEntries', 'ClusterNodes', 'ClusterLocate', 'Ok', 'Error', 'PeerHello', 'PeerHelloOk', 'Offer', 'Seal',
+    'Accept', 'Chunk', 'ChunkAck', 'Done', 'Abort', 'Pull', 'Ping', 'Pong', 'LIST_PAGE', 'next_page_after',
+]

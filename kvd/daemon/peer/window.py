@@ -27,7 +27,7 @@ class SendWindow:
     acked: int = 0
 
     @classmethod
-    def whole(cls, total_bytes: int, chunk_size: int, max_in_flight: int) -> "SendWindow":
+    def whole(cls, total_bytes: int, chunk_size: int, max_in_flight: int) -> SendWindow:
         """A window over a complete entry."""
         sender = cls(total_bytes, chunk_size, max_in_flight)
         sender.add_range(0, total_bytes)

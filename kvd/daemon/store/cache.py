@@ -16,8 +16,8 @@ from __future__ import annotations
 import collections
 import itertools
 import re
-from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 from kvd.errors import BadRequest, PoolFull
 from kvd.wire.dtypes import DTYPE_ITEMSIZE
@@ -30,8 +30,8 @@ MAX_NAMESPACE_LEN = 256
 MAX_DIMS = 8
 # keys: printable ASCII without spaces; namespaces: printable ASCII (spaces allowed). Nothing that
 # needs escaping in a log line, a status page or a Prometheus label.
-KEY_RE = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_KEY_LEN)
-NAMESPACE_RE = re.compile(r"[\x20-\x7e]{0,%d}" % MAX_NAMESPACE_LEN)
+KEY_RE = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_LEN}}}")
+NAMESPACE_RE = re.compile(rf"[\x20-\x7e]{{0,{MAX_NAMESPACE_LEN}}}")
 TOP_NAMESPACES = 16  # namespaces shown by name in stats and metrics (by bytes held); the rest summed
 MAX_NAMESPACES = 65536  # namespaces with counters of their own; past it, only the totals count
 
@@ -156,7 +156,7 @@ class CacheStore:
         counts = self._counts(namespace)
         results: list[Page | bool] = []
         written: list[Page] = []
-        for key, (dtype, shape), nbytes in zip(keys, pages, sizes):
+        for key, (dtype, shape), nbytes in zip(keys, pages, sizes, strict=True):
             if (namespace, key) in self._pages:
                 results.append(True)
                 continue
@@ -233,7 +233,7 @@ class CacheStore:
         found: list[Page | None] = []
         pinned: list[Page] = []
         lru, pages = self._lru, self._pages
-        for key, size in zip(keys, sizes):
+        for key, size in zip(keys, sizes, strict=True):
             page = pages.get((namespace, key))
             if page is None or page.writing or page.nbytes != size:
                 found.append(None)

@@ -85,14 +85,14 @@ class KVGroup:
             return max(0, stop - 1), stop  # the state after num_tokens: the last block
         return min(self.skipped_tokens(num_tokens) // self.block_size, stop), stop
 
-    def same_cache(self, other: "KVGroup") -> bool:
+    def same_cache(self, other: KVGroup) -> bool:
         return (self.kind, self.block_size, self.window) == (other.kind, other.block_size, other.window)
 
     def to_wire(self) -> list[Any]:
         return [self.kind, self.block_size, self.window, list(self.layers)]
 
     @classmethod
-    def from_wire(cls, raw: Any) -> "KVGroup":
+    def from_wire(cls, raw: Any) -> KVGroup:
         try:
             kind, block_size, window, layers = raw
             return cls(str(kind), int(block_size), tuple(str(name) for name in layers),
@@ -152,7 +152,7 @@ def group_reads(groups: Sequence[KVGroup], tables: Blocks, first_blocks: Sequenc
     group's kept range (`producer_first` below, checked by `check_entry_blocks`). Groups with
     nothing to fill are left out."""
     reads = []
-    for index, (group, table, first) in enumerate(zip(groups, tables, first_blocks)):
+    for index, (group, table, first) in enumerate(zip(groups, tables, first_blocks, strict=True)):
         if first >= len(table):
             continue
         start = group.kept_blocks(num_tokens)[0]

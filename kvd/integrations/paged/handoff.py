@@ -109,7 +109,7 @@ class LoadSpec:
 
     def filled_blocks(self) -> set[int]:
         """The blocks a load writes, every group's."""
-        return {b for table, first in zip(self.block_ids, self.first_block) for b in table[first:]}
+        return {b for table, first in zip(self.block_ids, self.first_block, strict=True) for b in table[first:]}
 
 
 @dataclass
@@ -137,7 +137,9 @@ class TransferStats:
         by_kind[kind] = by_kind.get(kind, 0) + nbytes
 
     def empty(self) -> bool:
-        return not (self.saves or self.save_failures or self.loads or self.load_failures)
+        # bytes count too: a step can save layers of a request whose save has not finished yet
+        return not (self.saves or self.save_failures or self.saved_bytes or self.loads or self.load_failures
+                    or self.loaded_bytes)
 
 
 class PagedKVWorker:
@@ -203,8 +205,9 @@ class PagedKVWorker:
                 stream.write({layer_name: Rows(kv_layer, rows)})  # one gather into the pool
                 written.add(layer_name)
                 nbytes = len(rows) * kv_layer[0].numel() * kv_layer.element_size()
-                self._stats.saved_bytes += nbytes
-                self._stats.count(self._stats.saved_by_kind, self.groups[group].kind, nbytes)
+                with self._stats_lock:  # take_stats() swaps the counters from another thread
+                    self._stats.saved_bytes += nbytes
+                    self._stats.count(self._stats.saved_by_kind, self.groups[group].kind, nbytes)
             except Exception as exc:  # never into the engine: the consumer recomputes instead
                 self._fail_save(spec.req_id, exc)
 
@@ -213,7 +216,7 @@ class PagedKVWorker:
             raise BadRequest(f"block tables for {len(spec.block_ids)} KV cache groups, the model has "
                              f"{len(self.groups)}")
         rows = []
-        for group, table, first in zip(self.groups, spec.block_ids, spec.first_block):
+        for group, table, first in zip(self.groups, spec.block_ids, spec.first_block, strict=True):
             if len(table) != blocks_for(spec.num_tokens, group.block_size):
                 raise BadRequest(f"{len(table)} blocks for {spec.num_tokens} tokens of {group.block_size}")
             rows.append(len(table) - first)
@@ -383,7 +386,7 @@ class PagedKVWorker:
                 have = meta.get("num_tokens")
                 if not isinstance(have, int) or have < spec.num_tokens or any(
                         len(table) > blocks_for(have, group.block_size)
-                        for group, table in zip(self.groups, spec.block_ids)):
+                        for group, table in zip(self.groups, spec.block_ids, strict=True)):
                     raise LayoutMismatch(f"holds {have} tokens, {spec.num_tokens} were expected")
                 first = per_group(meta.get("first_blocks", ()), len(producer.kv_groups), "first_blocks")
             except (LayoutMismatch, BadRequest) as exc:

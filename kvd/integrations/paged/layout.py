@@ -58,7 +58,7 @@ class SourceDeployment:
         return {"tp_size": self.tp_size, "pp_size": self.pp_size, "pp_partition": self.pp_partition}
 
     @classmethod
-    def from_params(cls, raw: Any) -> "SourceDeployment":
+    def from_params(cls, raw: Any) -> SourceDeployment:
         if not isinstance(raw, dict):
             raise ValueError(f"kvd_layout must be a map, got {raw!r:.80}")
         tp, pp, part = raw.get("tp_size"), raw.get("pp_size", 1), raw.get("pp_partition")
@@ -122,7 +122,7 @@ class PagedKVLayout:
     @classmethod
     def from_caches(cls, caches: Any, *, model: str, block_size: int, kv: KVLayout | None = None,
                     tp_size: int = 1, tp_rank: int = 0, head_axis: int | None = 0, quant: str = "NONE",
-                    cache_layout: str | None = None, groups: tuple[KVGroup, ...] = ()) -> "PagedKVLayout":
+                    cache_layout: str | None = None, groups: tuple[KVGroup, ...] = ()) -> PagedKVLayout:
         """From a worker's per-layer paged caches `{name: [num_blocks, *block_shape]}`. Without `kv`,
         one pipeline stage holding every layer, its heads split evenly over `tp_size`; without
         `groups`, one full-attention group."""
@@ -157,7 +157,7 @@ class PagedKVLayout:
                 **({"groups": [g.to_wire() for g in self.groups]} if self.groups else {})}
 
     @classmethod
-    def from_wire(cls, wire: Any) -> "PagedKVLayout":
+    def from_wire(cls, wire: Any) -> PagedKVLayout:
         try:
             layers = tuple((str(name), tuple(int(d) for d in shape), str(dtype))
                            for name, shape, dtype in wire["layers"])
@@ -249,7 +249,8 @@ def check_source(mine: PagedKVLayout, producer: PagedKVLayout, read: ShardRead) 
     """Raise LayoutMismatch, naming every differing field, unless `producer` is the shard `read`
     expects and its blocks fit this rank's caches once narrowed to the heads copied."""
     diffs = [f"{what}: producer {getattr(producer, what)!r}, consumer {getattr(mine, what)!r}"
-             for what in ("model", "block_size", "head_axis", "quant") if getattr(producer, what) != getattr(mine, what)]
+             for what in ("model", "block_size", "head_axis", "quant")
+             if getattr(producer, what) != getattr(mine, what)]
     try:
         mine.kv.check_compatible(producer.kv)  # num_layers, num_kv_heads, head_dim, dtype
     except LayoutMismatch as exc:
@@ -258,7 +259,7 @@ def check_source(mine: PagedKVLayout, producer: PagedKVLayout, read: ShardRead) 
            producer.kv.layer_partition())
     want = (read.src.tp_rank, read.src.tp_size, read.src.pp_rank, read.src.pp_size, read.src.layer_partition())
     fields = ("tp_rank", "tp_size", "pp_rank", "pp_size", "layer partition")
-    diffs += [f"{f}: producer {a!r}, expected {b!r}" for f, a, b in zip(fields, got, want) if a != b]
+    diffs += [f"{f}: producer {a!r}, expected {b!r}" for f, a, b in zip(fields, got, want, strict=True) if a != b]
     theirs = {name: (shape, dtype) for name, shape, dtype in producer.layers}
     ours = {name: (shape, dtype) for name, shape, dtype in mine.layers}
     their_groups = {name: g for g in producer.kv_groups for name in g.layers}

@@ -42,8 +42,8 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.P2P  # vLLM's per-source hit metrics: KV from a peer instance
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.scheduler: KVDScheduler | None = None
@@ -60,7 +60,7 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVDPromMetrics:
         return KVDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
@@ -83,28 +83,28 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker
 
     # ================================ scheduler side ======================================
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         self._scheduler().on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self._scheduler().get_loaded_kv_cache_group_ids(request)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler().update_connector_output(connector_output)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler().build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request)
 
-    def request_finished_all_groups(self, request: "Request",
+    def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # kvd took its copy while the prompt was computed: the blocks are vLLM's to free now
         return self._scheduler().request_finished(request)
@@ -117,13 +117,13 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker().register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker().start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: the request waits until get_transfer_results reports them
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         self._worker().save_layer(self._meta(), layer_name, kv_layer)
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
 
-def model_signature(vllm_config: "VllmConfig") -> str:
+def model_signature(vllm_config: VllmConfig) -> str:
     """What must match between producer and consumer beyond the cache shapes."""
     model_config = vllm_config.model_config
     hf = getattr(model_config, "hf_config", None)
@@ -38,7 +38,7 @@ def model_signature(vllm_config: "VllmConfig") -> str:
     return ":".join(parts)
 
 
-def deployment(vllm_config: "VllmConfig") -> SourceDeployment:
+def deployment(vllm_config: VllmConfig) -> SourceDeployment:
     """This instance's TP size, PP size and layer partition."""
     from vllm.distributed.utils import get_pp_indices
 
@@ -51,7 +51,7 @@ def deployment(vllm_config: "VllmConfig") -> SourceDeployment:
     return SourceDeployment(tp, pp, partition)
 
 
-def model_kv_layout(vllm_config: "VllmConfig", dtype: str, tp_rank: int = 0, pp_rank: int = 0) -> KVLayout:
+def model_kv_layout(vllm_config: VllmConfig, dtype: str, tp_rank: int = 0, pp_rank: int = 0) -> KVLayout:
     """The model's KV geometry and the shard of rank (tp_rank, pp_rank) of this instance."""
     model_config = vllm_config.model_config
     where = deployment(vllm_config)
@@ -71,7 +71,7 @@ def worker_ranks() -> tuple[int, int]:
         return 0, 0
 
 
-def kv_groups(kv_cache_config: "KVCacheConfig | None") -> tuple[tuple[int, ...], tuple[KVGroup, ...]]:
+def kv_groups(kv_cache_config: KVCacheConfig | None) -> tuple[tuple[int, ...], tuple[KVGroup, ...]]:
     """(vLLM's ids of the groups kvd moves, each as a KVGroup). Without a config (a bare worker),
     one full-attention group of every layer: (0,), () (layers unknown)."""
     if kv_cache_config is None:
@@ -81,7 +81,7 @@ def kv_groups(kv_cache_config: "KVCacheConfig | None") -> tuple[tuple[int, ...],
                              tuple(kv_cache_config.kv_cache_groups[i].layer_names)) for i in ids)
 
 
-def _group(spec: "KVCacheSpec", index: int, layers: tuple[str, ...]) -> KVGroup:
+def _group(spec: KVCacheSpec, index: int, layers: tuple[str, ...]) -> KVGroup:
     from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, MLAAttentionSpec,
                                             SlidingWindowMLASpec, SlidingWindowSpec, UniformTypeKVCacheSpecs)
 

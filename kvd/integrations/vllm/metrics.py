@@ -35,7 +35,7 @@ class KVDConnectorStats(KVConnectorStats):
         self.data = {}
         self.__post_init__()
 
-    def aggregate(self, other: KVConnectorStats) -> "KVDConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> KVDConnectorStats:
         for name in COUNTERS:
             self.data[name] += other.data.get(name, 0)
         for name in BY_KIND:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -54,7 +55,7 @@ class KVDScheduler:
     """One engine's scheduler-side state. vLLM calls it from its scheduler loop: nothing here may
     block on the daemon (deletes run on a thread of their own)."""
 
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None",
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
                  settings: ConnectorSettings) -> None:
         self.vllm_config = vllm_config
         self.settings = settings
@@ -65,7 +66,7 @@ class KVDScheduler:
         # a window or a state: the prefill stops a token short, decode computes that one
         self.hybrid = any(g.kind != FULL for g in self.groups)
         self._params: dict[str, RequestParams] = {}  # requests kvd has a part in, read on arrival
-        self._producing: dict[str, "Request"] = {}  # prefill requests whose KV goes to a decoder
+        self._producing: dict[str, Request] = {}  # prefill requests whose KV goes to a decoder
         self._block_ids: dict[str, list[list[int]]] = {}  # their block tables, per group
         self._saved: dict[str, SaveSpec] = {}
         self._loads: list[LoadSpec] = []
@@ -75,7 +76,7 @@ class KVDScheduler:
         self._releaser: ThreadPoolExecutor | None = None  # deletes off the engine's loop
 
     # -- a request arrives -----------------------------------------------------------------
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         if not request.kv_transfer_params:
             return
         try:
@@ -91,21 +92,21 @@ class KVDScheduler:
                 _stop_a_token_short(request)
 
     # -- decode: the prompt's KV is elsewhere ----------------------------------------------
-    def _remote(self, request: "Request") -> RemoteKV | None:
+    def _remote(self, request: Request) -> RemoteKV | None:
         params = self._params.get(request.request_id)
         return params.load if params is not None else None
 
-    def _tokens_to_load(self, request: "Request", remote: RemoteKV) -> int:
+    def _tokens_to_load(self, request: Request, remote: RemoteKV) -> int:
         return min(remote.num_tokens, request.num_prompt_tokens - (1 if self.hybrid else 0))
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         remote = self._remote(request)
         if remote is None:
             return 0, False
         count = self._tokens_to_load(request, remote) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # a P/D load writes the request's own blocks of every group that keeps any for the tokens
         # loaded (a chunk that starts at the next token keeps none); vLLM zeroes the others
         written = self._written.get(request.request_id)
@@ -115,10 +116,10 @@ class KVDScheduler:
         return self._groups_written(self._tokens_to_load(request, remote)) if remote else self.group_ids
 
     def _groups_written(self, num_tokens: int) -> tuple[int, ...]:
-        return tuple(gid for gid, group in zip(self.group_ids, self.groups)
+        return tuple(gid for gid, group in zip(self.group_ids, self.groups, strict=True)
                      if group.kept_blocks(num_tokens)[0] < group.kept_blocks(num_tokens)[1])
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = self._params.get(request.request_id)
         if params is None or params.load is None:
             return
@@ -129,7 +130,7 @@ class KVDScheduler:
         total = self._tokens_to_load(request, remote)
         local = total - num_external_tokens  # computed here already (a prefix-cache hit)
         tables, first = [], []
-        for group, table in zip(self.groups, self._tables(blocks.get_block_ids())):
+        for group, table in zip(self.groups, self._tables(blocks.get_block_ids()), strict=True):
             kept, stop = group.kept_blocks(total)
             tables.append(table[:stop])
             first.append(max(kept, local // group.block_size))
@@ -177,7 +178,7 @@ class KVDScheduler:
             log.warning("kvd: releasing %s failed: %s", keys[0] if keys else "-", exc)
 
     # -- prefill: hand the prompt's KV to a decoder ----------------------------------------
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVDConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDConnectorMetadata:
         meta = KVDConnectorMetadata(loads=self._loads)
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -194,7 +195,7 @@ class KVDScheduler:
                 self._block_ids[req_id] = self._tables(new_ids) if new_ids else [[] for _ in self.groups]
             elif new_ids:
                 tables = self._block_ids.setdefault(req_id, [[] for _ in self.groups])
-                for table, more in zip(tables, self._tables(new_ids)):
+                for table, more in zip(tables, self._tables(new_ids), strict=True):
                     table.extend(more)
             self._maybe_save(meta, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
@@ -207,7 +208,7 @@ class KVDScheduler:
         if req_id in self._saved or computed_after_step < prompt:
             return
         tables, first = [], []
-        for group, table in zip(self.groups, self._block_ids[req_id]):
+        for group, table in zip(self.groups, self._block_ids[req_id], strict=True):
             kept, stop = group.kept_blocks(prompt)
             tables.append(table[:stop])
             first.append(kept)
@@ -216,7 +217,7 @@ class KVDScheduler:
         self._saved[req_id] = spec
         meta.saves.append(spec)
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
@@ -251,7 +252,7 @@ class KVDScheduler:
             self._releaser.shutdown(wait=True)
 
 
-def _stop_a_token_short(request: "Request") -> None:
+def _stop_a_token_short(request: Request) -> None:
     """A hybrid model's prefill computes the prompt but its last token (decode computes that one,
     from the state after the others), once: a request that wants prompt logprobs is not loaded by
     decode, and keeps its prompt (vLLM's NIXL connector does the same for Mamba models)."""

@@ -33,7 +33,7 @@ log = logging.getLogger("kvd.vllm")
 class KVDWorker:
     """One worker's connector state: nothing until vLLM registers the caches."""
 
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None",
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
                  settings: ConnectorSettings) -> None:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config

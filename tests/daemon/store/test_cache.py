@@ -45,7 +45,8 @@ def test_round_trip_counters_and_put_of_a_held_key_is_a_no_op():
     assert [f is not None for f in found] == [True, False, True]
     assert cache.release(token) and not cache.release(token)
     stats = cache.stats()
-    assert (stats["hits"], stats["misses"], stats["stored"], stats["entries"], stats["bytes"]) == (2, 1, 5, 5, 5 * BLOCK)
+    got = (stats["hits"], stats["misses"], stats["stored"], stats["entries"], stats["bytes"])
+    assert got == (2, 1, 5, 5, 5 * BLOCK)
     assert cache.stats("ns")["entries"] == 5 and cache.stats("other")["entries"] == 0
 
 
