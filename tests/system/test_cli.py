@@ -85,7 +85,7 @@ def test_dev_test_adds_q_only_when_no_verbosity_is_asked_for(tmp_path):
         (venv / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
         (venv / "bin" / name).chmod(0o755)
     later = time.time() + 3600  # newer than pyproject.toml and requirements/: nothing to install
-    for stamp in (".kvd-installed", ".kvd-vllm-installed"):
+    for stamp in (".kvd-installed", ".kvd-vllm-installed", ".kvd-sglang-installed"):
         (venv / stamp).touch()
         os.utime(venv / stamp, (later, later))
     env = {**os.environ, "KVD_VENV": str(venv), "KVD_ETCD_BIN": "/bin/true", "KVD_REDIS_BIN": "/bin/true"}
