@@ -28,18 +28,18 @@ from kvd.units import format_size
 from kvd.wire.endpoints import is_loopback_endpoint, unix_path
 
 from .config import Config
-from .registry import Directory
+from .registry import Directory, RegistrySettings
 from .handlers import HelloInfo, LocalHandlers, LocalSettings
 from .http import HttpEndpoint
 from .lifecycle import Lifecycle
 from .local_server import LocalServer
 from .metrics import Metrics
 from .peer.auth import load_keys, start_authenticator
-from .peer.peers import PeerSet
-from .peer.router import Router
-from .peer.transfers import Transfers
+from .peer.peers import PeerSet, PeerSettings
+from .peer.router import Router, RouterSettings
+from .peer.transfers import Transfers, TransferSettings
 from .socket_path import claim_socket_path
-from .status import Status
+from .status import Status, StatusSettings
 from .cache import CacheCollector, CacheService
 from .store.cache import CacheStore, SharedPool
 from .tier_peers import tier_peers_for
@@ -92,7 +92,7 @@ class Daemon:
         claim_socket_path(cfg.socket, self._made_dirs)  # before anything binds: a second daemon stops here
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
         if cfg.registry:  # the holder directory hears of every entry the store publishes or removes
-            self.directory = Directory(cfg, life.incarnation, curve)
+            self.directory = Directory(RegistrySettings.of(cfg), life.incarnation, curve)
             if curve is not None:  # a node found in the registry is dialled under the key its cert names
                 curve.registry_key = self.directory.key_of
         num_blocks = cfg.pool_size // cfg.block_size
@@ -111,16 +111,16 @@ class Daemon:
                         "kvd keygen --help)", cfg.listen)
         self.local = LocalServer(max_clients)
         watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
-        self.peers = PeerSet(cfg, self.ctx, life.incarnation, curve, self.metrics,
+        self.peers = PeerSet(PeerSettings.of(cfg), self.ctx, life.incarnation, curve, self.metrics,
                              resolve=self.directory.endpoint_of if self.directory else None,
                              explain=self.directory.explain_missing if self.directory else None)
         io = with_fault_injection(self.memory.io(cfg.chunk_size, cfg.window))
-        self.transfers = Transfers(cfg, self.store, io, self.metrics, watch, self.peers)
+        self.transfers = Transfers(TransferSettings.of(cfg), self.store, io, self.metrics, watch, self.peers)
         tier = tier_peers_for(cfg, self.cache, self.memory, self.peers, self.directory)  # pages homed elsewhere
         on_peer, on_link = self.transfers.on_message, self.transfers.on_link_message
         if tier is not None:  # (the tier's peer messages are answered there; the rest are transfers')
             on_peer, on_link = tier.wrap(on_peer), tier.wrap(on_link)
-        self.router = Router(cfg, self.ctx, curve, self.peers, self.metrics, life.incarnation,
+        self.router = Router(RouterSettings.of(cfg), self.ctx, curve, self.peers, self.metrics, life.incarnation,
                              on_gone=self.transfers.on_lost, max_connections=max_peer_connections)
         try:
             self.router.start(on_peer)
@@ -128,7 +128,7 @@ class Daemon:
             raise BadRequest(f"cannot listen for peers on {cfg.listen} ({exc}): another kvd on this host? Give each "
                              "its own --listen port (and --socket, --metrics-port)") from None
         self.peers.start(on_link, self.transfers.on_lost)
-        status = Status(cfg, life, self.store, self.transfers, self.peers, self.local, self.metrics,
+        status = Status(StatusSettings.of(cfg), life, self.store, self.transfers, self.peers, self.local, self.metrics,
                         self.router.bound_endpoint, __version__, self.directory)
         self.metrics.registry.register(status)
         self.metrics.registry.register(CacheCollector(self.cache))

@@ -21,6 +21,8 @@ from kvd.errors import BadRequest, PeerUnavailable
 from kvd.wire.endpoints import is_loopback_endpoint
 from kvd.wire.protocol import PROTOCOL_VERSION
 
+from dataclasses import dataclass
+
 from .config import Config
 from .logs import Throttle
 from .peer.auth import CurveKeys
@@ -32,8 +34,37 @@ LOCATE_CACHE_KEEP = 1024
 LOCATE_AT_ONCE = 16  # registry reads for locate in flight; past that, "try again"
 
 
+@dataclass(frozen=True, slots=True)
+class RegistrySettings:
+    """What the directory reads of the daemon's configuration: the registry, and our node's record."""
+
+    node_id: str
+    cluster: str
+    registry: str
+    registry_ttl: float
+    registry_publish: str
+    password_file: str  # "": none
+    ca_file: str
+    cert_file: str
+    key_file: str
+    insecure: bool
+    advertised: str
+    role: str
+    pool_size: int
+    block_size: int
+    labels: dict[str, str]
+    device: str
+    cache_budget: int
+
+    @classmethod
+    def of(cls, c: Config) -> RegistrySettings:
+        return cls(c.node_id, c.cluster, c.registry, c.registry_ttl, c.registry_publish, c.registry_password_file,
+                   c.registry_ca, c.registry_cert, c.registry_key, c.insecure, c.advertised, c.role, c.pool_size,
+                   c.block_size, dict(c.labels), c.device, c.cache_budget)
+
+
 class Directory:
-    def __init__(self, config: Config, incarnation: int, curve: CurveKeys | None) -> None:
+    def __init__(self, config: RegistrySettings, incarnation: int, curve: CurveKeys | None) -> None:
         """With a cluster CA (`curve.authority`) our records are signed and only verified ones are
         believed. Without peer authentication only loopback endpoints are dialled (unless
         --insecure): a registry record cannot send this daemon's pushes off the host."""
@@ -50,8 +81,8 @@ class Directory:
             device=config.device, cache_bytes=config.cache_budget)
         try:
             backend = open_backend(config.registry, cluster=config.cluster,
-                                   password_file=config.registry_password_file, ca_file=config.registry_ca,
-                                   cert_file=config.registry_cert, key_file=config.registry_key)
+                                   password_file=config.password_file, ca_file=config.ca_file,
+                                   cert_file=config.cert_file, key_file=config.key_file)
         except (RuntimeError, ValueError) as exc:  # a backend's library missing; a bad TLS or password file
             raise BadRequest(f"--registry {redact(config.registry)}: {exc}") from None
         signed = curve is not None and curve.authority is not None and curve.signer is not None

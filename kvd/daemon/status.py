@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from dataclasses import dataclass
+
 from .config import Config
 from .registry import Directory
 from .lifecycle import Lifecycle
@@ -22,8 +24,23 @@ from .peer.transfers import Transfers
 from .store.entries import Store
 
 
+@dataclass(frozen=True, slots=True)
+class StatusSettings:
+    """What the status report reads of the daemon's configuration."""
+
+    node_id: str
+    device: str
+    block_size: int
+    metrics_host: str
+    metrics_port: int
+
+    @classmethod
+    def of(cls, config: Config) -> StatusSettings:
+        return cls(config.node_id, config.device, config.block_size, config.metrics_host, config.metrics_port)
+
+
 class Status(Collector):
-    def __init__(self, config: Config, lifecycle: Lifecycle, store: Store, transfers: Transfers, peers: PeerSet,
+    def __init__(self, config: StatusSettings, lifecycle: Lifecycle, store: Store, transfers: Transfers, peers: PeerSet,
                  clients: LocalServer, metrics: Metrics, listen: str, version: str,
                  directory: Directory | None = None) -> None:
         self.config = config

@@ -18,6 +18,7 @@ from kvd.errors import BadRequest, PeerUnavailable
 from kvd.wire import protocol as p
 
 from ..config import Config
+from dataclasses import dataclass
 from ..metrics import Metrics
 from .auth import CurveKeys
 from .channel import Channel
@@ -38,15 +39,31 @@ ADHOC_IDLE = 60.0  # seconds
 MIN_PROGRESS = 16 << 10  # bytes
 
 
+@dataclass(frozen=True, slots=True)
+class PeerSettings:
+    """What the peer links read of the daemon's configuration (the peer list is set again on SIGHUP)."""
+
+    node_id: str
+    peers: dict[str, str]
+    connect_timeout: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+
+    @classmethod
+    def of(cls, config: Config) -> PeerSettings:
+        return cls(config.node_id, dict(config.peers), config.connect_timeout, config.heartbeat_interval,
+                   config.heartbeat_timeout)
+
+
 class PeerSet:
     """Built before the transfers (they find links here), and given their handlers at `start`."""
 
-    def __init__(self, config: Config, ctx: zmq.Context, incarnation: int, curve: CurveKeys | None,
+    def __init__(self, settings: PeerSettings, ctx: zmq.Context, incarnation: int, curve: CurveKeys | None,
                  metrics: Metrics | None = None, resolve: Callable[[str], str | None] | None = None,
                  explain: Callable[[str], str] | None = None) -> None:
         """resolve: a node id -> its endpoint from the cluster registry; explain: why the registry
         gave none (unreachable, not registered, ...), for the error."""
-        self.config = config
+        self.settings = settings
         self._explain = explain or (lambda name: "")
         self.metrics = metrics or Metrics()
         # a node id -> its published endpoint (the cluster registry), for names no --peer gives
@@ -74,10 +91,10 @@ class PeerSet:
         """Link the configured peers; on_message gets what links receive, on_lost (channel key,
         reason) says a connection is gone, so what runs on it fails."""
         self._on_message, self._on_lost = on_message, on_lost
-        self.set_peers(dict(self.config.peers))
+        self.set_peers(dict(self.settings.peers))
 
     def _new_link(self, name: str, endpoint: str) -> PeerLink:
-        return PeerLink(self.ctx, name, endpoint, self.config.node_id, self.incarnation,
+        return PeerLink(self.ctx, name, endpoint, self.settings.node_id, self.incarnation,
                         lambda link, msg: self._on_message(link, msg), self.curve, self._on_link_lost, self.metrics)
 
     def _on_link_lost(self, link: PeerLink, reason: str) -> None:
@@ -180,7 +197,7 @@ class PeerSet:
     def _moving(self, key: object, conn: TcpConnection | None, silent_for: float) -> bool:
         """Whether a peer silent for `silent_for` seconds is still moving bytes (MIN_PROGRESS since
         its silence began, counted by the kernel: acknowledged by it, or received from it)."""
-        if silent_for <= self.config.heartbeat_interval or conn is None:
+        if silent_for <= self.settings.heartbeat_interval or conn is None:
             self._silent_since_bytes.pop(key, None)
             return False
         moved = conn.progress()
@@ -239,7 +256,7 @@ class PeerSet:
     def heartbeat(self, now: float, busy: set[tuple]) -> None:
         """Ping every linked peer; a peer silent past heartbeat_timeout is lost. Ad-hoc links
         unused for ADHOC_IDLE with no transfer on them (`busy`: channel keys in use) are closed."""
-        cfg = self.config
+        cfg = self.settings
         idle = max(ADHOC_IDLE, 2 * cfg.connect_timeout)  # never under a transfer still waiting for its hello
         # links to nodes found in the registry go idle the same way: a cluster of 100 nodes must not
         # mean a full mesh of heartbeats (about 10k messages a second)

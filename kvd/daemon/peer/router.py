@@ -22,6 +22,7 @@ from kvd.errors import KvdError, ProtocolError, Unauthorized
 from kvd.wire import protocol as p
 
 from ..config import Config
+from dataclasses import dataclass
 from ..logs import Throttle
 from ..metrics import Metrics
 from .admission import Admissions
@@ -40,20 +41,34 @@ REFUSED_CUT_DELAY = 0.1  # seconds: let the refusal's abort leave before the con
 MAX_ABORT_TEXT = 512
 
 
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """What the router reads of the daemon's configuration."""
+
+    node_id: str
+    listen: str
+    max_connections: int
+    connect_timeout: float
+
+    @classmethod
+    def of(cls, config: Config) -> RouterSettings:
+        return cls(config.node_id, config.listen, config.max_peer_connections, config.connect_timeout)
+
+
 class Router:
     """Bounded: at most max_peer_connections connections, each of which must say hello within
     connect_timeout; a peer whose send queue is full (it stopped reading) is cut. The socket
     monitor also says when a connection closes, so a peer that left is forgotten at once, not
     reported lost at the heartbeat timeout."""
 
-    def __init__(self, config: Config, ctx: zmq.Context, curve: CurveKeys | None, peers: PeerSet,
+    def __init__(self, settings: RouterSettings, ctx: zmq.Context, curve: CurveKeys | None, peers: PeerSet,
                  metrics: Metrics, incarnation: int, on_gone: Callable[[tuple, str], None] | None = None,
                  max_connections: int | None = None) -> None:
-        self.config = config
+        self.settings = settings
         # --max-peer-connections, or fewer where the open-file limit cannot hold that many
-        self.max_connections = config.max_peer_connections if max_connections is None else max_connections
+        self.max_connections = settings.max_connections if max_connections is None else max_connections
         self._on_gone = on_gone or (lambda key, reason: None)
-        self.admissions: Admissions[Unauthorized] = Admissions(self.max_connections, config.connect_timeout,
+        self.admissions: Admissions[Unauthorized] = Admissions(self.max_connections, settings.connect_timeout,
                                                                time.monotonic)
         self._monitor: LoopSocket | None = None
         self._refusals = Throttle()
@@ -75,7 +90,7 @@ class Router:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer is an error, not silence
         if self.curve is not None:
             make_server(router, self.curve)
-        router.bind(self.config.listen)
+        router.bind(self.settings.listen)
         self.bound_endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._monitor = LoopSocket(router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED),
                                    self._on_socket_event)
@@ -238,7 +253,7 @@ class Router:
         self.admissions.admitted(conn.fd if conn is not None else None, rid)
         channel.peer_name = msg.node_id
         channel.features = frozenset(f for f in msg.features if isinstance(f, str))
-        channel.send(p.PeerHelloOk(node_id=self.config.node_id, incarnation=self.incarnation,
+        channel.send(p.PeerHelloOk(node_id=self.settings.node_id, incarnation=self.incarnation,
                                    features=list(p.FEATURES)))
 
 

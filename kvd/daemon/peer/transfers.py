@@ -98,18 +98,35 @@ class EntryEvents(Protocol):
     def on_departed(self, entry: Entry, peer: str, pushed: bool) -> None: ...  # sent to peer, and gone from here
 
 
+@dataclass(frozen=True, slots=True)
+class TransferSettings:
+    """What the transfers read of the daemon's configuration."""
+
+    node_id: str
+    limits: Limits
+    connect_timeout: float
+
+    @property
+    def transfer_timeout(self) -> float:
+        return self.limits.transfer_timeout
+
+    @classmethod
+    def of(cls, config: Config) -> TransferSettings:
+        return cls(config.node_id, Limits(config.chunk_size, config.window, config.checksum, config.transfer_timeout),
+                   config.connect_timeout)
+
+
 class Transfers:
-    def __init__(self, config: Config, store: Store, io: PoolIO, metrics: Metrics, events: EntryEvents,
+    def __init__(self, settings: TransferSettings, store: Store, io: PoolIO, metrics: Metrics, events: EntryEvents,
                  peers: PeerSet, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
+        self.settings = settings
         self.store = store
         self.io = io
         self.metrics = metrics
         self.events = events
         self.peers = peers
         self.clock = clock  # the machine's too: one time for every deadline
-        self.machine = Machine(config.node_id, Limits(config.chunk_size, config.window, config.checksum,
-                                                      config.transfer_timeout), store, io, clock)
+        self.machine = Machine(settings.node_id, settings.limits, store, io, clock)
         # what this layer keeps of a live transfer, by its id (dropped as it ends)
         self._pushes: dict[int, Push] = {}  # pushes a local put waits on
         self._pulls: dict[int, asyncio.Future] = {}  # pulls a local get waits on
@@ -134,7 +151,7 @@ class Transfers:
         out, actions = self.machine.start_push(entry, lease_token, link.channel, sealed)
         push = self._pushes[out.xfer] = Push(out, asyncio.get_running_loop().create_future())
         self._run(actions)
-        ready = link.ready(self.config.connect_timeout)
+        ready = link.ready(self.settings.connect_timeout)
         if ready.done():  # the usual case: the offer goes now, not one loop iteration later
             self._on_link(out, ready)
         else:
@@ -180,7 +197,7 @@ class Transfers:
         once if it has ended already (a streamed push the peer refused before its writer commits)."""
         outcome = push.outcome
         if outcome.done():
-            callback(PeerUnavailable(f"daemon {self.config.node_id} is shutting down") if outcome.cancelled()
+            callback(PeerUnavailable(f"daemon {self.settings.node_id} is shutting down") if outcome.cancelled()
                      else _kvd_error(outcome.exception()))
             return
         push.on_end.append(callback)
@@ -216,10 +233,10 @@ class Transfers:
 
         def called_off(done: asyncio.Future) -> None:
             if done.cancelled() and started:
-                self.abort(started[0], NotFound(f"no reader on {self.config.node_id} waits for {request_id!r} "
+                self.abort(started[0], NotFound(f"no reader on {self.settings.node_id} waits for {request_id!r} "
                                                 "any more"))
 
-        handshake = self.config.connect_timeout if connect_within is None else min(self.config.connect_timeout,
+        handshake = self.settings.connect_timeout if connect_within is None else min(self.settings.connect_timeout,
                                                                                    max(MIN_HANDSHAKE, connect_within))
         link.ready(handshake).add_done_callback(linked)
         result.add_done_callback(called_off)
@@ -264,7 +281,7 @@ class Transfers:
 
     async def close(self) -> None:
         for transfer in list(self.machine.transfers.values()):
-            self.abort(transfer, PeerUnavailable(f"daemon {self.config.node_id} is shutting down"))
+            self.abort(transfer, PeerUnavailable(f"daemon {self.settings.node_id} is shutting down"))
         await asyncio.sleep(0)  # let the Abort sends start
         if self._deferred_check is not None:
             self._deferred_check.cancel()
@@ -376,7 +393,7 @@ class Transfers:
             return
         # its connection is cut if ZeroMQ still holds the frames a transfer timeout from now
         self._deferred.append(_Sent(out.lease_token, out.channel, out.request_id, sends,
-                                    self.clock() + self.config.transfer_timeout))
+                                    self.clock() + self.settings.transfer_timeout))
         self._schedule_deferred_check()
 
     def _unpin(self, lease_token: int) -> None:
@@ -404,7 +421,7 @@ class Transfers:
                 sent.cut = True
                 log.warning("peer %s has not taken the last frames of %s %.0fs after its transfer ended: "
                             "closing its connection so that the blocks can be reused", sent.channel.peer_name,
-                            sent.request_id, self.config.transfer_timeout)
+                            sent.request_id, self.settings.transfer_timeout)
                 sent.channel.cut()
         self._deferred = still
         if still:

@@ -15,8 +15,8 @@ from kvd.daemon.config import Config
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.peer.links import COPY_BELOW, tune_peer_socket
 from kvd.daemon.peer.loopsocket import NOT_SENT, Backlog, Sent, kernel_written
-from kvd.daemon.peer.peers import PeerSet
-from kvd.daemon.peer.router import MAX_ABORT_TEXT, Router, RouterChannel, clip
+from kvd.daemon.peer.peers import PeerSet, PeerSettings
+from kvd.daemon.peer.router import MAX_ABORT_TEXT, Router, RouterChannel, RouterSettings, clip
 from kvd.testing import free_port
 from kvd.wire import protocol as p
 
@@ -184,9 +184,10 @@ def test_the_router_cuts_a_peer_past_the_byte_cap(caplog):
     async def scenario() -> None:
         ctx = zmq.Context()
         config = Config(listen=f"tcp://127.0.0.1:{free_port()}")
-        peers = PeerSet(config, ctx, 1, curve=None)
+        peers = PeerSet(PeerSettings.of(config), ctx, 1, curve=None)
         gone = []
-        router = Router(config, ctx, None, peers, Metrics(), 1, on_gone=lambda key, why: gone.append(why))
+        router = Router(RouterSettings.of(config), ctx, None, peers, Metrics(), 1,
+                        on_gone=lambda key, why: gone.append(why))
         router.queue_cap = 1 << 20
         router.start(lambda channel, msg: None)
         deaf = ctx.socket(zmq.DEALER)

@@ -14,11 +14,11 @@ def test_idle_links_to_ad_hoc_endpoints_are_closed():
     import zmq
 
     from kvd.daemon.config import Config
-    from kvd.daemon.peer.peers import ADHOC_IDLE, PeerSet
+    from kvd.daemon.peer.peers import ADHOC_IDLE, PeerSet, PeerSettings
 
     async def scenario() -> None:
         ctx = zmq.Context()
-        peers = PeerSet(Config(peers={"B": f"tcp://127.0.0.1:{free_port()}"}), ctx, 1, curve=None)
+        peers = PeerSet(PeerSettings.of(Config(peers={"B": f"tcp://127.0.0.1:{free_port()}"})), ctx, 1, curve=None)
         peers.start(on_message=lambda link, msg: None, on_lost=lambda key, why: None)
         try:
             idle, in_use = (peers.link_for(f"tcp://127.0.0.1:{free_port()}") for _ in range(2))

@@ -8,7 +8,7 @@ import asyncio
 from kvd.daemon.config import Config
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.peer.channel import Channel
-from kvd.daemon.peer.transfers import Transfers
+from kvd.daemon.peer.transfers import Transfers, TransferSettings
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import State, Store
 from kvd.errors import AlreadyExists
@@ -57,8 +57,9 @@ class _Watch:
 def _transfers() -> tuple[Transfers, _Peers, Store]:
     store = Store(BlockAllocator(16), 4096, None)
     peers = _Peers()
-    return Transfers(Config(node_id="A"), store, HostPoolIO(memoryview(bytearray(16 * 4096))), Metrics(),
-                     events=_Watch(), peers=peers), peers, store
+    pool = HostPoolIO(memoryview(bytearray(16 * 4096)))
+    return Transfers(TransferSettings.of(Config(node_id="A")), store, pool, Metrics(), events=_Watch(),
+                     peers=peers), peers, store
 
 
 def _push(transfers: Transfers, store: Store, request_id: str, sealed: bool):
