@@ -75,6 +75,7 @@ def test_nodes_agree_on_homes_and_a_leave_moves_only_its_keys(daemons, etcd):
         assert new == old if old != "C" else new in ("A", "B")
 
 
+@pytest.mark.slow  # ~30 s; the placement test above runs by default
 def test_joins_and_leaves_under_a_live_workload_cost_misses_never_wrong_bytes(daemons, etcd):
     cluster = f"c{uuid.uuid4().hex[:8]}"
     flags = ["--registry", etcd.url, "--cluster", cluster, "--registry-ttl", f"{TTL}s", "--cache-size", "0.5", *SMALL]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from kvd import Client
@@ -27,6 +28,7 @@ def step(worker: PagedKVWorker, specs: list[SaveSpec]) -> set[str]:
     return worker.finish_saves(specs)
 
 
+@pytest.mark.slow  # the opt-in background commit (KVD_VLLM_COMMIT_IN_BACKGROUND); ~10 s each
 def test_pushes_committed_in_the_background_arrive_bit_exact_and_steps_reuse_connections(daemons):
     a, b = daemons.pair()
     producer = make(a, paged_caches(seed=1), background=True)
@@ -55,6 +57,7 @@ def test_pushes_committed_in_the_background_arrive_bit_exact_and_steps_reuse_con
         consumer.close()
 
 
+@pytest.mark.slow
 def test_a_delivery_that_fails_in_the_background_is_counted_and_the_engine_goes_on(daemons):
     a = daemons.start("A", pool_size="64MiB")
     nobody = f"tcp://127.0.0.1:{free_port()}"  # no daemon there: the push cannot be delivered

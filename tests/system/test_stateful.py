@@ -306,6 +306,7 @@ def test_operations_match_the_model(daemons):
         pair.close()
 
 
+@pytest.mark.slow  # ~30 s of restarts on 2 cores; the model test above runs by default
 def test_operations_match_the_model_across_peer_restarts(daemons):
     pair = Pair(daemons, extra=[])
     try:
