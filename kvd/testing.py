@@ -7,6 +7,7 @@ Each daemon gets a free loopback port and a unix client socket in a directory yo
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,39 @@ from pathlib import Path
 from .wire.endpoints import unix_path
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+_pick = random.SystemRandom()  # not the seeded `random`: two test processes must not draw the same ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that nothing listens on and this process never handed out before.
+
+    Drawn below the kernel's ephemeral range, not from bind(port 0): a port the kernel picked and we
+    released can be its next pick, for the next caller or for the source port of any outgoing
+    connection, before the daemon it was meant for binds it. CI once gave both daemons of one pair
+    the same port that way."""
+    low = min(_ephemeral_low(), 65536)
+    first = 10000 if low > 12000 else 1024
+    for _ in range(200):
+        port = _pick.randrange(first, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {first}-{low - 1} after 200 tries")
 
 
 @dataclass

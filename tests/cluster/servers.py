@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvd.testing import free_port
+
 START_TIMEOUT = 15.0
 ROOT_PASSWORD = "root-pw"
 
@@ -88,12 +90,6 @@ def find_etcd() -> str | None:
 
 def find_redis() -> str | None:
     return os.environ.get("KVD_REDIS_BIN") or shutil.which("redis-server") or shutil.which("valkey-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

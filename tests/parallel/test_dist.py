@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import sys
 from datetime import timedelta
 
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 
 import kvd.parallel as par
 from kvd.parallel import ParallelState, ParallelStateError, rank_layout
+from kvd.testing import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,12 +37,6 @@ GETTERS = {
     "dp": (par.get_dp_group, par.get_dp_rank, par.get_dp_world_size),
     "ep": (par.get_ep_group, par.get_ep_rank, par.get_ep_world_size),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sample(rank: int) -> torch.Tensor:
