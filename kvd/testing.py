@@ -31,6 +31,20 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def port_range() -> tuple[int, int]:
+    """[first, end) of the ports free_port draws from: below the kernel's ephemeral range, and under
+    pytest-xdist each worker a slice of its own (two workers never draw the same port)."""
+    end = min(_ephemeral_low(), 65536)
+    first = 10000 if end > 12000 else 1024
+    try:
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+        workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    except ValueError:
+        worker, workers = 0, 1
+    size = (end - first) // workers
+    return first + worker % workers * size, first + (worker % workers + 1) * size
+
+
 def free_port() -> int:
     """A loopback TCP port that nothing listens on and this process never handed out before.
 
@@ -38,10 +52,11 @@ def free_port() -> int:
     released can be its next pick, for the next caller or for the source port of any outgoing
     connection, before the daemon it was meant for binds it. CI once gave both daemons of one pair
     the same port that way."""
-    low = min(_ephemeral_low(), 65536)
-    first = 10000 if low > 12000 else 1024
+    first, end = port_range()
+    if len(_handed_out) > (end - first) // 2:  # a long run: forget the old ones (their daemons are gone)
+        _handed_out.clear()
     for _ in range(200):
-        port = _pick.randrange(first, low)
+        port = _pick.randrange(first, end)
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -51,7 +66,7 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
-    raise RuntimeError(f"no free loopback port in {first}-{low - 1} after 200 tries")
+    raise RuntimeError(f"no free loopback port in {first}-{end - 1} after 200 tries")
 
 
 @dataclass

@@ -27,3 +27,14 @@ def test_a_port_in_use_is_never_handed_out(monkeypatch):
         port = testing.free_port()
     assert port != busy
 
+
+
+def test_xdist_workers_draw_from_disjoint_slices(monkeypatch):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    slices = []
+    for worker in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{worker}")
+        slices.append(range(*testing.port_range()))
+    assert all(len(s) > 1000 for s in slices)
+    assert slices[0].stop <= slices[1].start and slices[1].stop <= slices[2].start
+    assert slices[2].stop <= testing._ephemeral_low()
