@@ -23,6 +23,8 @@ import kvd
 from kvd.wire import protocol as p
 from kvd.testing import DaemonProc, free_port, raw_connection, wait_ready
 
+from .relay import PausingRelay
+
 SIZES = [1, 4 << 10, 64 << 10, 300 << 10, 1 << 20, 2 << 20]  # bytes per background round trip
 
 
@@ -112,12 +114,15 @@ def wait_used(daemon: DaemonProc, expected: int, timeout: float = 5.0) -> None:
         time.sleep(0.05)
 
 
-def trio(daemons, extra: list[str]) -> tuple[DaemonProc, DaemonProc, DaemonProc]:
-    """A (the sender) with peers B (to be faulted) and C (healthy); B and C know A."""
-    port_a, port_b, port_c = free_port(), free_port(), free_port()
+def trio(daemons, extra: list[str], relay: PausingRelay | None = None) -> tuple[DaemonProc, DaemonProc, DaemonProc]:
+    """A (the sender) with peers B (to be faulted; through `relay` if given) and C (healthy); B and
+    C know A."""
+    port_a, port_c = free_port(), free_port()
+    port_b = relay.target_port if relay is not None else free_port()
     peer_a = {"A": f"tcp://127.0.0.1:{port_a}"}
+    to_b = relay.endpoint if relay is not None else f"tcp://127.0.0.1:{port_b}"
     a = daemons.start("A", port=port_a, pool_size="192MiB", extra=extra, wait=False,
-                      peers={"B": f"tcp://127.0.0.1:{port_b}", "C": f"tcp://127.0.0.1:{port_c}"})
+                      peers={"B": to_b, "C": f"tcp://127.0.0.1:{port_c}"})
     b = daemons.start("B", port=port_b, pool_size="320MiB", extra=extra, wait=False, peers=peer_a)
     c = daemons.start("C", port=port_c, pool_size="64MiB", extra=extra, wait=False, peers=peer_a)
     for d in (a, b, c):
@@ -141,9 +146,23 @@ class Push(threading.Thread):
             self.finished = time.monotonic()
 
 
-def wait_received(receiver: DaemonProc, nbytes: int, push: Push, timeout: float = 20.0) -> None:
-    """Until the receiver has taken in nbytes of the push (so the fault lands mid-transfer)."""
+@pytest.fixture
+def relay():
+    """A relay to B's port that lets 16 MiB through and then holds the rest: the push under test
+    is still under way whenever its fault lands."""
+    relay = PausingRelay(free_port(), 16 << 20)
+    relay.start()
+    yield relay
+    relay.stop()
+
+
+def wait_received(receiver: DaemonProc, nbytes: int, push: Push, relay: PausingRelay | None = None,
+                  timeout: float = 20.0) -> None:
+    """Until the receiver has taken in nbytes of the push (and the relay, if any, holds the rest:
+    the fault lands mid-transfer)."""
     deadline = time.monotonic() + timeout
+    if relay is not None:
+        assert relay.paused.wait(timeout), f"the relay forwarded only {relay.forwarded} bytes"
     with receiver.client() as c:
         while c.stats()["counters"]["received_bytes"] < nbytes:
             assert push.is_alive(), f"the push ended before the fault: {push.error!r}"
@@ -151,15 +170,15 @@ def wait_received(receiver: DaemonProc, nbytes: int, push: Push, timeout: float 
             time.sleep(0.002)
 
 
-def test_receiver_killed_mid_push_under_background_load(daemons, background):
-    a, b, c = trio(daemons, ["--transfer-timeout", "2s"])
+def test_receiver_killed_mid_push_under_background_load(daemons, background, relay):
+    a, b, c = trio(daemons, ["--transfer-timeout", "2s"], relay)
     baseline = {d.node_id: used_bytes(d) for d in (a, c)}
     load = background(a, peer="C", peer_daemon=c)
     time.sleep(0.3)
     big = torch.randint(0, 256, (128 << 20,), dtype=torch.uint8)
     push = Push(a, "doomed", big, "B")
     push.start()
-    wait_received(b, 16 << 20, push)
+    wait_received(b, 8 << 20, push, relay)
     b.kill(signal.SIGKILL)
     killed = time.monotonic()
     push.join(30)
@@ -180,15 +199,15 @@ def test_receiver_killed_mid_push_under_background_load(daemons, background):
 FREEZE_FLAGS = ["--heartbeat-interval", "0.3s", "--heartbeat-timeout", "1.5s", "--transfer-timeout", "6s"]
 
 
-def test_receiver_frozen_past_heartbeat_under_background_load(daemons, background):
-    a, b, c = trio(daemons, FREEZE_FLAGS)
+def test_receiver_frozen_past_heartbeat_under_background_load(daemons, background, relay):
+    a, b, c = trio(daemons, FREEZE_FLAGS, relay)
     baseline = {d.node_id: used_bytes(d) for d in (a, b, c)}
     load = background(a, peer="C", peer_daemon=c)
     time.sleep(0.3)
     big = torch.zeros(128 << 20, dtype=torch.uint8)
     push = Push(a, "frozen", big, "B")
     push.start()
-    wait_received(b, 16 << 20, push)
+    wait_received(b, 8 << 20, push, relay)
     b.kill(signal.SIGSTOP)
     stopped = time.monotonic()
     try:
@@ -198,6 +217,7 @@ def test_receiver_frozen_past_heartbeat_under_background_load(daemons, backgroun
     assert not push.is_alive()
     assert isinstance(push.error, kvd.PeerUnavailable), repr(push.error)
     assert push.finished - stopped < 1.5 + 2  # the heartbeat timeout, not the 6 s transfer timeout
+    relay.release()  # (B runs again: what was held reaches it, and a new connection goes through)
     time.sleep(0.5)
     load.stop()
     load.check()
@@ -261,18 +281,22 @@ def test_client_killed_mid_put_under_background_load(daemons, background):
         wait_used(d, baseline[d.node_id])
 
 
-def test_retry_after_a_receiver_stall_is_accepted(daemons):
-    a, b = daemons.pair(pool_size="192MiB", extra=FREEZE_FLAGS)
+def test_retry_after_a_receiver_stall_is_accepted(daemons, relay):
+    port_a = free_port()
+    a = daemons.start("A", port=port_a, pool_size="192MiB", extra=FREEZE_FLAGS, peers={"B": relay.endpoint})
+    b = daemons.start("B", port=relay.target_port, pool_size="192MiB", extra=FREEZE_FLAGS,
+                      peers={"A": f"tcp://127.0.0.1:{port_a}"})
     big = torch.randint(0, 256, (128 << 20,), dtype=torch.uint8)
     push = Push(a, "stalled", big, "B")
     push.start()
-    wait_received(b, 16 << 20, push)
+    wait_received(b, 8 << 20, push, relay)
     b.kill(signal.SIGSTOP)
     try:
         push.join(30)
     finally:
         b.kill(signal.SIGCONT)
     assert isinstance(push.error, kvd.PeerUnavailable), repr(push.error)
+    relay.release()  # the retry's connection goes through
     time.sleep(0.3)  # B runs again
     with a.client() as ca, b.client() as cb:
         ca.put("stalled", {"x": big}, dest="B")  # the client retries its failed push
