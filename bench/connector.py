@@ -39,7 +39,10 @@ from .connector_report import (
     parse_sizes,
     schedule,
     side_of,
+    engine_deltas,
+    scrape_totals,
     skip_lines,
+    step_table,
     summarize,
     table,
 )
@@ -72,9 +75,10 @@ def uptime() -> str:
 class Bench:
     """The engines, daemons and proxy of one run."""
 
-    def __init__(self, workdir: Path, rows: list[str]) -> None:
+    def __init__(self, workdir: Path, rows: list[str], prefill_blocks: int | None = None) -> None:
         self.workdir = workdir
         self.rows = rows
+        self.prefill_blocks = prefill_blocks  # the prefill engines' KV cache, in blocks (None: vLLM's sizing)
         self.model, self.block_bytes = make_model(workdir)
         self.daemons = DaemonFactory(workdir, log_level="warning")
         self.servers: dict[str, eng.Server] = {}
@@ -121,7 +125,8 @@ class Bench:
     def _pair(self, side: str, configs: list[dict], envs: list[dict], others: dict[str, int]) -> None:
         for (role, core), config, env in zip((("P", "0"), ("D", "1")), configs, envs):
             self.servers[f"{side}-{role}"] = eng.serve(f"{side}-{role}", self.model, self.workdir, kv_config=config,
-                                                       core=core, env=env)
+                                                       core=core, env=env,
+                                                       num_blocks=self.prefill_blocks if role == "P" else None)
         self.pids[side] = {"prefill engine": self.servers[f"{side}-P"].proc.pid,
                            "decode engine": self.servers[f"{side}-D"].proc.pid, **others}
 
@@ -155,6 +160,8 @@ class Bench:
         logs_before = self.nixl_failures() if side == "nixl" else (0, 0)
         sockets = self.kvd[side][:2] if side in self.kvd else ()
         received = eng.daemon_received(sockets[1]) if sockets else 0
+        engines = {"P": prefill_url, "D": decode_url}
+        scraped = {role: eng.scrape(url) for role, url in engines.items() if url}
         cpu0 = eng.process_tree_cpu(pids)
         samples, wall = load.send_all(row, batch, max_tokens, prefill_url, decode_url,
                                       self.decode_kvd(row), count_blocks if side == "nixl" else None)
@@ -170,7 +177,10 @@ class Bench:
             time.sleep(0.5)  # (its log lines are written as the leases are reaped)
             after = self.nixl_failures()
             expired, invalid = after[0] - logs_before[0], after[1] - logs_before[1]
-        return Pass(row, size, index, samples, wall, kv, cpu, expired, invalid)
+        counted: dict[str, tuple[float, float]] = {}
+        for role, before in scraped.items():
+            counted.update(engine_deltas(role, scrape_totals(before), scrape_totals(eng.scrape(engines[role]))))
+        return Pass(row, size, index, samples, wall, kv, cpu, expired, invalid, counted)
 
     def nixl_failures(self) -> tuple[int, int]:
         """NIXL's (expired, invalid) lines so far, in both of its engines' logs."""
@@ -193,9 +203,9 @@ def dump(results: list[Pass], path: Path | None) -> None:
 
 
 def run(rows: list[str], sizes: list[int], requests: int, max_tokens: int, passes: int,
-        workdir: Path, json_path: Path | None = None) -> list[Pass]:
+        workdir: Path, json_path: Path | None = None, prefill_blocks: int | None = None) -> list[Pass]:
     measured = [r for r in rows if r not in NOT_ON_CPU]
-    bench = Bench(workdir, measured)
+    bench = Bench(workdir, measured, prefill_blocks)
     results: list[Pass] = []
     try:
         bench.start()
@@ -232,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"rows to run, of {', '.join(ROWS)} (default {','.join(DEFAULT_ROWS)})")
     parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (8)")
     parser.add_argument("--passes", type=int, default=2, help="passes over the rows, alternating order (2)")
+    parser.add_argument("--prefill-blocks", type=int,
+                        help="give each prefill engine a KV cache of this many 32-token blocks (memory relief: how "
+                             "well a small prefill cache serves the requests, by connector; default: vLLM's sizing)")
     parser.add_argument("--workdir", type=Path, help="where the model, logs and sockets go (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="also write every sample to this file")
     parser.add_argument("--output", type=Path, help="also write the table (markdown) to this file")
@@ -254,13 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvd-connector-"))
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    results = run(rows, sizes, args.requests, args.max_tokens, args.passes, workdir, args.json)
+    results = run(rows, sizes, args.requests, args.max_tokens, args.passes, workdir, args.json, args.prefill_blocks)
     summaries = summarize(results)
     report = "\n".join([
         f"{args.requests} concurrent requests per row and size, {args.max_tokens} output tokens, {args.passes} passes, "
+        + (f"prefill KV caches of {args.prefill_blocks} blocks, " if args.prefill_blocks else "") +
         f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, run took "
         f"{time.monotonic() - started:.0f}s, {uptime()} at the end; logs in {workdir}", "",
-        table(summaries), "", "CPU seconds by process (every pass):", *cpu_lines(summaries),
+        table(summaries), "", "Where the time went (the engines' own /metrics, means; P: prefill engine, D: decode "
+        "engine; decode side: TTFT minus prefill's answer):", "", step_table(summaries), "",
+        "CPU seconds by process (every pass):", *cpu_lines(summaries),
         *skip_lines(rows)])
     print(report, flush=True)
     if args.output:

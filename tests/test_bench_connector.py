@@ -13,8 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from bench import connector_load as load
-from bench.connector_report import (NOT_ON_CPU, Pass, Sample, count_nixl_failures, parse_rows, parse_sizes,
-                                    own_cpu, percentile, schedule, skip_lines, summarize, table)
+from bench.connector_report import (NOT_ON_CPU, Pass, Sample, count_nixl_failures, engine_deltas, parse_rows,
+                                    parse_sizes, own_cpu, percentile, schedule, scrape_totals, skip_lines, step_table,
+                                    summarize, table)
 
 
 def test_sizes_and_rows_parse_and_bad_ones_say_what_is_allowed():
@@ -85,6 +86,52 @@ def test_summaries_pool_passes_count_equal_tokens_and_give_ratios_to_the_engine_
 def test_without_the_engine_alone_there_is_no_equality_and_no_ratio_to_it():
     [only] = summarize([Pass("kvd-pull", 1024, 0, [sample(1.0, [1])], 1.0, None, {})])
     assert only.equal is None and only.ratios == {} and only.kv_mib_per_request is None
+
+
+METRICS_BEFORE = """# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.3",model_name="model"} 1.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="model"} 0.5
+vllm:request_queue_time_seconds_count{engine="0",model_name="model"} 2.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="model"} 1.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="model"} 10.0
+vllm:num_preemptions_total{engine="0",model_name="model"} 1.0
+vllm:kvd_save_step_seconds_sum{engine="0",model_name="model"} 0.0
+vllm:kvd_save_step_seconds_count{engine="0",model_name="model"} 0.0
+"""
+
+
+def test_the_engines_metrics_are_summed_over_label_sets_and_differenced_between_scrapes():
+    before = scrape_totals(METRICS_BEFORE)
+    assert before["vllm:request_queue_time_seconds_sum"] == 0.5  # (buckets and HELP lines are not totals)
+    assert "vllm:request_queue_time_seconds_bucket" not in before
+    after = scrape_totals(METRICS_BEFORE.replace("0.5", "1.7").replace("_count{engine=\"0\",model_name=\"model\"} 2.0",
+                                                                       "_count{engine=\"0\",model_name=\"model\"} 5.0")
+                          + 'vllm:request_queue_time_seconds_sum{engine="1",model_name="model"} 1.0\n'
+                          + 'vllm:request_queue_time_seconds_count{engine="1",model_name="model"} 1.0\n'
+                          + 'vllm:num_preemptions_total{engine="1",model_name="model"} 3.0\n')
+    deltas = engine_deltas("P", before, after)
+    assert deltas["P:queue"] == pytest.approx((2.2, 4.0))  # 3 more on engine 0, 1 on engine 1
+    assert deltas["P:preemptions"] == (3.0, 1.0)
+    assert "P:step" not in deltas and "P:kvd save" not in deltas  # nothing counted: no column
+    assert engine_deltas("D", {}, scrape_totals("")) == {}  # an engine that did not answer
+
+
+def test_the_step_table_compares_decode_s_side_with_one_decode_step_of_the_engine_alone():
+    none = Pass("none", 512, 0, [sample(0.5, [1], None)], 1.0, 0, {},
+                engine={"D:step": (0.4, 8.0), "D:queue": (0.02, 1.0)})
+    push = Pass("kvd-push", 512, 0, [sample(1.0, [1], prefill=0.88), sample(1.2, [1], prefill=1.0)], 1.0, 0, {},
+                engine={"P:kvd save": (0.03, 2.0), "P:preemptions": (0.0, 1.0), "D:kvd load": (0.02, 2.0)})
+    summaries = summarize([none, push])
+    by_row = {s.row: s for s in summaries}
+    assert by_row["kvd-push"].decode_p50 == pytest.approx(0.16)  # (0.12 and 0.2)
+    assert by_row["none"].decode_p50 is None  # no prefill step
+    lines = step_table(summaries).splitlines()
+    [row] = [line for line in lines if "| kvd-push |" in line]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # P kvd save/step 15 ms, D kvd load 10 ms, decode side 160 ms = 3.2x the alone's 50 ms step
+    assert cells[4] == "15" and cells[6] == "10" and cells[9] == "160" and cells[10] == "3.20x"
+    assert cells[11] == "P 0"
 
 
 def test_nixl_expiry_and_invalid_block_lines_are_counted():

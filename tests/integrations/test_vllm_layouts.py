@@ -149,11 +149,13 @@ def test_prometheus_metrics_count_what_the_workers_report():
 
     prom = KVDConnector.build_prom_metrics(Config(), {c: bound(c) for c in (Gauge, Counter, Histogram)},
                                            ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
-    prom.observe({"saves": 0, "loads": 3, "load_failures": 1, "loaded_bytes": 4096, "load_seconds": [0.01, 0.2]},
-                 engine_idx=1)
+    prom.observe({"saves": 0, "loads": 3, "load_failures": 1, "loaded_bytes": 4096, "load_seconds": [0.01, 0.2],
+                  "save_seconds": [0.003, 0.004, 0.5]}, engine_idx=1)
     value = lambda name, **labels: registry.get_sample_value(name, {"model_name": "m", **labels})  # noqa: E731
     assert value("vllm:kvd_loads_total", engine="1") == 3
     assert value("vllm:kvd_load_failures_total", engine="1") == 1
     assert value("vllm:kvd_loaded_bytes_total", engine="1") == 4096
     assert value("vllm:kvd_loads_total", engine="0") == 0
     assert value("vllm:kvd_load_seconds_count", engine="1") == 2
+    assert value("vllm:kvd_save_step_seconds_count", engine="1") == 3
+    assert value("vllm:kvd_save_step_seconds_bucket", engine="1", le="0.005") == 2

@@ -213,12 +213,13 @@ def test_transfer_stats_aggregate_across_workers_and_reduce_for_the_log():
 
     one = KVDConnector.build_kv_connector_stats({"saves": 2, "saved_bytes": 100, "load_seconds": [0.010]})
     two = KVDConnectorStats(data={"loads": 3, "load_failures": 1, "loaded_bytes": 300,
-                                  "load_seconds": [0.020, 0.030, 0.040]})
+                                  "load_seconds": [0.020, 0.030, 0.040], "save_seconds": [0.002, 0.004]})
     assert KVDConnectorStats().is_empty() and not one.is_empty()
     summary = one.aggregate(two).reduce()
     assert summary["saves"] == 2 and summary["loads"] == 3 and summary["load_failures"] == 1
     assert summary["saved_bytes"] == 100 and summary["loaded_bytes"] == 300
     assert summary["load_ms_avg"] == 25.0 and summary["load_ms_p90"] == 40.0
+    assert summary["save_ms_avg"] == 3.0 and summary["save_ms_p90"] == 4.0
     one.reset()
     assert one.is_empty()
 

@@ -102,6 +102,8 @@ def test_blocks_cross_two_daemons_bit_exact_into_other_block_ids(daemons, dtype)
     assert (saved.saves, saved.save_failures, saved.saved_bytes) == (1, 0, 5 * len(LAYERS) * block_bytes)
     assert (loaded.loads, loaded.load_failures, loaded.loaded_bytes) == (1, 0, 5 * len(LAYERS) * block_bytes)
     assert len(loaded.load_seconds) == 1 and consumer.take_stats().empty()
+    # one step saved: its time in kvd is counted once, and the consumer's steps saved nothing
+    assert len(saved.save_seconds) == 1 and 0 < saved.save_seconds[0] < 30 and loaded.save_seconds == []
 
 
 def test_pull_from_the_producers_daemon_and_skip_a_locally_cached_prefix(daemons):

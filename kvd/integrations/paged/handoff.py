@@ -130,6 +130,8 @@ class TransferStats:
     load_failures: int = 0
     loaded_bytes: int = 0
     load_seconds: list[float] = field(default_factory=list)
+    # per forward step that saved: seconds the engine's thread spent in kvd (gathers and commits)
+    save_seconds: list[float] = field(default_factory=list)
     saved_by_kind: dict[str, int] = field(default_factory=dict)  # saved_bytes by KV cache group kind
     loaded_by_kind: dict[str, int] = field(default_factory=dict)
 
@@ -178,6 +180,7 @@ class PagedKVWorker:
         self._commits: list[tuple[Future, Client]] = []  # in flight, oldest first, on their connection
         self._spare: list[Client] = []  # connections whose commits are done
         self._committer: ThreadPoolExecutor | None = None
+        self._step_saving: float | None = None  # seconds in save_layer during the step under way, if it saved
 
     # -- saves (engine thread) -------------------------------------------------------------
     def _save_client(self) -> Client:
@@ -188,8 +191,15 @@ class PagedKVWorker:
 
     def save_layer(self, specs: list[SaveSpec], layer_name: str, kv_layer: torch.Tensor) -> None:
         """Gather this layer's blocks of each request and write them into its stream now."""
-        if not self.saves_shard:
+        if not self.saves_shard or not specs:
             return
+        started = time.monotonic()
+        try:
+            self._save_layer(specs, layer_name, kv_layer)
+        finally:
+            self._step_saving = (self._step_saving or 0.0) + time.monotonic() - started
+
+    def _save_layer(self, specs: list[SaveSpec], layer_name: str, kv_layer: torch.Tensor) -> None:
         group = self._group_of[layer_name]
         for spec in specs:
             if spec.req_id in self._failed_saves:
@@ -234,6 +244,16 @@ class PagedKVWorker:
     def finish_saves(self, specs: list[SaveSpec] = ()) -> set[str]:
         """Save the state layers of `specs` (the forward is over) and commit every stream opened this
         step; returns the request ids whose save failed."""
+        started = time.monotonic()
+        try:
+            return self._finish_saves(specs)
+        finally:
+            saving, self._step_saving = self._step_saving, None
+            if saving is not None or specs:
+                with self._stats_lock:
+                    self._stats.save_seconds.append((saving or 0.0) + time.monotonic() - started)
+
+    def _finish_saves(self, specs: list[SaveSpec]) -> set[str]:
         for name in self._states:
             self.save_layer(list(specs), name, self.caches[name])
         streams, self._streams = self._streams, {}

@@ -16,7 +16,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTERS = ("saves", "save_failures", "saved_bytes", "loads", "load_failures", "loaded_bytes")
 BY_KIND = {"saved_bytes_by_kind": "saved_bytes", "loaded_bytes_by_kind": "loaded_bytes"}  # {kind: bytes} each
-# seconds a load takes, from 1 ms (a local read) to 30 s (kvd_load_timeout's default)
+TIMES = ("load_seconds", "save_seconds")  # a list of durations each: per load, per forward step that saved
+# seconds a load takes, from 1 ms (a local read) to 30 s (kvd_load_timeout's default); a step's saves too
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -29,7 +30,8 @@ class KVDConnectorStats(KVConnectorStats):
             self.data.setdefault(name, 0)
         for name in BY_KIND:
             self.data.setdefault(name, {})
-        self.data.setdefault("load_seconds", [])
+        for name in TIMES:
+            self.data.setdefault(name, [])
 
     def reset(self) -> None:
         self.data = {}
@@ -42,17 +44,20 @@ class KVDConnectorStats(KVConnectorStats):
             mine = self.data[name] = dict(self.data[name])
             for kind, nbytes in (other.data.get(name) or {}).items():
                 mine[kind] = mine.get(kind, 0) + nbytes
-        self.data["load_seconds"] = self.data["load_seconds"] + list(other.data.get("load_seconds", []))
+        for name in TIMES:
+            self.data[name] = self.data[name] + list(other.data.get(name, []))
         return self
 
     def reduce(self) -> dict[str, int | float]:
         summary: dict[str, int | float] = {name: self.data[name] for name in COUNTERS}
         for name, total in BY_KIND.items():
             summary.update((f"{total}[{kind}]", n) for kind, n in sorted(self.data[name].items()))
-        times = sorted(self.data["load_seconds"])
-        if times:
-            summary["load_ms_avg"] = round(sum(times) / len(times) * 1e3, 2)
-            summary["load_ms_p90"] = round(times[min(len(times) - 1, int(len(times) * 0.9))] * 1e3, 2)
+        for name in TIMES:
+            times = sorted(self.data[name])
+            if times:
+                prefix = name.removesuffix("_seconds")
+                summary[f"{prefix}_ms_avg"] = round(sum(times) / len(times) * 1e3, 2)
+                summary[f"{prefix}_ms_p90"] = round(times[min(len(times) - 1, int(len(times) * 0.9))] * 1e3, 2)
         return summary
 
     def is_empty(self) -> bool:
@@ -79,6 +84,10 @@ class KVDPromMetrics(KVConnectorPromMetrics):
         self.load_seconds = create_metric_per_engine(self._histogram_cls(
             name="vllm:kvd_load_seconds", documentation="Time from a load's start until its KV is in the cache",
             buckets=list(LOAD_BUCKETS), labelnames=labelnames), per_engine_labelvalues)
+        self.save_seconds = create_metric_per_engine(self._histogram_cls(
+            name="vllm:kvd_save_step_seconds",
+            documentation="Time a forward step that saved spent in kvd (its layers' gathers and its commits)",
+            buckets=list(LOAD_BUCKETS), labelnames=labelnames), per_engine_labelvalues)
         # children per (engine, kind), made as kinds appear
         self._labels = per_engine_labelvalues
         self.by_kind = {name: self._counter_cls(
@@ -96,3 +105,5 @@ class KVDPromMetrics(KVConnectorPromMetrics):
                     counter.labels(*self._labels[engine_idx], kind).inc(nbytes)
         for seconds in transfer_stats_data.get("load_seconds", ()):
             self.load_seconds[engine_idx].observe(seconds)
+        for seconds in transfer_stats_data.get("save_seconds", ()):
+            self.save_seconds[engine_idx].observe(seconds)

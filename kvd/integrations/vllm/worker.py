@@ -120,6 +120,7 @@ class KVDWorker:
             return None
         return KVDConnectorStats(data={**{name: getattr(taken, name) for name in COUNTERS},
                                        "load_seconds": taken.load_seconds,
+                                       "save_seconds": taken.save_seconds,
                                        "saved_bytes_by_kind": taken.saved_by_kind,
                                        "loaded_bytes_by_kind": taken.loaded_by_kind})
 
