@@ -75,7 +75,7 @@ def test_config_file_env_and_flags_combine(daemons, tmp_path):
     assert '"default_ttl": 5.0' in d2.log()
 
 
-def test_dev_test_adds_q_only_when_no_verbosity_is_asked_for(tmp_path):
+def test_dev_test_adds_q_and_two_workers_only_when_not_asked_otherwise(tmp_path):
     # ./dev test always added -q: `./dev test -q` became -qq, which hides pytest's summary line.
     # A set-up venv whose python prints the arguments it gets, and a pip that must not run.
     root = pathlib.Path(__file__).resolve().parents[2]
@@ -88,17 +88,26 @@ def test_dev_test_adds_q_only_when_no_verbosity_is_asked_for(tmp_path):
     for stamp in (".kvd-installed", ".kvd-vllm-installed", ".kvd-sglang-installed"):
         (venv / stamp).touch()
         os.utime(venv / stamp, (later, later))
-    env = {**os.environ, "KVD_VENV": str(venv), "KVD_ETCD_BIN": "/bin/true", "KVD_REDIS_BIN": "/bin/true"}
+    base = {k: v for k, v in os.environ.items() if k != "KVD_TEST_WORKERS"}
+    env = {**base, "KVD_VENV": str(venv), "KVD_ETCD_BIN": "/bin/true", "KVD_REDIS_BIN": "/bin/true"}
 
-    def pytest_args(*args: str) -> list[str]:
-        run = subprocess.run([str(root / "dev"), "test", *args], capture_output=True, text=True, timeout=60, env=env)
+    def pytest_args(*args: str, **extra_env: str) -> list[str]:
+        run = subprocess.run([str(root / "dev"), "test", *args], capture_output=True, text=True, timeout=60,
+                             env={**env, **extra_env})
         assert run.returncode == 0, run.stderr
         lines = run.stdout.splitlines()
         assert lines[:2] == ["-m", "pytest"]
         return lines[2:]
 
-    assert pytest_args() == ["-q"]
-    assert pytest_args("-x", "tests/test_layering.py") == ["-q", "-x", "tests/test_layering.py"]
-    assert pytest_args("-rs", "-k", "v") == ["-q", "-rs", "-k", "v"]  # -r takes a value; "v" is one
+    workers = ["-n", "2", "--dist", "loadfile"]  # pytest-xdist: the suite mostly waits
+    assert pytest_args() == ["-q", *workers]
+    assert pytest_args("-x", "tests/test_layering.py") == ["-q", *workers, "-x", "tests/test_layering.py"]
+    assert pytest_args("-rs", "-k", "v") == ["-q", *workers, "-rs", "-k", "v"]  # -r takes a value; "v" is one
     for asked in (["-q"], ["-qq"], ["-v"], ["-vv", "-x"], ["-xq"], ["--quiet"], ["--verbose"], ["--verbosity=2"]):
-        assert pytest_args(*asked) == asked
+        assert pytest_args(*asked) == [*workers, *asked]
+    # the workers are theirs to choose, and a debugger or -s needs the tests in this process
+    for asked in (["-n", "4"], ["-n0"], ["--numprocesses=3"], ["-p", "no:xdist"], ["--pdb"], ["-s"], ["-xs"],
+                  ["--capture=no"]):
+        assert pytest_args(*asked) == ["-q", *asked]
+    assert pytest_args(KVD_TEST_WORKERS="0") == ["-q", "-n", "0", "--dist", "loadfile"]
+    assert pytest_args("-v", KVD_TEST_WORKERS="3") == ["-n", "3", "--dist", "loadfile", "-v"]
