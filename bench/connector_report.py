@@ -16,10 +16,11 @@ ROWS = {
     "nixl": "vLLM's NixlConnector, kv_buffer_device cpu, UCX over TCP",
     "split": "the same two kvd engines, no KV handed over: decode recomputes the prompt",
     "kvd-push-background": "kvd push, each step's commits off the engine's thread (KVD_VLLM_COMMIT_IN_BACKGROUND=1)",
+    "kvd-pp": "kvd push from a prefill engine of 2 pipeline stages to a TP 1 decode engine (NixlConnector has no PP)",
     "shared-storage": "vLLM's SharedStorageConnector on tmpfs",
     "lmcache": "LMCache's connector",
 }
-DEFAULT_ROWS = ["none", "kvd-push", "kvd-pull", "split", "nixl", "shared-storage", "lmcache"]
+DEFAULT_ROWS = ["none", "kvd-push", "kvd-pull", "split", "nixl", "kvd-pp", "shared-storage", "lmcache"]
 # rows that cannot run on this machine: name -> why (printed as one line each, not measured)
 NOT_ON_CPU = {
     "lmcache": "LMCache 0.5.6 (pip lmcache) is a CUDA build: it requires cupy-cuda13x and cuda-python, and its "
@@ -30,8 +31,9 @@ DEFAULT_SIZES = [512, 1024, 2048]
 
 def side_of(row: str) -> str:
     """The engine set a row runs on: kvd's two (the engine alone is its decode engine), NIXL's
-    two, or the shared-storage pair."""
-    return {"nixl": "nixl", "shared-storage": "storage", "kvd-push-background": "background"}.get(row, "kvd")
+    two, the shared-storage pair, or kvd's pipelined prefill with its own decode engine."""
+    return {"nixl": "nixl", "shared-storage": "storage", "kvd-push-background": "background",
+            "kvd-pp": "pp"}.get(row, "kvd")
 
 
 def parse_sizes(text: str) -> list[int]:

@@ -14,8 +14,8 @@ import pytest
 
 from bench import connector_load as load
 from bench.connector_report import (NOT_ON_CPU, Pass, Sample, count_nixl_failures, engine_deltas, parse_rows,
-                                    parse_sizes, own_cpu, percentile, schedule, scrape_totals, skip_lines, step_table,
-                                    summarize, table)
+                                    parse_sizes, own_cpu, percentile, schedule, scrape_totals, side_of, skip_lines,
+                                    step_table, summarize, table)
 
 
 def test_sizes_and_rows_parse_and_bad_ones_say_what_is_allowed():
@@ -157,6 +157,9 @@ def test_the_proxy_params_of_each_row():
     assert load.first_params("kvd-push", "tcp://10.0.0.2:7470") == {"do_remote_decode": True,
                                                                     "kvd_dest": "tcp://10.0.0.2:7470"}
     assert load.first_params("kvd-pull", None) == {"do_remote_decode": True}
+    # the pipelined prefill pushes like kvd-push, from engines of its own
+    assert load.first_params("kvd-pp", "tcp://10.0.0.3:7470")["kvd_dest"] == "tcp://10.0.0.3:7470"
+    assert side_of("kvd-pp") == "pp" and side_of("kvd-push") == side_of("kvd-pull") == side_of("none") == "kvd"
     assert load.first_params("nixl", None)["remote_block_ids"] is None
     with pytest.raises(ValueError, match="no prefill step"):
         load.first_params("none", None)
