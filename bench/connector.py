@@ -11,7 +11,10 @@ engine's threads on its own core. Then, for each prompt size, it sends the reque
 through each row, the rows in one order in the first pass and the reverse in the second, as a
 disaggregation proxy does (examples/vllm_proxy.py). TTFT is from the proxy's send to the decode
 engine's first streamed token; every request's tokens are compared with the "none" row's (one
-engine computing the whole request). A progress line per phase, then the table.
+engine computing the whole request). While a row is measured, every other engine set is paused
+(SIGSTOP; `--share-cores` leaves them running): on 2 cores an idle set still spends CPU (NIXL's
+UCX progress threads poll), which on machines of their own it would not take from the row; each
+set's idle cost, alone, is measured and printed instead. A progress line per phase, then the table.
 """
 from __future__ import annotations
 
@@ -76,10 +79,16 @@ def uptime() -> str:
 class Bench:
     """The engines, daemons and proxy of one run."""
 
-    def __init__(self, workdir: Path, rows: list[str], prefill_blocks: int | None = None) -> None:
+    def __init__(self, workdir: Path, rows: list[str], prefill_blocks: int | None = None,
+                 share_cores: bool = False) -> None:
         self.workdir = workdir
         self.rows = rows
         self.prefill_blocks = prefill_blocks  # the prefill engines' KV cache, in blocks (None: vLLM's sizing)
+        # every engine set but the measured row's is paused (SIGSTOP): idle, a set still spends CPU
+        # (NIXL's UCX progress threads poll), which on separate machines it would not take from the
+        # row; share_cores leaves them all running, as two engine sets on one host would
+        self.share_cores = share_cores
+        self.paused: dict[str, bool] = {}
         self.model, self.block_bytes = make_model(workdir)
         self.daemons = DaemonFactory(workdir, log_level="warning")
         self.servers: dict[str, eng.Server] = {}
@@ -136,6 +145,32 @@ class Bench:
         self.pids[side] = {"prefill engine": self.servers[f"{side}-P"].proc.pid,
                            "decode engine": self.servers[f"{side}-D"].proc.pid, **others}
 
+    def run_alone(self, side: str | None) -> None:
+        """Pause every engine set but `side` (and its daemons) and resume that one; None resumes all."""
+        if self.share_cores and side is not None:
+            return
+        for other, named in self.pids.items():
+            paused = side is not None and other != side
+            if self.paused.get(other, False) == paused or other in self.failed:
+                continue
+            for name, pid in named.items():
+                eng.pause(pid, group="engine" in name, paused=paused)
+            self.paused[other] = paused
+        time.sleep(0.2)
+
+    def idle_cores(self, seconds: float = 5.0) -> dict[str, float]:
+        """Cores each engine set spends doing nothing, each alone (the others paused)."""
+        idle = {}
+        for side in self.pids:
+            if side in self.failed:
+                continue
+            self.run_alone(side)
+            before = eng.process_tree_cpu(self.pids[side])
+            time.sleep(seconds)
+            spent = eng.cpu_delta(before, eng.process_tree_cpu(self.pids[side]))
+            idle[side] = sum(v for k, v in spent.items() if k != "proxy") / seconds
+        return idle
+
     def decode_kvd(self, row: str) -> str | None:
         """The decode daemon a kvd push names."""
         side = side_of(row)
@@ -154,6 +189,7 @@ class Bench:
     def measure(self, row: str, size: int, index: int, batch: list[list[int]], max_tokens: int) -> Pass:
         prefill_url, decode_url = self.ends(row)
         side = side_of(row)
+        self.run_alone(side)
         # every process of every set: an idle set's CPU is taken from the row's (UCX polls)
         pids = {f"{s}: {name}": pid for s, named in self.pids.items() for name, pid in named.items()
                 if s not in self.failed}
@@ -194,6 +230,7 @@ class Bench:
         return count_nixl_failures(text)
 
     def stop(self) -> None:
+        self.run_alone(None)  # (a paused process would take its SIGTERM only once resumed)
         for server in self.servers.values():
             server.terminate()
         for server in self.servers.values():
@@ -209,18 +246,25 @@ def dump(results: list[Pass], path: Path | None) -> None:
 
 
 def run(rows: list[str], sizes: list[int], requests: int, max_tokens: int, passes: int,
-        workdir: Path, json_path: Path | None = None, prefill_blocks: int | None = None) -> list[Pass]:
+        workdir: Path, json_path: Path | None = None, prefill_blocks: int | None = None,
+        share_cores: bool = False) -> tuple[list[Pass], dict[str, float]]:
+    """Every pass of every row; (the passes, the cores each engine set spent idle, alone)."""
     measured = [r for r in rows if r not in NOT_ON_CPU]
-    bench = Bench(workdir, measured, prefill_blocks)
+    bench = Bench(workdir, measured, prefill_blocks, share_cores)
     results: list[Pass] = []
+    idle: dict[str, float] = {}
     try:
         bench.start()
         measured = [r for r in measured if bench.runnable(r)]
         print("connector: warming up every row (2 requests each) ...", flush=True)
         for row in measured:
+            bench.run_alone(side_of(row))
             prefill_url, decode_url = bench.ends(row)
             load.send_all(row, load.prompts(2, WARMUP_TOKENS, seed=99), 2, prefill_url, decode_url,
                           bench.decode_kvd(row))
+        idle = bench.idle_cores()
+        print("connector: idle, each engine set alone for 5 s: " + ", ".join(
+            f"{side} {cores:.2f} cores" for side, cores in idle.items()), flush=True)
         for index, size, row in schedule(measured, sizes, passes):
             batch = load.prompts(requests, size, seed=index)
             result = bench.measure(row, size, index, batch, max_tokens)
@@ -235,7 +279,7 @@ def run(rows: list[str], sizes: list[int], requests: int, max_tokens: int, passe
                   f"{failed}; {uptime()}", flush=True)
     finally:
         bench.stop()
-    return results
+    return results, idle
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-blocks", type=int,
                         help="give each prefill engine a KV cache of this many 32-token blocks (memory relief: how "
                              "well a small prefill cache serves the requests, by connector; default: vLLM's sizing)")
+    parser.add_argument("--share-cores", action="store_true",
+                        help="leave every engine set running while another row is measured (default: pause the "
+                             "others, as separate machines would not share their cores)")
     parser.add_argument("--workdir", type=Path, help="where the model, logs and sockets go (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="also write every sample to this file")
     parser.add_argument("--output", type=Path, help="also write the table (markdown) to this file")
@@ -273,13 +320,17 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvd-connector-"))
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    results = run(rows, sizes, args.requests, args.max_tokens, args.passes, workdir, args.json, args.prefill_blocks)
+    results, idle = run(rows, sizes, args.requests, args.max_tokens, args.passes, workdir, args.json,
+                        args.prefill_blocks, args.share_cores)
     summaries = summarize(results)
     report = "\n".join([
         f"{args.requests} concurrent requests per row and size, {args.max_tokens} output tokens, {args.passes} passes, "
         + (f"prefill KV caches of {args.prefill_blocks} blocks, " if args.prefill_blocks else "") +
         f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, run took "
-        f"{time.monotonic() - started:.0f}s, {uptime()} at the end; logs in {workdir}", "",
+        f"{time.monotonic() - started:.0f}s, {uptime()} at the end; logs in {workdir}",
+        ("every engine set ran while each row was measured (--share-cores)" if args.share_cores else
+         "each row measured with the other engine sets paused (SIGSTOP)") + "; idle, each set alone: "
+        + ", ".join(f"{side} {cores:.2f} cores" for side, cores in idle.items()), "",
         table(summaries), "", "Where the time went (the engines' own /metrics, means; P: prefill engine, D: decode "
         "engine; decode side: TTFT minus prefill's answer):", "", step_table(summaries), "",
         "CPU seconds by process (every pass):", *cpu_lines(summaries),

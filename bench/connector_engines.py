@@ -179,6 +179,19 @@ def process_tree_cpu(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def pause(pid: int, group: bool, paused: bool) -> None:
+    """SIGSTOP (or SIGCONT) a process, or its whole process group (an engine: API server, engine
+    core and workers); one already gone is left alone."""
+    sig = signal.SIGSTOP if paused else signal.SIGCONT
+    try:
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {name: max(0.0, after.get(name, 0.0) - before.get(name, 0.0)) for name in after}
 

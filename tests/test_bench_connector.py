@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import sys
 import threading
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from bench import connector_load as load
+from kvd.testing import eventually
 from bench.connector_report import (NOT_ON_CPU, Pass, Sample, count_nixl_failures, engine_deltas, parse_rows,
                                     parse_sizes, own_cpu, percentile, schedule, scrape_totals, side_of, skip_lines,
                                     step_table, summarize, table)
@@ -214,18 +218,55 @@ def test_a_failed_request_is_counted_not_raised():
     assert s.error and s.tokens == []
 
 
+def test_engine_sets_not_measured_are_paused_whole_and_resumed():
+    # an engine is a process group (API server, engine core, workers): every one of them stops
+    import subprocess
+
+    from bench.connector_engines import pause
+
+    def state(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    def children(pid: int) -> list[int]:  # (by parent pid: not every kernel has /proc/PID/task/PID/children)
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(stat.parent.name))
+            except (OSError, ValueError):
+                pass
+        return found
+
+    sleeper = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; " \
+              "time.sleep(60)']); time.sleep(60)"
+    engine = subprocess.Popen([sys.executable, "-c", sleeper], start_new_session=True)
+    try:
+        eventually(lambda: len(children(engine.pid)) == 1)
+        [worker] = children(engine.pid)
+        pause(engine.pid, group=True, paused=True)
+        eventually(lambda: state(engine.pid) == "T" and state(worker) == "T")
+        pause(engine.pid, group=True, paused=False)
+        eventually(lambda: state(engine.pid) != "T" and state(worker) != "T")
+    finally:
+        os.killpg(engine.pid, signal.SIGKILL)
+        engine.wait()
+    pause(engine.pid, group=False, paused=True)  # gone: nothing to do, no error
+
+
 @pytest.mark.slow
 def test_two_requests_through_kvd_on_real_engines_are_token_exact(tmp_path, capsys):
     pytest.importorskip("vllm")
     from bench import connector
 
     out = tmp_path / "samples.json"
-    assert connector.main(["--sizes", "128", "--requests", "2", "--rows", "none,kvd-push", "--passes", "1",
+    assert connector.main(["--sizes", "128", "--requests", "2", "--rows", "none,kvd-push,kvd-pp", "--passes", "1",
                            "--workdir", str(tmp_path), "--json", str(out)]) == 0
     passes = json.loads(out.read_text())
-    assert {p["row"] for p in passes} == {"none", "kvd-push"}
+    assert {p["row"] for p in passes} == {"none", "kvd-push", "kvd-pp"}
     push = next(p for p in passes if p["row"] == "kvd-push")
     assert push["kv_bytes"] >= 2 * 4 * 128 * 1024  # 2 prompts x 4 layers x 128 tokens x 1 KiB
     assert all(s["error"] is None for p in passes for s in p["samples"])
-    assert "| 128 | kvd-push | " in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| 128 | kvd-push | " in printed and "| 128 | kvd-pp | " in printed
+    assert "idle, each set alone: kvd " in printed and " pp " in printed
     assert sys.modules["bench.connector"] is connector
