@@ -236,6 +236,10 @@ class EntryWatch:
             del self._departed[next(iter(self._departed))]
         self.wake(entry.request_id)
 
+    def on_returned(self, entry: Entry) -> None:
+        """A failed push or pull gave its claim back: whoever waits for the entry may have it now."""
+        self.wake(entry.request_id)
+
     def departed(self, request_id: str) -> tuple[str, bool] | None:
         """(peer, pushed?) if an entry of request_id left for a peer lately, and none came since."""
         found = self._departed.get(request_id)

@@ -241,6 +241,38 @@ def test_a_puller_that_says_done_early_never_receives_another_requests_bytes(dae
         eventually(lambda: pool_used(c) == 0, timeout=10)
 
 
+
+def test_a_get_waiting_behind_a_failed_pull_has_the_entry_at_once(daemons):
+    # a pull without keep claims the entry; when it fails, the entry is the holder's again, and a
+    # local get parked on it meanwhile must have it then, not at the end of its own timeout
+    import threading
+
+    a = daemons.start("A", pool_size="64MiB")
+    with a.client() as c, a.client() as waiter:
+        c.put("pulled", {"x": filled(4 << 20, 0x11)})
+        peer = RawPeer(a.listen)
+        peer.hello()
+        peer.send(p.Pull(xfer=43, request_id="pulled", timeout=5.0))
+        assert isinstance(peer.recv(), p.Offer)  # served: the entry is claimed by the pull
+        got: dict = {}
+
+        def get() -> None:
+            started = time.monotonic()
+            got["x"] = waiter.get("pulled", timeout=30)["x"]
+            got["seconds"] = time.monotonic() - started
+
+        thread = threading.Thread(target=get)
+        thread.start()
+        time.sleep(0.5)  # the get is parked behind the claim
+        assert "x" not in got
+        aborted = time.monotonic()
+        peer.send(p.Abort(xfer=43, code=1, message="the puller gives up"))
+        thread.join(35)
+        assert torch.equal(got["x"], filled(4 << 20, 0x11))
+        assert time.monotonic() - aborted < 5, f"the get waited {got['seconds']:.1f}s for an entry back at once"
+        peer.close()
+        eventually(lambda: pool_used(c) == 0, timeout=10)
+
 # --- 2b. another connection, another user -----------------------------------------------------------------
 
 def test_another_connection_cannot_commit_a_put_it_did_not_reserve(daemons):
