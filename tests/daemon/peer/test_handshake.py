@@ -177,3 +177,14 @@ def test_forgotten_by_the_peer_says_hello_again_only_when_up(link):
     up(link)
     assert kinds(link.handle(Forgotten("say peer_hello first"))) == [SendHello]
     assert link.state is State.HELLO_SENT
+
+
+def test_protocol_md_prints_the_handshake_table_as_it_is():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "proto" / "PROTOCOL.md").read_text()
+    found = re.search(r"<!-- handshake table: begin[^>]*-->\n(.*?)\n<!-- handshake table: end -->", text, re.S)
+    assert found, "proto/PROTOCOL.md has lost its handshake table markers"
+    assert found.group(1) == hs.markdown(), \
+        "proto/PROTOCOL.md's handshake table is stale: paste the output of python -m kvd.daemon.peer.handshake"
