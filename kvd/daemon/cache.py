@@ -129,6 +129,13 @@ class CacheService:
             log.exception("tier: storing pages at their homes failed")
         self.reply(rid, p.Ok(req=req, value=published))
 
+    async def close(self) -> None:
+        """Shutting down: questions to other homes still in flight are called off (before the pool
+        they would write into goes; their clients are going too)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     def _later(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro, name="cache-at-home")
         self._tasks.add(task)

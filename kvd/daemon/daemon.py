@@ -71,6 +71,7 @@ class Daemon:
         self.transfers: Transfers | None = None
         self.router: Router | None = None
         self.handlers: LocalHandlers | None = None
+        self._cache_service: CacheService | None = None
         self.http: HttpEndpoint | None = None
         self._housekeeping: asyncio.Task | None = None
         self._made_dirs: list[str] = []  # socket directories this start created
@@ -210,6 +211,8 @@ class Daemon:
                 await asyncio.sleep(0)
         if self.handlers is not None:
             await self.handlers.close()
+        if self._cache_service is not None:
+            await self._cache_service.close()
         if self._housekeeping is not None:
             self._housekeeping.cancel()
             await asyncio.gather(self._housekeeping, return_exceptions=True)

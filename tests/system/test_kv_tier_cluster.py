@@ -75,6 +75,43 @@ def test_nodes_agree_on_homes_and_a_leave_moves_only_its_keys(daemons, etcd):
         assert new == old if old != "C" else new in ("A", "B")
 
 
+def test_a_daemon_stopped_while_it_asks_a_frozen_home_exits_cleanly(daemons, etcd):
+    # a get of pages homed on B waits up to the tier's deadline for B; A told to stop meanwhile
+    # calls the question off before its pool goes, answers or drops its client, and exits 0
+    import signal
+
+    from kvd.errors import KvdError
+
+    cluster = f"c{uuid.uuid4().hex[:8]}"
+    flags = ["--registry", etcd.url, "--cluster", cluster, "--registry-ttl", f"{TTL}s", *SMALL, "--cache-size", "4MiB"]
+    a = daemons.start("A", pool_size="16MiB", extra=flags)
+    b = daemons.start("B", pool_size="16MiB", extra=flags)
+    eventually(lambda: tier_nodes(a) == ["A", "B"] == tier_nodes(b), timeout=15)
+    at_b = [k for k, home in zip(KEYS, homes("ns", KEYS, ["A", "B"])) if home == "B"][:64]
+    b.kill(signal.SIGSTOP)
+    try:
+        ended: dict = {}
+
+        def get() -> None:
+            with a.client() as client:
+                try:
+                    ended["hits"] = client.cache_get(at_b, [torch.empty(PAGE) for _ in at_b], namespace="ns")
+                except KvdError as exc:  # (the daemon going away is an answer too)
+                    ended["error"] = exc
+
+        reader = threading.Thread(target=get)
+        reader.start()
+        time.sleep(0.3)  # A is waiting for B's answer
+        assert a.stop() == 0
+        reader.join(10)
+        assert not reader.is_alive() and ended
+        assert ended.get("hits", [False]) == [False] * len(ended.get("hits", [False]))
+        log = a.log()
+        assert "Traceback" not in log and "was destroyed but it is pending" not in log, log[-2000:]
+    finally:
+        b.kill(signal.SIGCONT)
+
+
 @pytest.mark.slow  # ~30 s; the placement test above runs by default
 def test_joins_and_leaves_under_a_live_workload_cost_misses_never_wrong_bytes(daemons, etcd):
     cluster = f"c{uuid.uuid4().hex[:8]}"
