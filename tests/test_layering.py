@@ -7,7 +7,7 @@
 - `kvd.daemon.store` is pure bookkeeping: no asyncio, no ZeroMQ, nothing else of the daemon.
 - no two kvd modules import each other in a circle (imports inside functions and under
   TYPE_CHECKING count: they are dependencies at run time);
-- no module is over 500 lines, and at most about 8 plain modules sit directly under kvd/.
+- no module is over 450 lines, and at most about 8 plain modules sit directly under kvd/.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvd"
-MAX_LINES = 500
+MAX_LINES = 450
 
 
 def module_name(path: Path) -> str:
@@ -153,7 +153,7 @@ def test_no_import_circles():
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
-def test_no_module_is_over_500_lines(name):
+def test_no_module_is_over_450_lines(name):
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{name} has {lines} lines (at most {MAX_LINES}: split it along a seam)"
 
