@@ -1,4 +1,4 @@
-"""The KV tier across a cluster, on real daemons and a real registry (etcd): each node's record
+"""The KV tier across a cluster, on real daemons and a real registry (etcd and Redis): each node's record
 advertises its tier budget, every node sees the same tier nodes and so the same rendezvous homes,
 a page set on one node is found from the others, and nodes joining and leaving under a live
 set/get workload cost misses, never wrong bytes; a home that is gone costs a miss within about
@@ -23,9 +23,9 @@ TTL = 2.0
 KEYS = [f"{i:064x}" for i in range(3000)]
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    server = start_or_skip("etcd")
+@pytest.fixture(scope="module", params=["etcd", "redis"])
+def registry(request):
+    server = start_or_skip(request.param)
     yield server
     stop_server(server)
 
@@ -43,9 +43,9 @@ def tier_nodes(daemon) -> list[str]:
     return sorted(n["node_id"] for n in ask(p.ClusterNodes(req=1), daemon.socket) if n.get("cache_bytes", 0) > 0)
 
 
-def test_nodes_agree_on_homes_and_a_leave_moves_only_its_keys(daemons, etcd):
+def test_nodes_agree_on_homes_and_a_leave_moves_only_its_keys(daemons, registry):
     cluster = f"c{uuid.uuid4().hex[:8]}"
-    flags = ["--registry", etcd.url, "--cluster", cluster, "--registry-ttl", f"{TTL}s", *SMALL]
+    flags = ["--registry", registry.url, "--cluster", cluster, "--registry-ttl", f"{TTL}s", *SMALL]
     a = daemons.start("A", pool_size="16MiB", extra=[*flags, "--cache-size", "4MiB"])
     b = daemons.start("B", pool_size="16MiB", extra=[*flags, "--cache-size", "0.5"])
     c = daemons.start("C", pool_size="16MiB", extra=[*flags])  # the default budget: a quarter of the pool
@@ -75,7 +75,7 @@ def test_nodes_agree_on_homes_and_a_leave_moves_only_its_keys(daemons, etcd):
         assert new == old if old != "C" else new in ("A", "B")
 
 
-def test_a_daemon_stopped_while_it_asks_a_frozen_home_exits_cleanly(daemons, etcd):
+def test_a_daemon_stopped_while_it_asks_a_frozen_home_exits_cleanly(daemons, registry):
     # a get of pages homed on B waits up to the tier's deadline for B; A told to stop meanwhile
     # calls the question off before its pool goes, answers or drops its client, and exits 0
     import signal
@@ -83,7 +83,8 @@ def test_a_daemon_stopped_while_it_asks_a_frozen_home_exits_cleanly(daemons, etc
     from kvd.errors import KvdError
 
     cluster = f"c{uuid.uuid4().hex[:8]}"
-    flags = ["--registry", etcd.url, "--cluster", cluster, "--registry-ttl", f"{TTL}s", *SMALL, "--cache-size", "4MiB"]
+    flags = ["--registry", registry.url, "--cluster", cluster, "--registry-ttl", f"{TTL}s", *SMALL,
+             "--cache-size", "4MiB"]
     a = daemons.start("A", pool_size="16MiB", extra=flags)
     b = daemons.start("B", pool_size="16MiB", extra=flags)
     eventually(lambda: tier_nodes(a) == ["A", "B"] == tier_nodes(b), timeout=15)
@@ -113,9 +114,10 @@ def test_a_daemon_stopped_while_it_asks_a_frozen_home_exits_cleanly(daemons, etc
 
 
 @pytest.mark.slow  # ~30 s; the placement test above runs by default
-def test_joins_and_leaves_under_a_live_workload_cost_misses_never_wrong_bytes(daemons, etcd):
+def test_joins_and_leaves_under_a_live_workload_cost_misses_never_wrong_bytes(daemons, registry):
     cluster = f"c{uuid.uuid4().hex[:8]}"
-    flags = ["--registry", etcd.url, "--cluster", cluster, "--registry-ttl", f"{TTL}s", "--cache-size", "0.5", *SMALL]
+    flags = ["--registry", registry.url, "--cluster", cluster, "--registry-ttl", f"{TTL}s", "--cache-size", "0.5",
+             *SMALL]
     nodes = [daemons.start(name, pool_size="16MiB", extra=flags) for name in ("A", "B", "C")]
     eventually(lambda: all(tier_nodes(d) == ["A", "B", "C"] for d in nodes), timeout=15)
     stop, tally, errors = threading.Event(), {"hits": 0, "misses": 0, "wrong": 0, "slowest": 0.0}, []
