@@ -15,6 +15,7 @@ import itertools
 import logging
 import random
 from collections.abc import Callable
+from typing import Any
 
 from kvd.cluster.rendezvous import homes
 from kvd.errors import KvdError
@@ -41,7 +42,7 @@ class TierPeers:
         self.nodes = nodes  # the tier's nodes now (this one included once registered)
         self.checksum = checksum
         self._xfers = itertools.count(random.getrandbits(48) << 8)
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, tuple[str, type, asyncio.Future]] = {}  # xfer -> (home asked, answer type, its answer)
         self.counts = {"stored_sent": 0, "fetched": 0, "asked": 0, "timeouts": 0, "bad": 0}
 
     # --- where pages live -----------------------------------------------------------------------------
@@ -132,8 +133,14 @@ class TierPeers:
                 held = [self.cache.exists(msg.namespace, [key]) == 1 for key in msg.keys]
                 channel.send(p.TierHeld(xfer=msg.xfer, held=held))
             case p.TierPages() | p.TierHeld():
-                waiter = self._waiting.pop(msg.xfer, None)
-                if waiter is not None and not waiter.done():
+                asked = self._waiting.get(msg.xfer)
+                if asked is None:
+                    return  # (a question that timed out, or none of ours)
+                home, answer, waiter = asked
+                if channel.peer_name != home or not isinstance(msg, answer):  # only the home asked, in kind
+                    raise KvdError(f"{msg.TYPE} for exchange {msg.xfer:x}, asked of {home} for a {answer.TYPE}")
+                del self._waiting[msg.xfer]
+                if not waiter.done():
                     waiter.set_result(msg)
 
     # --- what we ask -------------------------------------------------------------------------------------
@@ -149,7 +156,7 @@ class TierPeers:
                               digest=digest(self.checksum, payload), payload=payload, checksum=self.checksum,
                               namespace=namespace, keys=[page.key for page in batch],
                               pages=[[page.dtype, list(page.shape)] for page in batch])
-            reply = await self._ask(home, msg)
+            reply = await self._ask(home, msg, p.TierHeld)
             if reply is None:
                 return kept
             kept += sum(1 for h in reply.held if h is True)
@@ -162,10 +169,10 @@ class TierPeers:
             await link.ensure_ready(TIMEOUT)
         link.channel.send(msg)
 
-    async def _ask(self, home: str, msg) -> p.Message | None:
-        """One question to a home, answered within TIMEOUT, or None."""
+    async def _ask(self, home: str, msg, answer: type) -> Any:
+        """One question to a home, answered by it with an `answer` within TIMEOUT, or None."""
         waiter = asyncio.get_running_loop().create_future()
-        self._waiting[msg.xfer] = waiter
+        self._waiting[msg.xfer] = (home, answer, waiter)
         async def ask() -> p.Message:
             await self._send(home, msg)
             return await waiter
@@ -190,7 +197,8 @@ class TierPeers:
             for start in range(0, len(idx), PER_MESSAGE):
                 part = idx[start:start + PER_MESSAGE]
                 reply = await self._ask(home, p.TierFetch(xfer=next(self._xfers), namespace=namespace,
-                                                          keys=[keys[i] for i in part], sizes=[sizes[i] for i in part]))
+                                                          keys=[keys[i] for i in part], sizes=[sizes[i] for i in part]),
+                                        p.TierPages)
                 if reply is None:
                     return got
                 try:
@@ -223,7 +231,7 @@ class TierPeers:
             for start in range(0, len(idx), 4096):
                 part = idx[start:start + 4096]
                 reply = await self._ask(home, p.TierAsk(xfer=next(self._xfers), namespace=namespace,
-                                                        keys=[keys[i] for i in part]))
+                                                        keys=[keys[i] for i in part]), p.TierHeld)
                 if reply is None or len(reply.held) != len(part):
                     return found
                 found |= {i for i, h in zip(part, reply.held, strict=True) if h is True}

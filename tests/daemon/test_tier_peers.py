@@ -1,0 +1,103 @@
+"""The tier's questions to other homes (kvd.daemon.tier_peers), socket-free: a real CacheStore on a
+real pool buffer, and links that record what they are given to send, so a test plays the homes
+and says exactly what comes back. An answer counts only if it comes from the home that was asked
+and is the kind of answer the question wants; anything else is refused and counted, and the
+question goes on waiting for the real answer (or its deadline: a miss, never an error)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvd.daemon.store.cache import CacheStore, SharedPool
+from kvd.daemon.tier_peers import TierPeers
+from kvd.wire import protocol as p
+from kvd.wire.checksum import digest
+
+BLOCK = 4096
+
+
+class RecordingChannel:
+    def __init__(self, peer_name: str) -> None:
+        self.peer_name = peer_name
+        self.sent: list[p.Message] = []
+
+    def send(self, msg: p.Message) -> None:
+        self.sent.append(msg)
+
+
+class Link:
+    connected = True
+
+    def __init__(self, name: str) -> None:
+        self.channel = RecordingChannel(name)
+
+
+def tier() -> tuple[TierPeers, dict[str, Link]]:
+    links = {name: Link(name) for name in ("B", "C")}
+    pool = memoryview(bytearray(64 * BLOCK))
+    cache = CacheStore(SharedPool(64), BLOCK, 32 * BLOCK)
+    peers = TierPeers("A", cache, pool, BLOCK, links.__getitem__, lambda: ["A", "B", "C"], "xxh3_64")
+    return peers, links
+
+
+def pages_answer(xfer: int, data: list[bytes]) -> p.TierPages:
+    return p.TierPages(xfer=xfer, seq=0, offset=0, lengths=[len(d) for d in data], digest=digest("xxh3_64", data),
+                       payload=data, checksum="xxh3_64", found=list(range(len(data))),
+                       pages=[["uint8", [len(d)]] for d in data])
+
+
+async def first_sent(link: Link) -> p.Message:
+    while not link.channel.sent:
+        await asyncio.sleep(0)
+    return link.channel.sent[0]
+
+
+def test_an_answer_from_another_node_or_of_another_kind_is_refused_and_the_question_waits():
+    async def main() -> None:
+        peers, links = tier()
+        on_message = peers.wrap(lambda source, msg: pytest.fail(f"{msg} is the tier's"))
+        asking = asyncio.ensure_future(peers.held("ns", ["k1", "k2"], {"B": [0, 1]}))
+        question = await first_sent(links["B"])
+        assert isinstance(question, p.TierAsk)
+        # C answers B's question; B answers it with pages, not with what it holds: both refused
+        on_message(links["C"], p.TierHeld(xfer=question.xfer, held=[True, True]))
+        on_message(links["B"], pages_answer(question.xfer, [b"x" * 8]))
+        assert peers.counts["bad"] == 2 and not asking.done()
+        on_message(links["B"], p.TierHeld(xfer=question.xfer, held=[False, True]))
+        assert await asking == {1}
+
+    asyncio.run(main())
+
+
+def test_forged_pages_from_another_node_never_land_and_the_real_ones_do():
+    async def main() -> None:
+        peers, links = tier()
+        on_message = peers.wrap(lambda source, msg: None)
+        real, forged = bytes(range(16)), b"\xee" * 16
+        fetching = asyncio.ensure_future(peers.fetch("ns", ["k"], [16], {"B": [0]}))
+        question = await first_sent(links["B"])
+        on_message(links["C"], pages_answer(question.xfer, [forged]))  # a valid digest, the wrong node
+        on_message(links["B"], pages_answer(question.xfer, [real]))
+        assert await fetching == []
+        token, [page] = peers.cache.lease("ns", ["k"], [16])
+        try:
+            assert peers.read(page) == real
+        finally:
+            peers.cache.release(token)
+        assert (peers.counts["bad"], peers.counts["fetched"]) == (1, 1)
+
+    asyncio.run(main())
+
+
+def test_a_home_that_answers_only_in_the_wrong_kind_costs_a_miss_at_the_deadline():
+    async def main() -> None:
+        peers, links = tier()
+        on_message = peers.wrap(lambda source, msg: None)
+        fetching = asyncio.ensure_future(peers.fetch("ns", ["k"], [16], {"B": [0]}))
+        question = await first_sent(links["B"])
+        on_message(links["B"], p.TierHeld(xfer=question.xfer, held=[True]))  # a fetch wants pages
+        assert await fetching == [] and peers.counts["fetched"] == 0 and peers.counts["timeouts"] == 1
+        assert peers.cache.exists("ns", ["k"]) == 0
+
+    asyncio.run(main())
