@@ -257,7 +257,8 @@ class Client(_ClientCore):
 
     def cache_stats(self, namespace: str | None = None) -> dict:
         """The KV tier's counters: hits, misses, evictions, stored, refused, entries, bytes, budget
-        (of one namespace, or of all with the biggest namespaces by name)."""
+        (of one namespace, or of all with the biggest namespaces by name; of all, in a cluster, also
+        "cluster": the exchanges with other nodes' tiers: stored_sent, fetched, asked, timeouts, bad)."""
         self.connect()
         return self._drive(self._simple(p.CacheStats(req=next(self._reqs), namespace=namespace)))
 

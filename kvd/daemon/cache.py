@@ -95,7 +95,10 @@ class CacheService:
             case p.CacheClear():
                 return p.Ok(req=msg.req, value=store.clear(msg.namespace))
             case p.CacheStats():
-                return p.Ok(req=msg.req, value=store.stats(msg.namespace))
+                stats = store.stats(msg.namespace)
+                if msg.namespace is None and self.peers is not None:  # the exchanges with other homes
+                    stats["cluster"] = dict(self.peers.counts)
+                return p.Ok(req=msg.req, value=stats)
         raise BadRequest(f"{msg.TYPE} is not a cache request")
 
     def _get(self, rid: bytes, msg: p.CacheGet) -> p.CacheSlots:

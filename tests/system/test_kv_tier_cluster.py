@@ -67,6 +67,8 @@ def test_nodes_agree_on_homes_and_a_leave_moves_only_its_keys(daemons, registry)
             assert reader.cache_exists(KEYS[:200], namespace="ns") == 200
             assert reader.cache_get(KEYS[:200], outs, namespace="ns") == [True] * 200
             assert all(torch.equal(o, w) for o, w in zip(outs, pages))
+        exchanges = on_d.cache_stats()["cluster"]  # D holds no pages: each one it read was fetched
+        assert exchanges["fetched"] == 200 and exchanges["bad"] == 0 and exchanges["timeouts"] == 0
 
     c.stop()
     eventually(lambda: all(tier_nodes(d) == ["A", "B"] for d in (a, b, off)), timeout=15)
