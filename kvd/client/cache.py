@@ -59,17 +59,23 @@ def _page(tensor: object, what: str) -> torch.Tensor:
     return tensor.detach()
 
 
-def cache_put(core: Any, keys: Sequence[str], pages: Sequence[torch.Tensor], namespace: str) -> Operation:
+def _batches(keys: Sequence[str], tensors: Sequence[torch.Tensor], namespace: str,
+             what: str) -> list[tuple[list[str], list[torch.Tensor]]]:
+    """Checked keys and their tensors (one each: pages to put, outs to get into), MAX_BATCH a batch."""
     keys = _keys(keys)
     _check_namespace(namespace)
-    pages = [_page(t, f"page {i}") for i, t in enumerate(pages)]
-    if len(pages) != len(keys):
-        raise BadRequest(f"{len(keys)} keys but {len(pages)} pages")
+    checked = [_page(t, f"{what}[{i}]") for i, t in enumerate(tensors)]
+    if len(checked) != len(keys):
+        raise BadRequest(f"{len(keys)} keys but {len(checked)} {what}")
+    return [(keys[start:start + MAX_BATCH], checked[start:start + MAX_BATCH])
+            for start in range(0, len(keys), MAX_BATCH)]
+
+
+def cache_put(core: Any, keys: Sequence[str], pages: Sequence[torch.Tensor], namespace: str) -> Operation:
     results: list[bool] = []
-    for start in range(0, len(keys), MAX_BATCH):
-        batch = pages[start:start + MAX_BATCH]
+    for batch_keys, batch in _batches(keys, pages, namespace, "pages"):
         generation = core._generation
-        reply = yield p.CachePut(req=next(core._reqs), namespace=namespace, keys=keys[start:start + MAX_BATCH],
+        reply = yield p.CachePut(req=next(core._reqs), namespace=namespace, keys=batch_keys,
                                  pages=[[DTYPE_NAMES[t.dtype], list(t.shape)] for t in batch]), 0.0
         slots = reply.slots
         if not isinstance(slots, list) or len(slots) != len(batch):
@@ -128,18 +134,11 @@ def _copy_out(pool: torch.Tensor, segments: list[tuple[int, int]], out: torch.Te
 
 
 def cache_get(core: Any, keys: Sequence[str], outs: Sequence[torch.Tensor], namespace: str) -> Operation:
-    keys = _keys(keys)
-    _check_namespace(namespace)
-    outs = [_page(t, f"outs[{i}]") for i, t in enumerate(outs)]
-    if len(outs) != len(keys):
-        raise BadRequest(f"{len(keys)} keys but {len(outs)} out tensors")
     results: list[bool] = []
-    for start in range(0, len(keys), MAX_BATCH):
-        batch = outs[start:start + MAX_BATCH]
+    for batch_keys, batch in _batches(keys, outs, namespace, "outs"):
         sizes = [t.numel() * t.element_size() for t in batch]
         generation = core._generation
-        reply = yield p.CacheGet(req=next(core._reqs), namespace=namespace, keys=keys[start:start + MAX_BATCH],
-                                 sizes=sizes), 0.0
+        reply = yield p.CacheGet(req=next(core._reqs), namespace=namespace, keys=batch_keys, sizes=sizes), 0.0
         slots = reply.slots
         hits = [i for i, slot in enumerate(slots)
                 if slot is not None] if isinstance(slots, list) and len(slots) == len(batch) else None
