@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import ssl
 import time
@@ -89,8 +90,9 @@ class RedisBackend:
     def __init__(self, host: str, port: int, db: int = 0, cluster: str = "kvd",
                  op_timeout: float = DEFAULT_OP_TIMEOUT, poll: float = 0.25,
                  relist: float = RELIST_EVERY, *, username: str = "", password: str = "",
-                 tls: ssl.SSLContext | None = None, name: str = "") -> None:
-        """`name`: the registry as messages show it (a redacted URL); `tls`: rediss:// with that context."""
+                 tls: ssl.SSLContext | None = None, name: str = "", client_cert: bool = False) -> None:
+        """`name`: the registry as messages show it (a redacted URL); `tls`: rediss:// with that context
+        (`client_cert`: it holds a certificate of ours)."""
         try:
             import redis.asyncio as aioredis
             from redis.backoff import NoBackoff
@@ -107,6 +109,9 @@ class RedisBackend:
         self.version_key = self.keys.nodes_version
         self.user = username
         self._credentials = bool(password)
+        # TLS 1.3 finishes the client's side of the handshake before the server has checked for a
+        # client certificate: a server that wants one we lack may then just close the connection
+        self._tls_without_cert = tls is not None and not client_cert
         self._skip = Skips(log, self.name)
         self.dropped: Counter[tuple[str, str]] = self._skip.dropped
         self.list_page, self.max_listing_bytes = LIST_PAGE, MAX_LISTING_BYTES
@@ -205,7 +210,17 @@ class RedisBackend:
     # ---- nodes ----
 
     async def open_session(self, ttl: float) -> RedisSession:
-        await self._run(self._r.ping)
+        try:
+            await self._run(self._r.ping)
+        except RegistryRefused:
+            raise
+        except RegistryUnavailable as e:  # (a first command that meets a closed TLS connection)
+            if self._tls_without_cert and re.search(r"[Cc]onnection (closed by (the )?server|reset by peer)", str(e)):
+                raise RegistryRefused(f"redis at {self.name}: TLS failed (the server closed the connection without "
+                                      "an answer, as one that requires a client certificate does); give "
+                                      "--registry-cert/--registry-key if it asks for one, and check "
+                                      "--registry-ca") from None
+            raise
         return RedisSession(self, ttl)
 
     async def _put(self, session: RedisSession, record: NodeRecord, judged: bytes = b"") -> bytes | None:

@@ -193,4 +193,4 @@ def open_backend(url: str | RegistryURL, cluster: str = "kvd", op_timeout: float
     from .redis import RedisBackend
     (host, port), = u.endpoints
     return RedisBackend(host, port, u.db, cluster=cluster, op_timeout=op_timeout, username=u.username,
-                        password=u.password, tls=tls, name=str(u))
+                        password=u.password, tls=tls, name=str(u), client_cert=bool(cert_file))

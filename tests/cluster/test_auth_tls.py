@@ -251,3 +251,51 @@ def test_without_h11_the_etcd_backend_says_what_to_install(monkeypatch):
     monkeypatch.setattr(etcd_http, "h11", None)
     with pytest.raises(RuntimeError, match=r"pip install 'kvd-daemon\[etcd\]'"):
         open_backend("etcd://127.0.0.1:1")
+
+
+def test_a_tls_server_that_closes_on_a_client_without_a_certificate_is_a_refusal(tmp_path):
+    # TLS 1.3: the client's handshake is over before the server has looked for a client certificate;
+    # one that wants it may close without an alert kvd ever reads (seen once in CI beside Redis's
+    # mTLS). A real TLS listener that does just that: the first command says what to check.
+    import socket
+    import ssl
+    import threading
+
+    certs = make_certs(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(certs.server_cert, certs.server_key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def close_after_handshake() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                with server_ctx.wrap_socket(conn, server_side=True):
+                    pass  # handshake done, then closed without an answer
+            except (ssl.SSLError, OSError):
+                pass
+
+    threading.Thread(target=close_after_handshake, daemon=True).start()
+    try:
+        @run
+        async def check():
+            b = open_backend(f"rediss://127.0.0.1:{port}", cluster(), 2.0, ca_file=certs.server_cert)
+            e = await refused(b)
+            assert "TLS failed" in str(e) and "--registry-cert" in str(e) and "--registry-ca" in str(e), e
+            # with a certificate of our own, the same close is what it seems: the registry is unavailable
+            b = open_backend(f"rediss://127.0.0.1:{port}", cluster(), 2.0, ca_file=certs.server_cert,
+                             cert_file=certs.client_cert, key_file=certs.client_key)
+            try:
+                with pytest.raises(RegistryUnavailable) as other:
+                    await b.open_session(30)
+                assert not isinstance(other.value, RegistryRefused), other.value
+            finally:
+                await b.close()
+
+        check()
+    finally:
+        listener.close()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvd
-from kvd.testing import free_port
+from kvd.testing import eventually, free_port
 
 
 def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
@@ -64,6 +64,9 @@ def test_metrics_move_by_the_right_amounts(daemons):
         ca.put("m-local", {"x": payload})
         with pytest.raises(kvd.NotFound):
             ca.get("missing", timeout=0)
+        # a pushed entry's blocks go once ZeroMQ has let go of its zero-copy frames, just after the
+        # push returns: under load (CI's two workers) not yet at the first scrape
+        eventually(lambda: metric(scrape(port_a)[1], "kvd_pool_used_bytes") == 3 << 20, timeout=10)
         held_a, held_b = scrape(port_a)[1], scrape(port_b)[1]
         cb.get("m-1")
     after_a = scrape(port_a)[1]
