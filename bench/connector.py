@@ -149,14 +149,16 @@ class Bench:
         """Pause every engine set but `side` (and its daemons) and resume that one; None resumes all."""
         if self.share_cores and side is not None:
             return
+        changed = False
         for other, named in self.pids.items():
             paused = side is not None and other != side
             if self.paused.get(other, False) == paused or other in self.failed:
                 continue
             for name, pid in named.items():
                 eng.pause(pid, group="engine" in name, paused=paused)
-            self.paused[other] = paused
-        time.sleep(0.2)
+            self.paused[other], changed = paused, True
+        if changed:
+            time.sleep(0.2)  # (the resumed set's threads back on their cores before the clock starts)
 
     def idle_cores(self, seconds: float = 5.0) -> dict[str, float]:
         """Cores each engine set spends doing nothing, each alone (the others paused)."""
