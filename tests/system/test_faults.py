@@ -18,7 +18,9 @@ import kvd
 from kvd.wire import protocol as p
 from kvd.wire.framing import MAX_FRAMES, MAX_MESSAGE_BYTES, MessageReader, encode_message
 from kvd.wire.endpoints import unix_path
-from kvd.testing import free_port, raw_connection
+from kvd.testing import free_port, raw_connection, wait_ready
+
+from .relay import PausingRelay
 
 
 def raw_dealer(endpoint: str) -> zmq.Socket:
@@ -277,7 +279,17 @@ def test_client_that_dies_mid_get_gives_the_entry_back(daemons):
 
 
 def test_receiver_killed_mid_transfer(daemons):
-    a, b = daemons.pair(pool_size="320MiB", extra=["--transfer-timeout", "2s"])
+    # A's link to B runs through a relay that holds everything past 16 MiB: the push is certain to be
+    # under way when B dies (a fixed sleep raced it: 256 MiB on loopback can finish in 0.1 s)
+    relay = PausingRelay(free_port(), 16 << 20)
+    relay.start()
+    port_a = free_port()
+    a = daemons.start("A", port=port_a, pool_size="320MiB", extra=["--transfer-timeout", "2s"],
+                      peers={"B": relay.endpoint}, wait=False)
+    b = daemons.start("B", port=relay.target_port, pool_size="320MiB", extra=["--transfer-timeout", "2s"],
+                      peers={"A": f"tcp://127.0.0.1:{port_a}"}, wait=False)
+    wait_ready(a)
+    wait_ready(b)
     big = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8)
     errors = []
 
@@ -291,8 +303,12 @@ def test_receiver_killed_mid_transfer(daemons):
     thread = threading.Thread(target=pusher)
     start = time.monotonic()
     thread.start()
-    time.sleep(0.15)
-    b.kill(signal.SIGKILL)
+    try:
+        assert relay.paused.wait(20), f"the relay forwarded only {relay.forwarded} bytes"
+        assert thread.is_alive(), f"the push ended before the fault: {errors!r}"
+        b.kill(signal.SIGKILL)
+    finally:
+        relay.stop()
     thread.join(30)
     assert errors and isinstance(errors[0], kvd.PeerUnavailable), errors
     assert time.monotonic() - start < 15
