@@ -6,8 +6,12 @@ where to write them (the client copies, then commits the token); a get pins its 
 where to read them (the client copies, then releases the token, without a reply). Tokens belong
 to the connection that got them: another connection cannot commit or release them, and a
 connection that hangs up gives back what it held (its uncommitted pages go, its pins end).
-A reservation not committed within the lease timeout is dropped; a pin has no deadline, since
-its reader may still be copying out (it ends with the reader's release or its disconnect).
+A reservation's life is a handoff's: the machine in `writes.py` (`LocalWrite`) decides it. One not
+committed within the lease timeout ends (its pages are unlisted, and its commit answers None), but
+its blocks stay parked until the writer commits, gives up or hangs up, since a writer that was only
+paused (GC, SIGSTOP, swap) still copies into them when it runs again: freed at once, they could be
+someone else's by then. A pin has no deadline either, since its reader may still be copying out (it
+ends with the reader's release or its disconnect).
 """
 from __future__ import annotations
 
@@ -19,11 +23,13 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvd.errors import BadRequest, NotFound
+from kvd.errors import BadRequest, NotFound, Timeout
 from kvd.wire import protocol as p
 from kvd.wire.layout import physical_segments
 
+from .logs import Throttle
 from .store.cache import TOP_NAMESPACES, CacheStore, Page
+from .writes import LocalWrite, WriteAction, WriteEvent
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +43,10 @@ class CacheService:
         self.lease_timeout = lease_timeout
         self._owner: dict[int, bytes] = {}  # open token -> the connection it was given to
         self._held: dict[bytes, set[int]] = {}  # connection -> its open tokens
-        self._deadlines: dict[int, float] = {}  # reservation token -> commit deadline (monotonic)
+        self._writes: dict[int, LocalWrite] = {}  # open reservation token -> its write's life
+        self._deadlines: dict[int, float] = {}  # live reservation token -> commit deadline (monotonic)
+        self.expired = 0  # reservations whose lease ran out before their commit
+        self._throttle = Throttle()
         # with a registry: pages homed elsewhere are sent there and asked of it (tier_peers.py)
         self.peers = None  # TierPeers
         self.reply: Callable[[bytes, p.Message], bool] | None = None  # a late answer to a client
@@ -50,6 +59,7 @@ class CacheService:
                 token, results = store.reserve(msg.namespace, msg.keys, msg.pages)
                 if store.writing(token):
                     self._own(rid, token)
+                    self._writes[token] = LocalWrite()
                     self._deadlines[token] = time.monotonic() + self.lease_timeout
                 return p.CacheSlots(req=msg.req, token=token, slots=[self._slot(r) for r in results])
             case p.CacheCommit():
@@ -57,8 +67,13 @@ class CacheService:
                     return p.Ok(req=msg.req, value=None)
                 self._disown(rid, msg.token, "reservation")
                 self._deadlines.pop(msg.token, None)
+                write = self._writes.pop(msg.token)
+                action = write.step(WriteEvent.COMMIT if msg.ok else WriteEvent.ABORT)
+                if action is not WriteAction.PUBLISH:  # given up, or its lease ran out: the blocks go now
+                    dropped = store.commit(msg.token, ok=False)
+                    return p.Ok(req=msg.req, value=None if action is WriteAction.FAIL else dropped)
                 pages = store.pending(msg.token)
-                published = store.commit(msg.token, ok=msg.ok)
+                published = store.commit(msg.token)
                 if self.peers is not None and self.reply is not None:
                     by_home = self._homes_of([page for page, ok in zip(pages, published, strict=True) if ok])
                     if by_home:  # answered once the homes have them (or within the tier's deadline)
@@ -83,8 +98,6 @@ class CacheService:
                 return None
             case p.CacheGet():
                 return self._get(rid, msg)
-                if any(page is not None for page in found):
-                    self._own(rid, token)
             case p.CacheRelease():
                 if self._owner.get(msg.token) == rid:  # (fire and forget: a stale token is ignored)
                     self._disown(rid, msg.token, "lease")
@@ -96,8 +109,10 @@ class CacheService:
                 return p.Ok(req=msg.req, value=store.clear(msg.namespace))
             case p.CacheStats():
                 stats = store.stats(msg.namespace)
-                if msg.namespace is None and self.peers is not None:  # the exchanges with other homes
-                    stats["cluster"] = dict(self.peers.counts)
+                if msg.namespace is None:
+                    stats["expired_writes"] = self.expired
+                    if self.peers is not None:  # the exchanges with other homes
+                        stats["cluster"] = dict(self.peers.counts)
                 return p.Ok(req=msg.req, value=stats)
         raise BadRequest(f"{msg.TYPE} is not a cache request")
 
@@ -200,25 +215,37 @@ class CacheService:
         """Its reservations are dropped, its pins end (it copies nothing any more)."""
         for token in self._held.pop(rid, ()):
             del self._owner[token]
-            self._end(token)
+            self._deadlines.pop(token, None)
+            write = self._writes.pop(token, None)
+            if write is None:
+                self.store.release(token)
+            else:
+                write.step(WriteEvent.GONE)  # (DROP or FREE: either way, nobody copies into them now)
+                self.store.commit(token, ok=False)
 
     def sweep(self, now: float) -> None:
-        """Drop reservations whose writer did not commit in time."""
+        """End the reservations whose writer did not commit in time: their pages are unlisted at
+        once, their blocks parked until the writer lets go (its commit answers None)."""
         late = [token for token, deadline in self._deadlines.items() if deadline <= now]
         for token in late:
-            rid = self._owner.get(token)
-            if rid is not None:
-                self._disown(rid, token, "reservation")
-            self._end(token)
-            log.warning("a cache put was not committed within %gs (--lease-timeout); its pages are dropped",
-                        self.lease_timeout)
+            del self._deadlines[token]
+            error = Timeout(f"the cache put was not committed within {self.lease_timeout:g} s (--lease-timeout)")
+            # (TELL: the writer is told by its commit's answer; it has no other request open to tell it on)
+            self._writes[token].step(WriteEvent.REMOVED, error)
+            self.store.expire(token)
+            self.expired += 1
+            if self._throttle.allow("expired"):  # (a client that never commits could fill the log)
+                    log.warning("a cache put was not committed within %gs (--lease-timeout): its pages are dropped, "
+                            "their blocks kept until its writer commits or disconnects (%d so far)",
+                            self.lease_timeout, self.expired)
 
-    def _end(self, token: int) -> None:
-        self._deadlines.pop(token, None)
-        if self.store.writing(token):
-            self.store.commit(token, ok=False)
-        else:
-            self.store.release(token)
+    def validate(self) -> None:
+        """For tests: every open reservation is its connection's, pinned in the store, live while it has a
+        deadline and ended once it has none."""
+        for token, write in self._writes.items():
+            assert token in self._owner and self.store.writing(token), f"reservation {token} is nobody's"
+            write.validate(pinned=True, removed=token not in self._deadlines)
+        assert set(self._deadlines) <= set(self._writes)
 
 
 def label(namespace: str) -> str:
@@ -239,7 +266,7 @@ class CacheCollector(Collector):
         yield GaugeMetricFamily("kvd_cache_used_bytes", "Pool bytes held by KV tier pages (whole blocks, parked "
                                 "ones included)", value=stats["used_bytes"])
         yield GaugeMetricFamily("kvd_cache_parked_bytes", "Pool bytes of removed KV tier pages a reader still "
-                                "copies from", value=stats["parked_bytes"])
+                                "copies from, or a writer whose lease ran out still holds", value=stats["parked_bytes"])
         top = sorted(store.namespaces(), key=lambda item: (-item[1].bytes, item[0]))[:TOP_NAMESPACES]
         for name, help_text, kind in (
                 ("entries", "KV tier pages held", GaugeMetricFamily),

@@ -138,13 +138,16 @@ def test_bad_input_is_refused_clearly_and_loses_nothing(daemons):
         conn.send(p.encode(p.CacheExists(req=5, namespace="", keys=["k"] * 5000)))
         reply = p.decode(conn.receive(5.0))
         assert isinstance(reply, p.Error) and "at most 4096 keys" in reply.message
-        # a reservation not committed within the lease goes back; its late commit publishes nothing
+        # a reservation not committed within the lease ends (its blocks wait for its writer); its late
+        # commit publishes nothing and lets go of them
         conn.send(p.encode(p.CachePut(req=6, namespace="", keys=["late"], pages=[["uint8", [4096]]])))
         late = p.decode(conn.receive(5.0))
         assert isinstance(late, p.CacheSlots) and late.slots[0]
-        eventually(lambda: client.cache_stats()["writes_open"] == 0, timeout=15)
+        eventually(lambda: client.cache_stats()["expired_writes"] == 1, timeout=15)
+        assert client.cache_stats()["writes_open"] == 1 and client.cache_stats()["parked_bytes"] == 4096
         conn.send(p.encode(p.CacheCommit(req=7, token=late.token)))
         assert p.decode(conn.receive(5.0)) == p.Ok(req=7, value=None)
+        assert client.cache_stats()["writes_open"] == 0 and client.cache_stats()["parked_bytes"] == 0
         assert client.cache_exists(["late"]) == 0
         # one whose writer hangs up goes back at once
         conn.send(p.encode(p.CachePut(req=6, namespace="", keys=["orphan"], pages=[["uint8", [4096]]])))

@@ -213,6 +213,13 @@ class CacheStore:
                 self._free_if_unused(page)
         return published
 
+    def expire(self, token: int) -> None:
+        """A reservation's lease ran out while its writer may still be copying: its pages are
+        unlisted (nobody reads them, a new put of the key reserves afresh) and their blocks stay
+        parked until the writer's commit or hang-up (`commit(token, ok=False)`) lets go of them."""
+        for page in self._writes.get(token, ()):
+            self._remove(page)
+
     def writing(self, token: int) -> bool:
         return token in self._writes
 
