@@ -12,13 +12,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-import kvd
 from kvd.testing import eventually
 
 from .frozen_writer import PAGE_BYTES
