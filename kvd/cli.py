@@ -82,6 +82,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     add("--cache-size", metavar="SIZE|FRACTION",
         help="the KV tier's budget: a size (2GiB) or a fraction of the pool (0.5); 0 = off. Its pages are "
              "evicted LRU past it, or when a handoff needs the room")
+    add("--cache-max-pages", type=int, metavar="N",
+        help="pages the KV tier holds at most (each costs ~1 KB of daemon memory beside its blocks)")
+    add("--cache-namespace-pages", type=int, metavar="N",
+        help="pages one namespace may hold; past it, its own least recently used go first (0: no cap of its own)")
     add("--registry", metavar="URL",
         help="cluster registry: etcd[s]://[USER:PASS@]HOST:PORT[,HOST:PORT...] or "
              "redis[s]://[USER:PASS@]HOST:PORT[/DB] (default: none, static peers only)")

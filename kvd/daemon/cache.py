@@ -23,12 +23,13 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvd.errors import BadRequest, NotFound, Timeout
+from kvd.errors import BadRequest, NotFound, PeerUnavailable, Timeout
 from kvd.wire import protocol as p
 from kvd.wire.layout import physical_segments
 
 from .logs import Throttle
 from .store.cache import TOP_NAMESPACES, CacheStore, Page
+from .tier_peers import TIMEOUT as TIER_TIMEOUT
 from .writes import LocalWrite, WriteAction, WriteEvent
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,11 @@ class CacheService:
             case p.CacheExists():
                 return p.Ok(req=msg.req, value=store.exists(msg.namespace, msg.keys))
             case p.CacheClear():
-                return p.Ok(req=msg.req, value=store.clear(msg.namespace))
+                dropped = store.clear(msg.namespace)
+                if self.peers is not None and self.reply is not None and self.peers.others():
+                    self._later(self._clear_everywhere(rid, msg, dropped))  # answered once every node did
+                    return None
+                return p.Ok(req=msg.req, value=dropped)
             case p.CacheStats():
                 stats = store.stats(msg.namespace)
                 if msg.namespace is None:
@@ -158,6 +163,24 @@ class CacheService:
         task = asyncio.get_running_loop().create_task(coro, name="cache-at-home")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _clear_everywhere(self, rid: bytes, msg: p.CacheClear, dropped: int) -> None:
+        """cache_clear means the cluster: every node of the tier drops the namespace (near copies
+        and the pages it is home to) before the client hears that it is done. A node that does not
+        confirm within the tier's deadline may still serve old pages: the client gets an error
+        naming it, and a retry clears whatever is left."""
+        try:
+            elsewhere, missing = await self.peers.clear(msg.namespace)
+        except Exception as exc:  # (never: clear says who did not answer, it does not raise)
+            elsewhere, missing = 0, [f"the other nodes ({exc})"]
+        if missing:
+            reply: p.Message = p.error_reply(msg.req, PeerUnavailable(
+                f"cache_clear({msg.namespace!r}): cleared here and on the nodes that answered, but "
+                f"{', '.join(sorted(missing))} did not confirm within {TIER_TIMEOUT:g} s and may still serve the "
+                "namespace's old pages: call cache_clear again"), None)
+        else:
+            reply = p.Ok(req=msg.req, value=dropped + elsewhere)
+        self.reply(rid, reply)
 
     async def _get_from_homes(self, rid: bytes, msg: p.CacheGet, by_home: dict[str, list[int]]) -> None:
         try:

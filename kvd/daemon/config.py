@@ -63,6 +63,10 @@ class Config:
     # the KV tier's budget: a fraction of the pool (0 < x <= 1) or bytes (> 1); 0 = off. A cap, not a
     # reservation: handoffs may take the room back (docs/kv-tier.md)
     cache_size: float = 0.25
+    # pages the tier holds, in all and per namespace (0: as many as in all): each page costs about 1 KB
+    # of daemon memory beside its pool blocks, so a flood of tiny pages is bounded by count too
+    cache_max_pages: int = 1 << 20
+    cache_namespace_pages: int = 0
     # the cluster registry (kvd.cluster); empty registry: no registry, static peers only
     registry: str = ""  # etcd[s]://[USER:PASS@]HOST:PORT[,HOST:PORT...] | redis[s]://[USER:PASS@]HOST:PORT[/DB]
     registry_password_file: str = ""  # the registry password (first line), instead of one in the URL
@@ -125,9 +129,11 @@ class Config:
             problems.append("metrics_port must be 0-65535")
         if not (self.cache_size >= 0 and self.cache_size != float("inf")):
             problems.append(f"cache_size must be a fraction of the pool (0-1) or a size, got {self.cache_size!r}")
-        for name in ("max_clients", "max_peer_connections", "max_entries"):
+        for name in ("max_clients", "max_peer_connections", "max_entries", "cache_max_pages"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1")
+        if self.cache_namespace_pages < 0:
+            problems.append("cache_namespace_pages must not be negative (0: as many as cache_max_pages)")
         problems += self._cluster_problems()
         if problems:
             raise ValueError("invalid configuration: " + "; ".join(problems))
@@ -187,7 +193,8 @@ class Config:
 _SIZES = {"pool_size", "block_size", "chunk_size", "scratch_max"}
 _DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "heartbeat_interval",
               "heartbeat_timeout", "drain_timeout", "registry_ttl"}
-_INTS = {"window", "metrics_port", "io_threads", "max_clients", "max_peer_connections", "max_entries"}
+_INTS = {"window", "metrics_port", "io_threads", "max_clients", "max_peer_connections", "max_entries",
+         "cache_max_pages", "cache_namespace_pages"}
 _BOOLS = {"pool_prefault", "insecure", "pool_overcommit"}
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
 

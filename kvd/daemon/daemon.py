@@ -98,7 +98,7 @@ class Daemon:
                 curve.registry_key = self.directory.key_of
         num_blocks = cfg.pool_size // cfg.block_size
         pool = SharedPool(num_blocks)  # handoffs and the KV tier share it; a handoff may evict tier pages
-        self.cache = CacheStore(pool, cfg.block_size, cfg.cache_budget)
+        self.cache = CacheStore(pool, cfg.block_size, cfg.cache_budget, cfg.cache_max_pages, cfg.cache_namespace_pages)
         self.store = Store(pool, cfg.block_size, cfg.default_ttl or None,
                            on_published=self.directory.entry_published if self.directory else None,
                            on_removed=self.directory.entry_removed if self.directory else None,

@@ -47,6 +47,10 @@ class TierPeers:
 
     # --- where pages live -----------------------------------------------------------------------------
 
+    def others(self) -> list[str]:
+        """The tier's other nodes now."""
+        return [node for node in self.nodes() if node != self.node_id]
+
     def remote(self, namespace: str, keys: list[str]) -> dict[str, list[int]]:
         """Indices of keys by their home, for the homes that are not this node."""
         nodes = self.nodes()
@@ -132,7 +136,9 @@ class TierPeers:
             case p.TierAsk():
                 held = [self.cache.exists(msg.namespace, [key]) == 1 for key in msg.keys]
                 channel.send(p.TierHeld(xfer=msg.xfer, held=held))
-            case p.TierPages() | p.TierHeld():
+            case p.TierClear():
+                channel.send(p.TierCleared(xfer=msg.xfer, dropped=self.cache.clear(msg.namespace)))
+            case p.TierPages() | p.TierHeld() | p.TierCleared():
                 asked = self._waiting.get(msg.xfer)
                 if asked is None:
                     return  # (a question that timed out, or none of ours)
@@ -163,18 +169,20 @@ class TierPeers:
         self.counts["stored_sent"] += kept
         return kept
 
-    async def _send(self, home: str, msg: p.Message) -> None:
+    async def _send(self, home: str, msg: p.Message, feature: str | None = None) -> None:
         link = self._link_for(home)
         if not link.connected:  # (a link sends nothing before its handshake)
             await link.ensure_ready(TIMEOUT)
+        if feature is not None and feature not in link.channel.features:
+            raise KvdError(f"{home} does not speak {feature} (an older kvd)")
         link.channel.send(msg)
 
-    async def _ask(self, home: str, msg, answer: type) -> Any:
+    async def _ask(self, home: str, msg, answer: type, feature: str | None = None) -> Any:
         """One question to a home, answered by it with an `answer` within TIMEOUT, or None."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiting[msg.xfer] = (home, answer, waiter)
         async def ask() -> p.Message:
-            await self._send(home, msg)
+            await self._send(home, msg, feature)
             return await waiter
 
         try:
@@ -186,12 +194,27 @@ class TierPeers:
         finally:
             self._waiting.pop(msg.xfer, None)
 
+    async def clear(self, namespace: str) -> tuple[int, list[str]]:
+        """Clear a namespace on every other node of the tier (their near copies and the pages they
+        are home to): returns the visible pages they dropped, and the nodes that did not confirm."""
+        others = self.others()
+
+        async def one(node: str) -> p.TierCleared | None:
+            return await self._ask(node, p.TierClear(xfer=next(self._xfers), namespace=namespace), p.TierCleared,
+                                   feature=p.TIER_CLEAR)
+
+        answers = await asyncio.gather(*(one(node) for node in others))
+        dropped = sum(a.dropped for a in answers if a is not None and type(a.dropped) is int and a.dropped >= 0)
+        return dropped, [node for node, a in zip(others, answers, strict=True) if a is None]
+
     async def fetch(self, namespace: str, keys: list[str], sizes: list[int],
                     by_home: dict[str, list[int]]) -> list[str]:
         """Fetch the keys (indices by home) from their homes and keep them here (a near copy within
         the budget, else in transit past it); returns the keys kept in transit, for the caller to
         drop once its reader has them pinned."""
         transit: list[str] = []
+        clears = self.cache.clears  # a clear while we wait: what comes back is served once, never kept
+
         async def one(home: str, idx: list[int]) -> int:
             got = 0
             for start in range(0, len(idx), PER_MESSAGE):
@@ -212,7 +235,8 @@ class TierPeers:
                     log.warning("tier: the answer of %s refused: %s", home, exc)
                     return got
                 came = [keys[part[j]] for j in reply.found]
-                refused = self.keep(namespace, came, reply.pages, reply.payload)
+                refused = (list(range(len(came))) if self.cache.clears != clears
+                           else self.keep(namespace, came, reply.pages, reply.payload))
                 if refused:  # no room in our budget (or none at all): in transit, for this reader only
                     again = self.keep(namespace, [came[i] for i in refused], [reply.pages[i] for i in refused],
                                       [reply.payload[i] for i in refused], over_budget=True)

@@ -12,7 +12,8 @@ EXTENSION = {"extension": True}
 # optional parts of v1 a daemon says it speaks in peer_hello / peer_hello_ok (`features`); a peer
 # that does not list one is never sent it
 INLINE_OFFER = "inline_offer"  # an offer may carry its entry's only chunk (Offer.lengths/digest)
-FEATURES = (INLINE_OFFER,)
+TIER_CLEAR = "tier_clear"  # the tier's namespaces are cleared cluster-wide (tier_clear / tier_cleared)
+FEATURES = (INLINE_OFFER, TIER_CLEAR)
 
 
 @dataclass(slots=True)
@@ -391,7 +392,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 __all__ = [
-    'EXTENSION', 'FEATURES', 'INLINE_OFFER', 'MESSAGE_TYPES', 'Hello', 'HelloOk', 'PutAlloc', 'PutSlots', 'PutCommit',
+    'EXTENSION', 'FEATURES', 'INLINE_OFFER', 'TIER_CLEAR', 'MESSAGE_TYPES', 'Hello', 'HelloOk', 'PutAlloc',
+    'PutSlots', 'PutCommit',
     'Put', 'PutOk', 'PutPart', 'GetStream', 'TensorsReady', 'Get', 'GetSlots', 'GetDone', 'Delete', 'Stats',
     'ListEntries', 'ClusterNodes', 'ClusterLocate', 'Ok', 'Error', 'PeerHello', 'PeerHelloOk', 'Offer', 'Seal',
     'Accept', 'Chunk', 'ChunkAck', 'Done', 'Abort', 'Pull', 'Ping', 'Pong', 'LIST_PAGE', 'next_page_after',

@@ -148,9 +148,26 @@ class TierHeld(Message):
     held: list  # per key: bool
 
 
-TIER_PEER = (TierStore, TierFetch, TierPages, TierAsk, TierHeld)
+@dataclass(slots=True)
+class TierClear(Message):
+    """cache_clear on another node: drop this namespace's pages here too (answered by tier_cleared;
+    sent only to a peer whose hello lists the `tier_clear` feature)."""
+
+    TYPE: ClassVar[str] = "tier_clear"
+    xfer: int
+    namespace: str
+
+
+@dataclass(slots=True)
+class TierCleared(Message):
+    TYPE: ClassVar[str] = "tier_cleared"
+    xfer: int
+    dropped: int  # visible pages that went here
+
+
+TIER_PEER = (TierStore, TierFetch, TierPages, TierAsk, TierHeld, TierClear, TierCleared)
 TIER_MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (*CACHE_REQUESTS, CacheSlots, *TIER_PEER)}
 
 __all__ = ['CachePut', 'CacheSlots', 'CacheCommit', 'CacheGet', 'CacheRelease', 'CacheExists', 'CacheClear',
            'CacheStats', 'CACHE_REQUESTS', 'TIER_MESSAGES', 'TierStore', 'TierFetch', 'TierPages', 'TierAsk',
-           'TierHeld', 'TIER_PEER']
+           'TierHeld', 'TierClear', 'TierCleared', 'TIER_PEER']

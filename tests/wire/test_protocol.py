@@ -54,6 +54,8 @@ EXAMPLES: dict[str, p.Message] = {
                               found=[0], pages=[["uint8", [4]]]),
     "tier_ask": p.TierAsk(xfer=20, namespace="t", keys=["ab12"]),
     "tier_held": p.TierHeld(xfer=20, held=[True, False]),
+    "tier_clear": p.TierClear(xfer=21, namespace="t"),
+    "tier_cleared": p.TierCleared(xfer=21, dropped=3),
     "peer_hello": p.PeerHello(node_id="A", incarnation=123456789),
     "peer_hello_ok": p.PeerHelloOk(node_id="B", incarnation=987654321),
     "offer": p.Offer(xfer=11, request_id="req-1", tensors=[["x", "int8", [3, 3]]], total_bytes=9,

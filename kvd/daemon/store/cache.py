@@ -109,10 +109,17 @@ def check_batch(namespace: object, keys: object) -> None:
 
 
 class CacheStore:
-    def __init__(self, pool: SharedPool, block_size: int, budget_bytes: int) -> None:
+    def __init__(self, pool: SharedPool, block_size: int, budget_bytes: int, max_pages: int = 1 << 20,
+                 namespace_pages: int = 0) -> None:
         self.pool = pool
         self.block_size = block_size
         self.budget_blocks = max(0, budget_bytes // block_size)
+        # pages listed (visible or being written), in all and per namespace: each costs ~1 KB of our
+        # memory beside its blocks, so a flood of tiny pages meets a count as well as the budget
+        self.max_pages = max_pages
+        self.namespace_pages = namespace_pages or max_pages
+        self._listed: dict[str, int] = {}  # namespace -> its pages listed (no entry: none)
+        self._ns_lru: dict[str, collections.OrderedDict[str, Page]] = {}  # namespace -> its visible pages, LRU first
         self.blocks = 0  # held by pages: visible, being written, or parked under a reader
         self.parked_blocks = 0  # of those: removed pages a reader still pins
         self._pages: dict[tuple[str, str], Page] = {}  # visible and being written
@@ -120,6 +127,7 @@ class CacheStore:
         self._writes: dict[int, list[Page]] = {}
         self._reads: dict[int, list[Page]] = {}
         self._tokens = itertools.count(1)
+        self.clears = 0  # namespaces cleared so far (a fetch that spans one keeps nothing it brought)
         self.total = Counts()
         self._by_ns: dict[str, Counts] = {}
         pool.reclaim = self.reclaim
@@ -160,8 +168,8 @@ class CacheStore:
             if (namespace, key) in self._pages:
                 results.append(True)
                 continue
-            blocks = -(-nbytes // self.block_size)
-            extents = self._take(blocks, over_budget)
+            blocks = max(1, -(-nbytes // self.block_size))  # (an empty page too: it costs a block, as any)
+            extents = self._take(blocks, over_budget) if over_budget or self._room_for_page(namespace) else None
             if extents is None:
                 counts.refused += 1
                 self.total.refused += 1
@@ -169,12 +177,24 @@ class CacheStore:
                 continue
             page = Page(namespace, key, dtype, tuple(shape), nbytes, extents, blocks, writing=token)
             self._pages[(namespace, key)] = page
+            self._listed[namespace] = self._listed.get(namespace, 0) + 1
             self.blocks += blocks
             written.append(page)
             results.append(page)
         if written:
             self._writes[token] = written
         return token, results
+
+    def _room_for_page(self, namespace: str) -> bool:
+        """Room for one more page within the page counts, evicting the namespace's own least recently
+        used at its cap, then the least recently used of all at the total; False if it cannot be made."""
+        while self._listed.get(namespace, 0) >= self.namespace_pages:
+            if not self._evict_one(namespace):
+                return False
+        while len(self._pages) >= self.max_pages:
+            if not self._evict_one():
+                return False
+        return True
 
     def _take(self, blocks: int, over_budget: bool = False) -> list[Extent] | None:
         """Blocks for a new page within the budget, evicting LRU pages; None if it cannot fit.
@@ -203,6 +223,7 @@ class CacheStore:
                 self._free_if_unused(page)
             elif ok:
                 self._lru[(page.namespace, page.key)] = page
+                self._ns_lru.setdefault(page.namespace, collections.OrderedDict())[page.key] = page
                 counts = self._counts(page.namespace)
                 for c in (counts, self.total):
                     c.stored += 1
@@ -246,6 +267,7 @@ class CacheStore:
                 found.append(None)
                 continue
             lru.move_to_end((namespace, key))
+            self._ns_lru[namespace].move_to_end(key)
             page.readers += 1
             pinned.append(page)
             found.append(page)
@@ -289,6 +311,7 @@ class CacheStore:
         """Drop every page of a namespace (those being written are dropped at their commit);
         returns how many visible pages went."""
         check_batch(namespace, [])
+        self.clears += 1
         doomed = [page for (ns, _), page in self._pages.items() if ns == namespace]
         dropped = 0
         for page in doomed:
@@ -307,9 +330,12 @@ class CacheStore:
         while self.pool.free_blocks < target and self._evict_one():
             pass
 
-    def _evict_one(self) -> bool:
-        """Evict the least recently used page nobody reads; False if there is none."""
-        for page in self._lru.values():
+    def _evict_one(self, namespace: str | None = None) -> bool:
+        """Evict the least recently used page nobody reads (of one namespace, or of all); False if
+        there is none."""
+        lru: Iterable[Page] = (self._lru.values() if namespace is None
+                               else self._ns_lru.get(namespace, collections.OrderedDict()).values())
+        for page in lru:
             if not page.readers:
                 counts = self._counts(page.namespace)
                 counts.evictions += 1
@@ -329,7 +355,16 @@ class CacheStore:
         ident = (page.namespace, page.key)
         if self._pages.get(ident) is page:
             del self._pages[ident]
+            listed = self._listed[page.namespace] - 1
+            if listed:
+                self._listed[page.namespace] = listed
+            else:
+                del self._listed[page.namespace]
         if visible and self._lru.pop(ident, None) is page:
+            by_ns = self._ns_lru[page.namespace]
+            del by_ns[page.key]
+            if not by_ns:
+                del self._ns_lru[page.namespace]
             counts = self._counts(page.namespace)
             for c in (counts, self.total):
                 c.entries -= 1
@@ -351,7 +386,8 @@ class CacheStore:
 
     def stats(self, namespace: str | None = None) -> dict:
         """Counters: of one namespace, or of all with the biggest namespaces by name."""
-        base = {"budget": self.budget_bytes, "block_size": self.block_size}
+        base = {"budget": self.budget_bytes, "block_size": self.block_size, "max_pages": self.max_pages,
+                "namespace_pages": self.namespace_pages}
         if namespace is not None:
             check_batch(namespace, [])
             counts = self._by_ns.get(namespace, Counts())
@@ -374,3 +410,7 @@ class CacheStore:
         for pinned in self._reads.values():
             assert all(p.extents is not None for p in pinned)
         assert self.blocks == sum(p.blocks for p in self._pages.values()) + self.parked_blocks
+        listed = collections.Counter(ns for ns, _ in self._pages)
+        assert self._listed == dict(listed)
+        assert len(self._pages) <= self.max_pages and all(n <= self.namespace_pages for n in listed.values())
+        assert {(ns, key) for ns, pages in self._ns_lru.items() for key in pages} == set(self._lru)

@@ -215,3 +215,61 @@ def test_stats_name_only_the_biggest_namespaces():
     stats = cache.stats()
     assert stats["namespaces"] == 20 and len(stats["top_namespaces"]) == 16
     assert stats["entries"] == sum(i % 3 + 1 for i in range(20))
+
+
+# --- what every page costs: a block at least, and a place in the page counts (issue 39, item 2) ---
+
+EMPTY = ["uint8", [0]]
+
+
+def test_an_empty_page_costs_a_block_like_any_page():
+    cache, _ = make(pool_blocks=16, budget_blocks=3)
+    assert put(cache, [f"e{i}" for i in range(5)], page=EMPTY) == ["new"] * 3 + [False] * 2  # a batch past the budget
+    assert cache.stats()["entries"] == 3 and cache.stats()["refused"] == 2
+    for i in range(5):  # one at a time, the oldest make room
+        put(cache, [f"e{i}"], page=EMPTY)
+    stats = cache.stats()
+    assert stats["entries"] == 3 and stats["used_bytes"] == 3 * BLOCK and stats["evictions"] == 2
+    assert held(cache, ["e0", "e1", "e2", "e3", "e4"]) == [False, False, True, True, True]
+    token, found = cache.lease("ns", ["e4"], [0])
+    assert found[0] is not None and found[0].nbytes == 0
+    cache.release(token)
+
+
+def test_the_page_count_caps_the_tier_whatever_the_budget():
+    pool = SharedPool(64)
+    cache = CacheStore(pool, BLOCK, 64 * BLOCK, max_pages=4)
+    for key in ["a", "b", "c", "d", "e", "f"]:
+        assert put(cache, [key]) == ["new"]
+    assert cache.stats()["entries"] == 4 and held(cache, ["a", "b", "c", "d", "e", "f"]) == [False] * 2 + [True] * 4
+    # pinned pages are never evicted: the count then refuses
+    token, _ = cache.lease("ns", ["c", "d", "e", "f"], [BLOCK] * 4)
+    assert put(cache, ["g"]) == [False]
+    assert cache.stats()["refused"] == 1
+    cache.release(token)
+    assert put(cache, ["g"]) == ["new"]
+
+
+def test_a_namespace_at_its_cap_makes_room_from_its_own_pages_only():
+    pool = SharedPool(64)
+    cache = CacheStore(pool, BLOCK, 64 * BLOCK, max_pages=10, namespace_pages=3)
+    assert put(cache, ["x1", "x2"], namespace="other") == ["new"] * 2
+    for key in ["a", "b", "c", "d", "e"]:
+        assert put(cache, [key], namespace="busy") == ["new"]
+    assert held(cache, ["a", "b", "c", "d", "e"], namespace="busy") == [False, False, True, True, True]
+    assert held(cache, ["x1", "x2"], namespace="other") == [True, True]  # untouched by busy's flood
+    assert cache.stats("busy")["evictions"] == 2 and cache.stats("other")["evictions"] == 0
+    # a hit moves a page to the back of its namespace's order too
+    token, _ = cache.lease("busy", ["c"], [BLOCK])
+    cache.release(token)
+    assert put(cache, ["f"], namespace="busy") == ["new"]
+    assert held(cache, ["c", "d", "e", "f"], namespace="busy") == [True, False, True, True]
+
+
+def test_pages_being_written_count_against_the_caps():
+    pool = SharedPool(64)
+    cache = CacheStore(pool, BLOCK, 64 * BLOCK, max_pages=2)
+    token, results = cache.reserve("ns", ["a", "b", "c"], [PAGE] * 3)
+    assert [isinstance(r, Page) for r in results] == [True, True, False]  # nothing visible to evict
+    cache.commit(token)
+    cache.check_invariants()
