@@ -56,7 +56,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     add("--chunk-size", metavar="SIZE", help="network chunk size")
     add("--window", type=int, help="chunks in flight per transfer")
     add("--io-threads", type=int, help="ZeroMQ I/O threads; raise on many cores and fast NICs")
-    add("--checksum", choices=["xxh3_64", "crc32", "none"], help="per-chunk checksum")
+    add("--checksum", choices=["xxh3_64", "crc32", "blake3_64", "none"],
+        help="per-chunk checksum (blake3_64: cryptographic, what a one-sided plane uses off loopback)")
     add("--log-level", choices=["debug", "info", "warning", "error"], help="")
     add("--log-format", choices=["text", "json"], help="")
     add("--metrics-port", type=int, help="Prometheus /metrics port; 0 = off")

@@ -269,6 +269,8 @@ class PeerHello(Message):
     features: list = field(default_factory=list, metadata=EXTENSION)  # optional parts it speaks (FEATURES)
     # with a cluster CA: the sender's cert (kvd.trust), naming node_id and the CURVE key it connected with
     cert: bytes | None = field(default=None, metadata=EXTENSION)
+    # a one-sided data plane the sender offers for this link (kvd.daemon.plane.base.PlaneInfo.to_wire)
+    plane: dict | None = field(default=None, metadata=EXTENSION)
 
 
 @dataclass(slots=True)
@@ -277,6 +279,7 @@ class PeerHelloOk(Message):
     node_id: str
     incarnation: int
     features: list = field(default_factory=list, metadata=EXTENSION)
+    plane: dict | None = field(default=None, metadata=EXTENSION)  # the listener's, if both ends take one
 
 
 @dataclass(slots=True)
@@ -297,6 +300,11 @@ class Offer(Message):
     # so that a small push is one message each way: lengths and digest as in a chunk
     lengths: list | None = field(default=None, metadata=EXTENSION)
     digest: int | None = field(default=None, metadata=EXTENSION)
+    # on a link with a one-sided plane (PROTOCOL.md 2.2b): "nixl" when its bytes ride it; a served
+    # pull's offer then names the holder's ranges and each slice [offset, length, digest] to read
+    plane: str | None = field(default=None, metadata=EXTENSION)
+    regions: list | None = field(default=None, metadata=EXTENSION)
+    slices: list | None = field(default=None, metadata=EXTENSION)
     payload: list = field(default_factory=list)  # raw frames, not part of the header
 
 
@@ -368,6 +376,7 @@ class Pull(Message):
     # the entry's generation (the holder's reservation token) a registry record named: the holder
     # answers not_found when its entry of that id is another one (a stale hint never serves bytes)
     expect_gen: int | None = field(default=None, metadata=EXTENSION)
+    plane: str | None = field(default=None, metadata=EXTENSION)  # the puller would read over this plane
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ MAX_PAYLOAD_FRAMES = 64
 MAX_CHUNK_BYTES = 64 << 20  # largest chunk a receiver accepts (and largest ZeroMQ frame)
 # msgpack limits: nothing in a header needs more, and a hostile header cannot make us allocate more
 UNPACK_LIMITS = dict(
-    max_bin_len=1 << 10,
+    max_bin_len=64 << 10,  # a cert, a plane's connection info (UCX's grows with its devices)
     max_str_len=1 << 16,
     max_array_len=1 << 17,
     max_map_len=1 << 12,
@@ -37,8 +37,10 @@ from .messages import *  # noqa: E402,F403  (every message type, as p.Hello, p.C
 from .messages import MESSAGE_TYPES, Chunk, Error, Message, Offer  # noqa: E402
 from .tier import *  # noqa: E402,F403  (the KV tier's messages, as p.CachePut, ...)
 from .tier import TIER_MESSAGES  # noqa: E402
+from .plane import *  # noqa: E402,F403  (a one-sided plane's transfer messages, as p.Grant, ...)
+from .plane import PLANE_MESSAGES  # noqa: E402
 
-MESSAGE_TYPES = {**MESSAGE_TYPES, **TIER_MESSAGES}
+MESSAGE_TYPES = {**MESSAGE_TYPES, **TIER_MESSAGES, **PLANE_MESSAGES}
 
 
 # ---- field validation ---------------------------------------------------------------------
