@@ -20,7 +20,7 @@ import logging
 import torch
 
 from kvd.errors import BadRequest
-from kvd.wire.checksum import digest
+from kvd.wire.checksum import digest, hasher
 
 from .io import Segments
 
@@ -133,6 +133,19 @@ class CudaPoolIO:
                 pos += n
         self.stream.synchronize()  # the chunk is acknowledged only once it is in GPU memory
         return received
+
+    def digest(self, segments: Segments, checksum: str) -> int:
+        """Hashed on the host, a staging buffer at a time (a one-sided plane's slice, in GPU memory)."""
+        running = hasher(checksum)
+        staged, size = self.inbound_slot, len(self.inbound_slot)
+        for off, n in segments:
+            for pos in range(0, n, size):
+                take = min(size, n - pos)
+                with torch.cuda.stream(self.stream):
+                    staged[:take].copy_(self.pool[off + pos:off + pos + take], non_blocking=True)
+                self.stream.synchronize()
+                running.update(memoryview(staged.numpy())[:take])
+        return running.intdigest()
 
 
 def _released(future) -> bool:

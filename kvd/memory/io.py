@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typing
 
-from kvd.wire.checksum import hasher
+from kvd.wire.checksum import digest, hasher
 
 Segments = list[tuple[int, int]]
 # received bytes are copied into the pool this much at a time and hashed right after, while the
@@ -31,6 +31,10 @@ class PoolIO(typing.Protocol):
         the `checksum` of the bytes received, for the caller to compare with the sender's."""
         ...
 
+    def digest(self, segments: Segments, checksum: str) -> int:
+        """The `checksum` of these pool bytes as they are (what a one-sided plane wrote or will read)."""
+        ...
+
 
 class HostPoolIO:
     def __init__(self, pool: memoryview) -> None:
@@ -44,6 +48,9 @@ class HostPoolIO:
 
     def inbound(self, segments: Segments, frames: list, checksum: str) -> int:
         return scatter(self.pool, segments, frames, checksum)
+
+    def digest(self, segments: Segments, checksum: str) -> int:
+        return digest(checksum, (self.pool[off:off + n] for off, n in segments))
 
 
 def scatter(pool: memoryview, segments: Segments, frames: list, checksum: str = "none") -> int:

@@ -27,6 +27,10 @@ class Channel:
         self.key = key  # identifies the connection, so a message on another one is refused
         self.peer_name = peer_name
         self.features: frozenset[str] = frozenset()  # what the peer said it speaks, at its handshake
+        # a one-sided data plane both ends took at the handshake (kvd.daemon.plane), and the peer's
+        # agent on it; None: the transfers' bytes go as chunk frames on this connection
+        self.plane: str | None = None
+        self.plane_agent: str | None = None
         self._sender = sender
         self._cutter = cutter
 

@@ -8,8 +8,7 @@ send from the pool, what ended and how), and `transfers.py` carries them out wit
 tasks, and counts them. It keeps the store's books and reads and writes pool bytes through the
 PoolIO it is given (memory, not I/O), and reads time only from its clock, so two machines can be
 run against each other through in-memory channels, deterministically; `validate()` checks what
-must hold between any two events.
-
+must hold between any two events. A link's one-sided plane has its own handlers (`onesided.py`).
     push:  S: offer ────────▶ R            pull:  P: pull ───────▶ H  (H sends, as in a push)
            S: chunk 0, 1 ───▶ R   (eager: before accept; a small sealed entry needs nothing more)
            S ◀─────── accept :R
@@ -21,7 +20,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
 
 from kvd.errors import BadRequest, ChecksumMismatch, KvdError, NotFound, PeerUnavailable, ProtocolError, error_from_code
@@ -33,9 +31,11 @@ from kvd.wire.layout import TensorSpec, physical_segments
 from ..store.entries import Entry, State, Store
 from .channel import Channel
 from .invariants import check_machine
+from .limits import Limits
+from .onesided import PlaneHandlers
 from .states import (
-    NONE, TERMINAL, ChannelLost, Dropped, Event, Finished, Inbound, Kind, Outbound, Progress, Published, R,
-    Received, S, Send, SendChunk, Tick, Transfer, WaitForEntry,
+    NONE, TERMINAL, ChannelLost, Dropped, Event, Finished, Inbound, Kind, Outbound, Progress, Published,
+    R, Received, S, Send, SendChunk, Tick, Transfer, WaitForEntry,
 )
 from .table import EAGER_CHUNKS, compile_rows
 from .window import ReceiveLedger, SendWindow
@@ -47,15 +47,7 @@ _NO_XFER = -1  # the id of no transfer (ids are 63 random bits): what an event w
 _FAILED = frozenset({S.FAILED, R.FAILED})
 
 
-@dataclass(frozen=True)
-class Limits:
-    chunk_size: int
-    window: int
-    checksum: str
-    transfer_timeout: float
-
-
-class Machine:
+class Machine(PlaneHandlers):
     def __init__(self, node_id: str, limits: Limits, store: Store, io: PoolIO,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """clock: the time every deadline and duration is read from; the store's (time.monotonic),
@@ -78,7 +70,7 @@ class Machine:
         out = Outbound(self._new_xfer(), channel, entry.request_id, Kind.PUSH,
                        S.CONNECTING if sealed else S.STREAM_CONNECTING, entry, lease_token,
                        make_window(entry.total_bytes, self.limits.chunk_size, self.limits.window),
-                       started=self.clock())
+                       started=self.clock(), plane_min=self.limits.plane_min_bytes)
         self.transfers[out.xfer] = out
         return out, []
 
@@ -90,7 +82,7 @@ class Machine:
                           deadline=now + timeout + self.limits.transfer_timeout, started=now)
         self.transfers[inbound.xfer] = inbound
         return inbound, [Send(channel, p.Pull(xfer=inbound.xfer, request_id=request_id, timeout=timeout, keep=keep,
-                                              expect_gen=expect_gen))]
+                                              expect_gen=expect_gen, plane=channel.plane))]
 
     def _new_xfer(self) -> int:
         while (xfer := random.getrandbits(63)) in self.transfers:
@@ -195,7 +187,8 @@ class Machine:
         if not 0 <= msg.timeout <= MAX_PULL_WAIT:  # (NaN fails this too)
             raise BadRequest(f"pull timeout must be between 0 and {MAX_PULL_WAIT:g} seconds")
         now = self.clock()
-        out = Outbound(msg.xfer, channel, msg.request_id, Kind.SERVE, NONE, pull=msg, started=now)
+        out = Outbound(msg.xfer, channel, msg.request_id, Kind.SERVE, NONE, pull=msg, started=now,
+                       plane_min=self.limits.plane_min_bytes)
         self.transfers[msg.xfer] = out
         return [WaitForEntry(out, now + msg.timeout)]
 
@@ -269,6 +262,18 @@ class Machine:
     def _offer_stream(self, out: Outbound, event) -> list:
         return self._send_offer(out, sealed=False)
 
+    def _offer_message(self, out: Outbound, sealed: bool) -> p.Offer:
+        entry = out.sending()[0]
+        now = self.clock()
+        out.deadline = now + self.limits.transfer_timeout
+        return p.Offer(
+            xfer=out.xfer, request_id=entry.request_id, tensors=[s.to_wire() for s in entry.specs],
+            total_bytes=entry.total_bytes, chunk_size=self.limits.chunk_size, checksum=self.limits.checksum,
+            # what is left of the ttl (never 0, which would mean "keep forever" to the receiver)
+            ttl=None if entry.expires_at is None else max(0.001, entry.expires_at - now),
+            meta=entry.meta, sealed=sealed,
+        )
+
     def _send_offer(self, out: Outbound, sealed: bool) -> list:
         entry, window = out.sending()
         # chunks follow the offer without waiting for accept (one round trip less per transfer),
@@ -277,15 +282,7 @@ class Machine:
         # link was up may be cut into more, smaller chunks: one per tensor written)
         small = sealed and entry.total_bytes <= EAGER_CHUNKS * self.limits.chunk_size
         window.max_in_flight = max(EAGER_CHUNKS, len(window.chunks)) if small else EAGER_CHUNKS
-        now = self.clock()
-        out.deadline = now + self.limits.transfer_timeout
-        offer = p.Offer(
-            xfer=out.xfer, request_id=entry.request_id, tensors=[s.to_wire() for s in entry.specs],
-            total_bytes=entry.total_bytes, chunk_size=self.limits.chunk_size, checksum=self.limits.checksum,
-            # what is left of the ttl (never 0, which would mean "keep forever" to the receiver)
-            ttl=None if entry.expires_at is None else max(0.001, entry.expires_at - now),
-            meta=entry.meta, sealed=sealed,
-        )
+        offer = self._offer_message(out, sealed)
         chunks = self._pump(out)
         if sealed and len(window.chunks) == 1 and chunks and p.INLINE_OFFER in out.channel.features:
             # the whole entry is one chunk, and the peer takes it inside the offer: one message
@@ -329,6 +326,8 @@ class Machine:
         return []
 
     def _pump(self, out: Outbound) -> list:
+        if out.plane is not None:
+            return self._post_writes(out)
         actions = []
         entry, window = out.sending()
         for seq in window.ready_to_send():
@@ -379,6 +378,7 @@ class Machine:
         return [Send(inbound.channel, p.Done(xfer=inbound.xfer)), Published(entry)]
 
     # --- handlers of the rows that fail: (the error, whether the peer is told) --------------------
+
 
     def _fail_missing(self, out: Outbound, event) -> tuple:
         return event.error, True

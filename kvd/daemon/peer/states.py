@@ -9,7 +9,7 @@ that layer's, keyed by transfer id (`transfers.py`).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvd.errors import KvdError
 from kvd.wire import protocol as p
@@ -27,6 +27,12 @@ class SenderState(enum.Enum):
     STREAM_OFFERED = "stream offered"  # ... of a stream not yet committed: no seal said
     SENDING = "sending"  # accepted: the whole window flows
     STREAM_SENDING = "stream sending"  # ... of a stream not yet committed
+    # on a link with a one-sided plane (PROTOCOL.md 2.2b)
+    ASKED = "asked"  # offer sent for the plane; no grant yet
+    STREAM_ASKED = "stream asked"  # ... of a stream not yet committed
+    PLACING = "placing"  # granted: the plane writes slices into the receiver's ranges, each then said placed
+    STREAM_PLACING = "stream placing"  # ... of a stream not yet committed
+    LENT = "lent"  # a pull served on the plane: the puller's plane reads our blocks until its done
     DONE = "done"  # the receiver has verified every byte
     FAILED = "failed"
 
@@ -37,6 +43,9 @@ class ReceiverState(enum.Enum):
     RECEIVING_SMALL = "receiving small"  # a small sealed offer: every chunk comes unasked; no accept, no acks
     STREAMING = "streaming"  # an offer not sealed: chunks acknowledged, published only after the seal
     STREAMED = "streamed"  # every byte of an offer not sealed is in; waiting for its seal
+    GRANTED = "granted"  # a sealed offer for the plane: our ranges granted, each placed slice verified
+    STREAM_GRANTED = "stream granted"  # ... of an offer not sealed: published only after the seal
+    READING = "reading"  # a pull answered on the plane: our plane reads the holder's slices
     DONE = "done"  # every byte verified and published
     FAILED = "failed"
 
@@ -56,14 +65,20 @@ class Kind(enum.Enum):
 
 S, R, NONE = SenderState, ReceiverState, NoTransfer.NONE
 TERMINAL = frozenset({S.DONE, S.FAILED, R.DONE, R.FAILED})
-STREAM_SENDER = frozenset({S.STREAM_CONNECTING, S.STREAM_OFFERED, S.STREAM_SENDING})  # no seal said yet
+STREAM_SENDER = frozenset({S.STREAM_CONNECTING, S.STREAM_OFFERED, S.STREAM_SENDING, S.STREAM_ASKED,
+                           S.STREAM_PLACING})  # no seal said yet
+# where the plane may still be at work on a transfer's memory: ours (our writes, our reads) or the
+# peer's (its writes into what we granted, its reads of what we lent)
+OUR_OPS = frozenset({S.PLACING, S.STREAM_PLACING, R.READING})
+PEER_OPS = frozenset({S.LENT, R.GRANTED, R.STREAM_GRANTED})
 # the states a transfer of each kind may be in, its terminal ones apart (Machine.validate checks them)
 KIND_STATES = {
     Kind.PUSH: frozenset({S.CONNECTING, S.STREAM_CONNECTING, S.OFFERED, S.STREAM_OFFERED, S.SENDING,
-                          S.STREAM_SENDING}),
-    Kind.SERVE: frozenset({S.WAITING, S.OFFERED, S.STREAM_OFFERED, S.SENDING, S.STREAM_SENDING}),
-    Kind.PUSHED: frozenset({R.RECEIVING, R.RECEIVING_SMALL, R.STREAMING, R.STREAMED}),
-    Kind.PULL: frozenset({R.PULLING, R.RECEIVING, R.RECEIVING_SMALL, R.STREAMING, R.STREAMED}),
+                          S.STREAM_SENDING, S.ASKED, S.STREAM_ASKED, S.PLACING, S.STREAM_PLACING}),
+    Kind.SERVE: frozenset({S.WAITING, S.OFFERED, S.STREAM_OFFERED, S.SENDING, S.STREAM_SENDING, S.LENT}),
+    Kind.PUSHED: frozenset({R.RECEIVING, R.RECEIVING_SMALL, R.STREAMING, R.STREAMED, R.GRANTED,
+                            R.STREAM_GRANTED}),
+    Kind.PULL: frozenset({R.PULLING, R.RECEIVING, R.RECEIVING_SMALL, R.STREAMING, R.STREAMED, R.READING}),
 }
 
 
@@ -82,6 +97,11 @@ class Outbound:
     pull: p.Pull | None = None  # the request, for a pull we serve
     deadline: float = 0.0  # no progress by then: it fails (not while WAITING or CONNECTING)
     started: float = 0.0  # by the machine's clock
+    plane: str | None = None  # the one-sided plane its bytes ride (None: chunk frames)
+    plane_min: int = 0  # entries smaller than this go as chunk frames even on a link with a plane
+    regions: list | None = None  # a push on a plane: the receiver's granted ranges, in the entry's order
+    placed: dict = field(default_factory=dict)  # seq -> the placed message to send once its write ended
+    ops: int = 0  # plane operations of ours running
 
     def sending(self) -> tuple[Entry, SendWindow]:
         """Its entry and window, which it has in every state but WAITING (the table's rows see to it)."""
@@ -104,6 +124,10 @@ class Inbound:
     checksum: str = "none"
     deadline: float = 0.0
     started: float = 0.0  # by the machine's clock: a pull from its Pull, a pushed entry from its Offer
+    plane: str | None = None  # the one-sided plane its bytes ride (None: chunk frames)
+    regions: list | None = None  # a pull on a plane: the holder's ranges, in the entry's order
+    slices: list | None = None  # ... and its slices to read: (offset, length, digest) by seq
+    reads: SendWindow | None = None  # ... which of them our plane reads now
 
     def receiving(self) -> tuple[Entry, ReceiveLedger]:
         """Its entry and ledger, which it has from its offer on (the table's rows see to it)."""
@@ -177,9 +201,18 @@ class Tick:
     now: float
 
 
-LOCAL_EVENTS = (Connected, ConnectFailed, Written, Commit, EntryReady, EntryMissing, Cancel, ChannelLost, Tick)
+@dataclass
+class OpEnded:
+    """A plane operation of ours ended: a write of slice seq (a push), or a read of it (a pull)."""
+    xfer: int
+    seq: int
+    error: KvdError | None
+
+
+LOCAL_EVENTS = (Connected, ConnectFailed, Written, Commit, EntryReady, EntryMissing, Cancel, ChannelLost, Tick,
+                OpEnded)
 Event = (p.Message | Connected | ConnectFailed | Written | Commit | EntryReady | EntryMissing | Cancel
-         | ChannelLost | Tick)
+         | ChannelLost | Tick | OpEnded)
 
 
 # --- actions --------------------------------------------------------------------------------------
@@ -197,6 +230,17 @@ class SendChunk:
     transfer: Outbound
     msg: p.Chunk | p.Offer
     hold: object  # what PoolIO.outbound returned with the frames, for PoolIO.sent
+
+
+@dataclass
+class PostOp:
+    """Start a plane operation: "write" our `local` pool ranges into the peer's `remote` ones (a push),
+    or "read" its `remote` ones into our `local` (a pull); its end comes back as OpEnded(xfer, seq)."""
+    transfer: Transfer
+    seq: int
+    op: str
+    local: list
+    remote: list
 
 
 @dataclass
@@ -238,4 +282,4 @@ class Finished:
     error: KvdError | None
 
 
-Action = Send | SendChunk | Received | WaitForEntry | Progress | Published | Dropped | Finished
+Action = Send | SendChunk | PostOp | Received | WaitForEntry | Progress | Published | Dropped | Finished

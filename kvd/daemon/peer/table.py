@@ -27,7 +27,8 @@ from kvd.wire import protocol as p
 
 from ..store.entries import State
 from .states import (
-    NONE, Cancel, ChannelLost, Commit, ConnectFailed, Connected, EntryMissing, EntryReady, R, S, Tick, Written,
+    NONE, Cancel, ChannelLost, Commit, ConnectFailed, Connected, EntryMissing, EntryReady, OpEnded, R, S, Tick,
+    Written,
 )
 
 # chunks every sender sends right after the offer, before the receiver accepts (wasted if it
@@ -72,14 +73,32 @@ COMPLETES = Guard("its bytes complete the entry",
 PRODUCER_IDLE = Guard("nothing in flight, bytes still to be written",
                       lambda t, e: not t.window.in_flight and t.window.queued_bytes < t.window.total_bytes)
 STALLED = Guard("no progress for transfer_timeout", lambda t, e: t.deadline <= e.now)
+# a one-sided plane (PROTOCOL.md 2.2b)
+ON_PLANE = Guard("the link has a plane, and the entry is big enough for it",
+                 lambda t, e: t.channel.plane is not None and t.entry.total_bytes >= t.plane_min)
+PULLED_ON_PLANE = Guard("the puller reads over the link's plane, and the entry is sealed and big enough",
+                        lambda t, e: t.pull.plane is not None and t.pull.plane == t.channel.plane
+                        and e.entry.state is not State.WRITING and e.entry.total_bytes >= t.plane_min)
+PLANE_OFFER = Guard("it is for the plane", lambda t, e: e.plane is not None)
+PLANE_SEALED = Guard("it is for the plane, sealed", lambda t, e: e.plane is not None and e.sealed)
+OP_FAILED = Guard("the operation failed", lambda t, e: e.error is not None)
+ALL_PLACED = Guard("every slice was written and said placed",
+                   lambda t, e: t.window.all_sent and not t.ops and not t.placed)
+PLACED_COMPLETES = Guard("its bytes complete the entry",
+                         lambda t, e: t.ledger.received_bytes + e.length == t.ledger.total_bytes)
+READ_COMPLETES = Guard("its slice completes the entry",
+                       lambda t, e: t.ledger.received_bytes + t.slices[e.seq][1] == t.ledger.total_bytes)
 
 # --- the rows ---------------------------------------------------------------------------------------
 
+ON_A_PLANE_SENDING = (S.ASKED, S.STREAM_ASKED, S.PLACING, S.STREAM_PLACING, S.LENT)
+ON_A_PLANE_RECEIVING = (R.GRANTED, R.STREAM_GRANTED, R.READING)
 SENDER_LIVE = (S.WAITING, S.CONNECTING, S.STREAM_CONNECTING, S.OFFERED, S.STREAM_OFFERED, S.SENDING,
-               S.STREAM_SENDING)
-RECEIVER_LIVE = (R.PULLING, R.RECEIVING, R.RECEIVING_SMALL, R.STREAMING, R.STREAMED)
-SENDER_OFFERED = (S.OFFERED, S.STREAM_OFFERED, S.SENDING, S.STREAM_SENDING)  # the peer knows of it
-PEER_MESSAGES = (p.Offer, p.Pull, p.Accept, p.Chunk, p.ChunkAck, p.Seal, p.Done, p.Abort)
+               S.STREAM_SENDING, *ON_A_PLANE_SENDING)
+RECEIVER_LIVE = (R.PULLING, R.RECEIVING, R.RECEIVING_SMALL, R.STREAMING, R.STREAMED, *ON_A_PLANE_RECEIVING)
+SENDER_OFFERED = (S.OFFERED, S.STREAM_OFFERED, S.SENDING, S.STREAM_SENDING,
+                  *ON_A_PLANE_SENDING)  # the peer knows of it
+PEER_MESSAGES = (p.Offer, p.Pull, p.Accept, p.Chunk, p.ChunkAck, p.Seal, p.Done, p.Abort, p.Grant, p.Placed)
 _FAILED, _DONE, _SAME = "failed", "done", "same"  # resolved for each row's state
 
 
@@ -95,6 +114,9 @@ def _rows() -> list[Row]:
                 rows.append(Row(state, event, when, does, target))
 
     # starting: an offer (pushed to us, or answering our pull), a pull we serve
+    add([NONE], p.Offer, "grant_offer", R.GRANTED, PLANE_SEALED)  # (its bytes come by the plane)
+    add([NONE], p.Offer, "grant_offer", R.STREAM_GRANTED, PLANE_OFFER)
+    add([R.PULLING], p.Offer, "read_offer", R.READING, PLANE_OFFER)
     for state in (NONE, R.PULLING):
         add([state], p.Offer, "take_offer_with_entry", R.DONE, CARRIES_ALL)
         add([state], p.Offer, "take_offer_with_chunk", R.RECEIVING_SMALL, CARRIES_PART)
@@ -108,17 +130,21 @@ def _rows() -> list[Row]:
     add([NONE], p.Pong, "ignore")
     # what comes for a transfer that ended (or that we refused, or never heard of): dropped
     add([NONE], (p.Accept, p.Chunk, p.ChunkAck, p.Seal, p.Done, p.Abort), "ignore")
-    add([NONE], (Connected, ConnectFailed, Written, Commit, EntryReady, EntryMissing, Cancel), "ignore")
+    add([NONE], (p.Grant, p.Placed, p.Released), "ignore")
+    add([NONE], (Connected, ConnectFailed, Written, Commit, EntryReady, EntryMissing, Cancel, OpEnded), "ignore")
 
     # a pull we serve, waiting for its entry (the pull's timeout is its own timer: WaitForEntry)
     add([S.WAITING], EntryReady, "refuse_generation", _FAILED, OTHER_GENERATION)
+    add([S.WAITING], EntryReady, "lend_entry", S.LENT, PULLED_ON_PLANE)
     add([S.WAITING], EntryReady, "offer_stream_entry", S.STREAM_OFFERED, BEING_WRITTEN)
     add([S.WAITING], EntryReady, "offer_entry", S.OFFERED)
     add([S.WAITING], EntryMissing, "fail_missing", _FAILED)
     add([S.WAITING], (Written, Commit, Tick), "ignore")  # its offer takes the entry as it is then
 
     # a push, waiting for its link (whose handshake has its own deadline; a lost link dials again)
+    add([S.CONNECTING], Connected, "ask", S.ASKED, ON_PLANE)
     add([S.CONNECTING], Connected, "offer", S.OFFERED)
+    add([S.STREAM_CONNECTING], Connected, "ask_stream", S.STREAM_ASKED, ON_PLANE)
     add([S.STREAM_CONNECTING], Connected, "offer_stream", S.STREAM_OFFERED)
     add([S.CONNECTING, S.STREAM_CONNECTING], ConnectFailed, "fail_unconnected", _FAILED)
     add([S.CONNECTING, S.STREAM_CONNECTING], (ChannelLost, Tick), "ignore")
@@ -138,6 +164,22 @@ def _rows() -> list[Row]:
     add([S.STREAM_OFFERED, S.STREAM_SENDING], p.Done, "refuse_unsealed_done", _FAILED)  # published only once sealed
     add([S.STREAM_OFFERED, S.STREAM_SENDING], Tick, "wait_for_producer", when=PRODUCER_IDLE)
 
+    # sending on a plane: a push's writes (each said placed once it ended), a pull's reads of what we lent
+    add([S.ASKED], p.Grant, "take_grant", S.PLACING)
+    add([S.STREAM_ASKED], p.Grant, "take_grant", S.STREAM_PLACING)
+    add([S.ASKED, S.PLACING, S.LENT], (Written, Commit), "ignore")  # every byte is queued, sealed
+    add([S.STREAM_ASKED, S.STREAM_PLACING], Written, "queue_and_send")  # (written once granted)
+    add([S.STREAM_ASKED], Commit, "seal", S.ASKED)
+    add([S.STREAM_PLACING], Commit, "seal", S.PLACING)
+    add([S.PLACING, S.STREAM_PLACING], OpEnded, "fail_op", _FAILED, OP_FAILED)
+    add([S.PLACING, S.STREAM_PLACING], OpEnded, "say_placed")
+    add([S.PLACING, S.STREAM_PLACING], p.ChunkAck, "ack_and_send")
+    add([S.PLACING], p.Done, "finish_sending", _DONE, ALL_PLACED)
+    add([S.ASKED, S.PLACING], p.Done, "refuse_early_done", _FAILED)
+    add([S.STREAM_ASKED, S.STREAM_PLACING], p.Done, "refuse_unsealed_done", _FAILED)
+    add([S.STREAM_ASKED, S.STREAM_PLACING], Tick, "wait_for_producer", when=PRODUCER_IDLE)
+    add([S.LENT], p.Done, "finish_sending", _DONE)  # (the puller's reads are over: it read every slice)
+
     # receiving
     add([R.RECEIVING, R.RECEIVING_SMALL], p.Chunk, "store_and_publish", _DONE, COMPLETES)  # done acks it
     add([R.RECEIVING], p.Chunk, "store_and_ack")
@@ -148,8 +190,20 @@ def _rows() -> list[Row]:
     add([R.STREAMING], p.Seal, "ignore", R.RECEIVING)
     add([R.STREAMED], p.Seal, "publish", R.DONE)
 
+    # receiving on a plane: what the sender's plane placed in our ranges, what ours read
+    add([R.GRANTED], p.Placed, "take_placed_and_publish", R.DONE, PLACED_COMPLETES)  # done acks it
+    add([R.GRANTED], p.Placed, "take_placed")
+    add([R.STREAM_GRANTED], p.Placed, "take_placed", R.STREAMED, PLACED_COMPLETES)
+    add([R.STREAM_GRANTED], p.Placed, "take_placed")
+    add([R.GRANTED], p.Seal, "ignore")
+    add([R.STREAM_GRANTED], p.Seal, "ignore", R.GRANTED)
+    add([R.READING], OpEnded, "fail_op", _FAILED, OP_FAILED)
+    add([R.READING], OpEnded, "take_read_and_publish", R.DONE, READ_COMPLETES)
+    add([R.READING], OpEnded, "take_read")
+
     # endings, in every state where they may come
-    timed = (R.PULLING, R.RECEIVING, R.RECEIVING_SMALL, R.STREAMING, R.STREAMED, *SENDER_OFFERED)
+    timed = (R.PULLING, R.RECEIVING, R.RECEIVING_SMALL, R.STREAMING, R.STREAMED, *ON_A_PLANE_RECEIVING,
+             *SENDER_OFFERED)
     add(timed, Tick, "fail_stalled", _FAILED, STALLED)
     add(timed, Tick, "ignore")
     talking = (S.WAITING, *SENDER_OFFERED, *RECEIVER_LIVE)  # the peer knows of them

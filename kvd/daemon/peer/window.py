@@ -33,6 +33,21 @@ class SendWindow:
         sender.add_range(0, total_bytes)
         return sender
 
+    def recut(self, chunk_size: int, max_in_flight: int) -> SendWindow:
+        """The same queued bytes cut into chunks of another size (before any was sent)."""
+        if self.next_seq:
+            raise ProtocolError("a window is cut again only before its first chunk goes")
+        again = SendWindow(self.total_bytes, chunk_size, max_in_flight)
+        spans: list[tuple[int, int]] = []
+        for offset, length in self.chunks:
+            if spans and spans[-1][0] + spans[-1][1] == offset:
+                spans[-1] = (spans[-1][0], spans[-1][1] + length)
+            else:
+                spans.append((offset, length))
+        for offset, length in spans:
+            again.add_range(offset, length)
+        return again
+
     def add_range(self, offset: int, length: int) -> None:
         """Queue bytes [offset, offset+length) of the entry (a stream adds them as they are written)."""
         if length < 0 or offset < 0 or offset + length > self.total_bytes:

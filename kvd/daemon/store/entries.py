@@ -207,6 +207,12 @@ class Store:
         if self._on_published is not None:
             self._on_published(entry, received)
 
+    def pin_writer(self, entry: Entry) -> None:
+        """A writer outside this process's code, a one-sided plane (a peer's writes into ranges we
+        granted, or our own reads landing), may write into the entry's blocks until `release_writer`:
+        removed before then, its blocks are parked, as under a local writer."""
+        entry.writer = True
+
     def release_writer(self, entry: Entry) -> None:
         """The local writer will copy nothing more into this entry (it hung up, or acknowledged
         that its put is over): a removed entry's parked blocks can go."""
