@@ -56,6 +56,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     add("--chunk-size", metavar="SIZE", help="network chunk size")
     add("--window", type=int, help="chunks in flight per transfer")
     add("--io-threads", type=int, help="ZeroMQ I/O threads; raise on many cores and fast NICs")
+    add("--data-plane", choices=["auto", "zmq", "nixl"],
+        help="how transfers' bytes move: zmq (chunk frames on the peer connections), nixl (NIXL's one-sided "
+             "writes and reads: RDMA, NVLink, shared memory, TCP; refuses peers without it), auto (NIXL where "
+             "both ends have it)")
     add("--checksum", choices=["xxh3_64", "crc32", "blake3_64", "none"],
         help="per-chunk checksum (blake3_64: cryptographic, what a one-sided plane uses off loopback)")
     add("--log-level", choices=["debug", "info", "warning", "error"], help="")

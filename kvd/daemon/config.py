@@ -46,6 +46,9 @@ class Config:
     window: int = 8  # chunks in flight per transfer
     io_threads: int = 1  # ZeroMQ I/O threads (raise on many cores and fast NICs)
     checksum: str = "xxh3_64"
+    # how transfers' bytes move (kvd.daemon.plane): zmq, as chunk frames on the peer connections; nixl, by
+    # NIXL's one-sided writes and reads, refusing peers without it; auto, NIXL where both ends have it
+    data_plane: str = "zmq"
     log_level: str = "info"
     log_format: str = "text"  # text | json
     metrics_port: int = DEFAULT_METRICS_PORT  # 0 = disabled
@@ -109,6 +112,8 @@ class Config:
             problems.append("io_threads must be 1-64")
         if self.checksum not in ALGORITHMS:
             problems.append(f"checksum must be one of {ALGORITHMS}")
+        if self.data_plane not in ("auto", "zmq", "nixl"):
+            problems.append(f"data_plane must be auto, zmq or nixl, got {self.data_plane!r}")
         if self.log_format not in ("text", "json"):
             problems.append("log_format must be text or json")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

@@ -25,7 +25,7 @@ from kvd.memory import check_fits_in_ram, open_staging_memory
 from kvd.memory.faults import with_fault_injection
 from kvd.memory.heap import keep_receive_buffers
 from kvd.units import format_size
-from kvd.wire.endpoints import is_loopback_endpoint, unix_path
+from kvd.wire.endpoints import is_loopback_endpoint, tcp_address, unix_path
 
 from .config import Config
 from .registry import Directory, RegistrySettings
@@ -35,6 +35,9 @@ from .lifecycle import Lifecycle
 from .local_server import LocalServer
 from .metrics import Metrics
 from .peer.auth import load_keys, start_authenticator
+from .plane.handshake import PlaneHandshake
+from .plane.nixl import start_plane
+from .plane.ops import PlaneOps
 from .peer.peers import PeerSet, PeerSettings
 from .peer.router import Router, RouterSettings
 from .peer.transfers import Transfers, TransferSettings
@@ -63,7 +66,7 @@ class Daemon:
         self.notifier = Notifier()
         self._stop_requested = asyncio.Event()
         # built by start(), in this order; stop() closes whatever was built
-        self.memory = self.store = self.cache = self.ctx = self.authenticator = None
+        self.memory = self.store = self.cache = self.ctx = self.authenticator = self.plane = None
         self.directory: Directory | None = None
         self.curve = None  # our CURVE keys and allow list, when CURVE is on
         self.local: LocalServer | None = None
@@ -112,11 +115,16 @@ class Daemon:
                         "kvd keygen --help)", cfg.listen)
         self.local = LocalServer(max_clients)
         watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
+        # a one-sided data plane (--data-plane): the pool registered, offered in our hellos
+        self.plane = start_plane(cfg.data_plane, cfg.node_id, life.incarnation, self.memory, tcp_address(cfg.listen)[0])
+        handshake = (PlaneHandshake(cfg.data_plane, self.plane, lambda agent: self.transfers.plane.peer_gone(agent))
+                     if self.plane is not None else None)
         self.peers = PeerSet(PeerSettings.of(cfg), self.ctx, life.incarnation, curve, self.metrics,
                              resolve=self.directory.endpoint_of if self.directory else None,
-                             explain=self.directory.explain_missing if self.directory else None)
+                             explain=self.directory.explain_missing if self.directory else None, plane=handshake)
         io = with_fault_injection(self.memory.io(cfg.chunk_size, cfg.window))
-        self.transfers = Transfers(TransferSettings.of(cfg), self.store, io, self.metrics, watch, self.peers)
+        self.transfers = Transfers(TransferSettings.of(cfg), self.store, io, self.metrics, watch, self.peers,
+                                   plane_ops=PlaneOps(self.plane) if self.plane is not None else None)
         tier = tier_peers_for(cfg, self.cache, self.memory, self.peers, self.directory)  # pages homed elsewhere
         on_peer, on_link = self.transfers.on_message, self.transfers.on_link_message
         if tier is not None:  # (the tier's peer messages are answered there; the rest are transfers')
@@ -234,6 +242,8 @@ class Daemon:
             self.authenticator.stop()
         if self.ctx is not None:
             self.ctx.destroy(linger=500)  # closes any socket a failed start left open
+        if self.plane is not None:  # (after every transfer and connection: nothing reaches it any more)
+            self.plane.close()
         if self.memory is not None:
             self.memory.close()
         if not served:

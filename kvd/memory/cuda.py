@@ -68,6 +68,10 @@ class CudaMemory:
     def io(self, chunk_size: int, window: int) -> CudaPoolIO:
         return CudaPoolIO(self.tensor, chunk_size, slots=2 * window + 2)
 
+    def plane_region(self) -> tuple[int, int, str, int]:
+        """Where a one-sided plane registers the pool: VRAM, for GPUDirect RDMA and NVLink (cuda_ipc)."""
+        return self._ptr, self.size, "VRAM", self.index
+
     def close(self) -> None:
         if getattr(self, "_ptr", 0):
             cupy = _cupy()

@@ -76,10 +76,19 @@ class HostMemory:
     def host_view(self) -> memoryview:
         return self._view
 
+    def plane_region(self) -> tuple[int, int, str, int]:
+        """Where a one-sided plane registers the pool: (address, size, "DRAM", device 0)."""
+        import ctypes
+
+        if getattr(self, "_anchor", None) is None:  # (an export of the mapping: released at close)
+            self._anchor = ctypes.c_char.from_buffer(self._map)
+        return ctypes.addressof(self._anchor), self.size, "DRAM", 0
+
     def io(self, chunk_size: int, window: int) -> PoolIO:
         return HostPoolIO(self._view)
 
     def close(self) -> None:
+        self._anchor = None
         view = getattr(self, "_view", None)
         if view is not None:
             view.release()

@@ -28,6 +28,7 @@ from .handshake import (
     Resolve, Retrying, SendHello, SendPing, Silent, StartTimer, State, Wait,
 )
 from .loopsocket import LoopSocket
+from ..plane.handshake import PlaneHandshake
 from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,9 @@ class PeerLink:
     def __init__(self, ctx: zmq.Context, name: str, endpoint: str, node_id: str, incarnation: int,
                  on_message: Callable[[PeerLink, p.Message], None], curve: CurveKeys | None = None,
                  on_lost: Callable[[PeerLink, str], None] | None = None, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, plane: PlaneHandshake | None = None) -> None:
         self._metrics = metrics or Metrics()
+        self._plane = plane  # our one-sided plane, offered in our hello (None: ZeroMQ's frames only)
         self.name = name
         self.endpoint = endpoint
         self.handshake = Handshake(name, endpoint, clock)
@@ -187,6 +189,11 @@ class PeerLink:
                 self._do(self.handshake.handle(Refused(refusal, redial=False)))
                 return
             self.channel.features = frozenset(f for f in msg.features if isinstance(f, str))
+            refusal = self._plane.admit(self.channel, msg.node_id, msg.incarnation, msg.plane) if self._plane else None
+            if refusal is not None:  # (we require a plane this peer does not offer)
+                log.warning("%s", refusal.message)
+                self._do(self.handshake.handle(Refused(refusal, redial=False)))
+                return
             self._do(self.handshake.handle(Answered(msg.node_id, msg.incarnation)))
         elif isinstance(msg, p.Pong):
             return
@@ -243,7 +250,7 @@ class PeerLink:
 
     def _hello_msg(self) -> p.PeerHello:
         return p.PeerHello(node_id=self._node_id, incarnation=self._incarnation, features=list(p.FEATURES),
-                           cert=self._cert)
+                           cert=self._cert, plane=self._plane.offer() if self._plane is not None else None)
 
     def _redial(self) -> None:
         sock = self.socket.sock

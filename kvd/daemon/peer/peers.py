@@ -20,6 +20,7 @@ from kvd.wire import protocol as p
 from ..config import Config
 from dataclasses import dataclass
 from ..metrics import Metrics
+from ..plane.handshake import PlaneHandshake
 from .auth import CurveKeys
 from .channel import Channel
 from .links import PeerLink
@@ -60,10 +61,12 @@ class PeerSet:
 
     def __init__(self, settings: PeerSettings, ctx: zmq.Context, incarnation: int, curve: CurveKeys | None,
                  metrics: Metrics | None = None, resolve: Callable[[str], str | None] | None = None,
-                 explain: Callable[[str], str] | None = None) -> None:
+                 explain: Callable[[str], str] | None = None, plane: PlaneHandshake | None = None) -> None:
         """resolve: a node id -> its endpoint from the cluster registry; explain: why the registry
-        gave none (unreachable, not registered, ...), for the error."""
+        gave none (unreachable, not registered, ...), for the error; plane: the one-sided plane our
+        hellos offer (None: every link's bytes go as ZeroMQ frames)."""
         self.settings = settings
+        self.plane = plane
         self._explain = explain or (lambda name: "")
         self.metrics = metrics or Metrics()
         # a node id -> its published endpoint (the cluster registry), for names no --peer gives
@@ -95,7 +98,20 @@ class PeerSet:
 
     def _new_link(self, name: str, endpoint: str) -> PeerLink:
         return PeerLink(self.ctx, name, endpoint, self.settings.node_id, self.incarnation,
-                        lambda link, msg: self._on_message(link, msg), self.curve, self._on_link_lost, self.metrics)
+                        lambda link, msg: self._on_message(link, msg), self.curve, self._on_link_lost, self.metrics,
+                        plane=self.plane)
+
+    def tear_down_plane(self, agent: str) -> None:
+        """End the plane's connection to that agent and cut our connections with it: their handshakes,
+        done again, bring it back (the transfers' operations towards it fail meanwhile)."""
+        if self.plane is not None:
+            self.plane.tear_down(agent)
+        for link in self.links.values():
+            if link.channel.plane_agent == agent:
+                link.cut()
+        for rid, channel in self._router_channels.items():
+            if channel.plane_agent == agent and (conn := self._router_conns.get(rid)) is not None:
+                conn.cut()
 
     def _on_link_lost(self, link: PeerLink, reason: str) -> None:
         """The connection to a peer closed, or the peer came back with a new incarnation:

@@ -7,10 +7,8 @@ for its link, outcomes resolve futures, and what happens to arriving entries is 
 `EntryEvents` (the entry watch). A push and a pull are each one transfer object and no task of
 their own; only a served pull waiting for its entry is a task.
 
-A sender's blocks are reused only once ZeroMQ lets go of every frame sent from them, whatever
-ended the transfer: a receiver's `done` is its word, not proof that our frames left. A peer that
-leaves frames queued past transfer_timeout has its TCP connection cut, which makes ZeroMQ drop
-them; no timer ever frees blocks ZeroMQ may still send from.
+A sender's blocks are reused only once ZeroMQ lets go of every frame sent from them (`frameholds.py`);
+on a link with a one-sided plane, only once the plane can no longer touch them (`planeio.py`).
 """
 from __future__ import annotations
 
@@ -24,24 +22,25 @@ from collections.abc import Callable
 from kvd.errors import KvdError, NotFound, PeerUnavailable
 from kvd.memory.io import PoolIO
 from kvd.wire import protocol as p
+from kvd.wire.endpoints import is_loopback_endpoint
 
 from ..config import Config
 from ..metrics import Metrics
+from ..plane.ops import PlaneOps
 from ..store.entries import Entry, Store
 from .channel import Channel, Sending
 from .links import PeerLink
 from .machine import Limits, Machine
+from .frameholds import FrameHolds
 from .peers import PeerSet
+from .planeio import PlaneIO, on_plane
 from .states import (
     Cancel, ChannelLost, Commit, ConnectFailed, Connected, Dropped, EntryMissing, EntryReady, Finished, Inbound,
-    Kind, Outbound, Progress, Published, Received, Send, SendChunk, Tick, Transfer, WaitForEntry, Written,
+    Kind, Outbound, PostOp, Progress, Published, Received, Send, SendChunk, Tick, Transfer, WaitForEntry, Written,
 )
 
 log = logging.getLogger(__name__)
 
-# a finished send whose frames ZeroMQ still holds is checked again after this, doubling up to the
-# housekeeping interval (its pyzmq trackers complete a few microseconds to milliseconds after done)
-DEFERRED_FIRST, DEFERRED_MAX = 0.002, 0.2
 # seconds a pull's handshake may take at least, whatever its get's timeout: a get with timeout 0
 # of an entry complete on a peer still has time to say hello on a link not up yet
 MIN_HANDSHAKE = 0.5
@@ -63,28 +62,6 @@ class Push:
     transfer: Outbound
     outcome: asyncio.Future  # resolves (None, or the error) when the push ends
     on_end: list = field(default_factory=list)  # called with its error (or None) as it ends
-
-
-@dataclass(eq=False)
-class _Sent:
-    """An ended send whose frames ZeroMQ may still hold: its blocks stay pinned until it lets go."""
-
-    lease_token: int
-    channel: Channel
-    request_id: str
-    sends: list  # the chunk send futures (resolving to MessageTrackers)
-    cut_at: float  # its connection is cut if ZeroMQ still holds them then
-    cut: bool = False
-
-
-def zmq_released(sends: list) -> bool:
-    """True once ZeroMQ holds no reference to any frame of these sends (safe to reuse the blocks)."""
-    for sent in sends:
-        if not sent.done():
-            return False
-        if not sent.cancelled() and sent.exception() is None and not sent.result().done:
-            return False
-    return True
 
 
 class EntryEvents(Protocol):
@@ -113,13 +90,16 @@ class TransferSettings:
 
     @classmethod
     def of(cls, config: Config) -> TransferSettings:
-        return cls(config.node_id, Limits(config.chunk_size, config.window, config.checksum, config.transfer_timeout),
-                   config.connect_timeout)
+        # a plane's bytes beyond loopback cross a fabric kvd does not encrypt: their digest is cryptographic
+        plane_checksum = config.checksum if is_loopback_endpoint(config.listen) else "blake3_64"
+        return cls(config.node_id, Limits(config.chunk_size, config.window, config.checksum, config.transfer_timeout,
+                                          plane_checksum=plane_checksum), config.connect_timeout)
 
 
 class Transfers:
     def __init__(self, settings: TransferSettings, store: Store, io: PoolIO, metrics: Metrics, events: EntryEvents,
-                 peers: PeerSet, clock: Callable[[], float] = time.monotonic) -> None:
+                 peers: PeerSet, clock: Callable[[], float] = time.monotonic,
+                 plane_ops: PlaneOps | None = None) -> None:
         self.settings = settings
         self.store = store
         self.io = io
@@ -133,9 +113,8 @@ class Transfers:
         self._pulls: dict[int, asyncio.Future] = {}  # pulls a local get waits on
         self._sends: dict[int, list] = {}  # the chunk sends of a sender, for their trackers
         self._waiting: dict[int, asyncio.Task] = {}  # served pulls waiting for their entry
-        self._deferred: list[_Sent] = []  # ended sends whose frames ZeroMQ may still hold
-        self._deferred_check: asyncio.TimerHandle | None = None
-        self._deferred_delay = DEFERRED_FIRST
+        self.frames = FrameHolds(store, settings.transfer_timeout, clock)  # ended sends ZeroMQ may still hold
+        self.plane = PlaneIO(plane_ops, store, metrics, self._handle, self._send, settings.transfer_timeout, clock)
 
     # --- pushes and pulls, as the local handlers start them -----------------------------------------
 
@@ -257,7 +236,13 @@ class Transfers:
 
     def on_message(self, channel: Channel, msg: p.Message) -> None:
         """A message from a peer, on the channel it came on (ROUTER or link)."""
+        if type(msg) is p.Released:  # (the end of what its plane may do to our memory, not of a transfer)
+            self.plane.released(channel, msg)
+            return
         self._run(self.machine.handle(msg, channel))
+
+    def _handle(self, event) -> None:
+        self._run(self.machine.handle(event))
 
     def on_link_message(self, link: PeerLink, msg: p.Message) -> None:
         self.on_message(link.channel, msg)
@@ -269,6 +254,7 @@ class Transfers:
     def tick(self, now: float) -> None:
         """Called periodically: fail transfers without progress."""
         self._run(self.machine.handle(Tick(now)))
+        self.plane.tick(now, self.peers.tear_down_plane)
 
     def busy(self) -> bool:
         """Transfers are in flight or connecting (a drain waits for them)."""
@@ -284,8 +270,9 @@ class Transfers:
         for transfer in list(self.machine.transfers.values()):
             self.abort(transfer, PeerUnavailable(f"daemon {self.settings.node_id} is shutting down"))
         await asyncio.sleep(0)  # let the Abort sends start
-        if self._deferred_check is not None:
-            self._deferred_check.cancel()
+        self.frames.close()
+        if self.plane.ops is not None:
+            self.plane.ops.close()
         for task in list(self._waiting.values()):
             task.cancel()
         await asyncio.gather(*self._waiting.values(), return_exceptions=True)
@@ -313,6 +300,8 @@ class Transfers:
                     self.events.on_published(entry)
                 case Dropped(entry=entry, error=error):
                     self.events.on_dropped(entry, error)
+                case PostOp():
+                    self.plane.post(action)
                 case WaitForEntry(transfer=out, deadline=deadline):
                     task = asyncio.get_running_loop().create_task(self._wait_for_entry(out, deadline),
                                                                   name=f"pull-{out.xfer:x}")
@@ -347,7 +336,10 @@ class Transfers:
             return
         sends = self._sends.pop(transfer.xfer, [])
         if transfer.entry is not None:
-            self._unpin_when_sent(transfer, sends)
+            if error is not None and on_plane(transfer):
+                self.plane.failed(transfer)  # (its blocks wait for what the plane may still do to them)
+            else:
+                self.frames.unpin_when_sent(transfer, sends)
             if error is None and transfer.entry.removed:  # (its lease consumed it: a push, a pull without keep)
                 self.events.on_departed(transfer.entry, transfer.channel.peer_name, transfer.kind is Kind.PUSH)
             elif error is not None and not transfer.entry.removed:  # (gets parked behind its claim wait on)
@@ -388,49 +380,6 @@ class Transfers:
         sent.add_done_callback(_log_send_failure)
         return sent
 
-    # --- blocks ZeroMQ may still send from --------------------------------------------------------------
-
-    def _unpin_when_sent(self, out: Outbound, sends: list) -> None:
-        if zmq_released(sends):
-            self._unpin(out.lease_token)
-            return
-        # its connection is cut if ZeroMQ still holds the frames a transfer timeout from now
-        self._deferred.append(_Sent(out.lease_token, out.channel, out.request_id, sends,
-                                    self.clock() + self.settings.transfer_timeout))
-        self._schedule_deferred_check()
-
-    def _unpin(self, lease_token: int) -> None:
-        try:
-            self.store.release(lease_token, success=False)
-        except NotFound:
-            pass
-
-    def _schedule_deferred_check(self) -> None:
-        if self._deferred_check is None:
-            self._deferred_check = asyncio.get_running_loop().call_later(self._deferred_delay,
-                                                                         self._release_deferred)
-            self._deferred_delay = min(2 * self._deferred_delay, DEFERRED_MAX)
-
-    def _release_deferred(self) -> None:
-        self._deferred_check = None
-        still = []
-        now = self.clock()
-        for sent in self._deferred:
-            if zmq_released(sent.sends):
-                self._unpin(sent.lease_token)
-                continue
-            still.append(sent)
-            if now >= sent.cut_at and not sent.cut:
-                sent.cut = True
-                log.warning("peer %s has not taken the last frames of %s %.0fs after its transfer ended: "
-                            "closing its connection so that the blocks can be reused", sent.channel.peer_name,
-                            sent.request_id, self.settings.transfer_timeout)
-                sent.channel.cut()
-        self._deferred = still
-        if still:
-            self._schedule_deferred_check()
-        else:
-            self._deferred_delay = DEFERRED_FIRST
 
 
 def _kvd_error(exc: BaseException | None) -> KvdError | None:

@@ -120,6 +120,8 @@ class NixlPlane:
             loaded = self.agent.add_remote_agent(info.metadata)
         except Exception as exc:
             raise PlaneError(f"NIXL refused the metadata of {info.agent}: {exc}") from None
+        if isinstance(loaded, bytes):
+            loaded = loaded.decode(errors="replace")
         if loaded != info.agent:  # its metadata must name the agent its hello vouches for
             self._forget(loaded)
             raise PlaneError(f"the NIXL metadata of {info.agent} names agent {str(loaded)[:80]!r}")
@@ -254,3 +256,20 @@ def open_nixl(node_id: str, incarnation: int, region: tuple[int, int, str, int],
              agent_name(node_id, incarnation), memory, size, os.environ.get("UCX_NET_DEVICES", "all"),
              os.environ.get("UCX_TLS", "UCX's choice"))
     return plane
+
+
+def start_plane(mode: str, node_id: str, incarnation: int, memory, listen_host: str) -> NixlPlane | None:
+    """The daemon's one-sided plane for --data-plane: None for zmq, and for auto where NIXL is not
+    installed (every link's bytes then go as frames); nixl without NIXL is an error saying what to do."""
+    if mode == "zmq":
+        return None
+    if mode == "auto" and not available():
+        log.info("--data-plane auto: NIXL is not installed, every link uses ZeroMQ (%s)", INSTALL_HINT)
+        return None
+    try:
+        return open_nixl(node_id, incarnation, memory.plane_region(), listen_host)
+    except PlaneError as exc:
+        if mode == "auto":
+            log.warning("--data-plane auto: the NIXL plane did not start (%s); every link uses ZeroMQ", exc.message)
+            return None
+        raise BadRequest(f"--data-plane nixl: {exc.message}") from None

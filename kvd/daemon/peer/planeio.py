@@ -1,0 +1,123 @@
+"""The I/O of transfers on a one-sided plane (daemon process): plane operations the machine asks
+for are posted and their ends fed back to it; what a plane may still touch after a failed transfer
+is drained or parked (`kvd.daemon.plane.ledger`) and let go of when that is over; `released` from a
+peer, a peer gone for good, and our own operations stuck behind a frozen peer are handled here.
+`transfers.Transfers` owns one and hands it the plane's actions, messages and ticks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from kvd.errors import KvdError, NotFound
+from kvd.wire import protocol as p
+
+from ..metrics import Metrics
+from ..plane.ledger import Drain, Hold, Parked, PlaneLedger
+from ..plane.ops import PlaneOps
+from ..store.entries import Store
+from .channel import Channel
+from .states import Inbound, Kind, OpEnded, Outbound, PostOp, Transfer
+
+log = logging.getLogger(__name__)
+
+
+class PlaneIO:
+    def __init__(self, ops: PlaneOps | None, store: Store, metrics: Metrics, handle: Callable[[object], None],
+                 send: Callable[[Channel, p.Message], object], transfer_timeout: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ops = ops
+        self.store = store
+        self.metrics = metrics
+        self._handle = handle  # feeds an event to the machine and carries out its actions
+        self._send = send
+        self.transfer_timeout = transfer_timeout
+        self.clock = clock
+        self.ledger = PlaneLedger()
+
+    def post(self, action: PostOp) -> None:
+        transfer, seq = action.transfer, action.seq
+        nbytes = sum(n for _, n in action.local)
+        self.ledger.posted(transfer.xfer)
+
+        def ended(error: KvdError | None) -> None:
+            if error is None and isinstance(transfer, Outbound):
+                self.metrics.tally["sent_bytes"] += nbytes
+                self.metrics.transfer_bytes(transfer.channel.peer_name, "sent", nbytes)
+            self._handle(OpEnded(transfer.xfer, seq, error))  # (a transfer that ended meanwhile ignores it)
+            drained = self.ledger.op_ended(transfer.xfer)
+            if drained is not None:
+                self._let_go(drained)
+
+        if self.ops is None or transfer.channel.plane_agent is None:  # (never: no plane, no plane transfers)
+            from ..plane.base import PlaneError
+            ended(PlaneError("this daemon has no plane"))
+            return
+        self.ops.post(action.op, transfer.channel.plane_agent, action.local, action.remote, ended)
+
+    def failed(self, transfer: Transfer) -> None:
+        """A transfer on a plane failed: what its memory may still be touched by waits for that to end."""
+        agent = transfer.channel.plane_agent or ""
+        entry = transfer.entry
+        nbytes = entry.total_bytes if entry is not None else 0
+        now = self.clock()
+        if isinstance(transfer, Outbound):
+            if transfer.kind is Kind.PUSH:  # our writes from its blocks
+                self._drain(Drain(transfer.xfer, agent, transfer.request_id, nbytes, lease_token=transfer.lease_token,
+                                  since=now, channel=transfer.channel))
+            elif entry is not None:  # a pull we lent to: the puller's reads of its blocks
+                self.ledger.park(Parked(transfer.xfer, agent, transfer.request_id, nbytes,
+                                        lease_token=transfer.lease_token, since=now))
+            return
+        if transfer.kind is Kind.PULL:  # our reads into its entry (or none yet): then say released
+            self._drain(Drain(transfer.xfer, agent, transfer.request_id, nbytes, entry=entry, since=now,
+                              channel=transfer.channel))
+        elif entry is not None:  # granted to the pusher: its writes into the entry
+            self.ledger.park(Parked(transfer.xfer, agent, transfer.request_id, nbytes, entry=entry, since=now))
+
+    def _drain(self, hold: Drain) -> None:
+        ready = self.ledger.drain(hold)
+        if ready is not None:
+            self._let_go(ready)
+
+    def released(self, channel: Channel, msg: p.Released) -> None:
+        """The peer's plane is done with what we granted or lent it for msg.xfer."""
+        if channel.plane_agent is None:
+            return
+        parked = self.ledger.released(channel.plane_agent, msg.xfer)
+        if parked is not None:
+            self._let_go(parked)
+
+    def peer_gone(self, agent: str) -> None:
+        """A peer agent that is no more (its daemon restarted): nothing of it can touch our memory."""
+        for parked in self.ledger.peer_gone(agent):
+            self._let_go(parked)
+
+    def tick(self, now: float, tear_down: Callable[[str], None]) -> None:
+        """Our operations of failed transfers still running a transfer timeout later (a frozen peer's
+        plane may never end them): that peer is torn down, which ends them (then the link dials anew)."""
+        for agent in {hold.agent for hold in self.ledger.stuck(now - self.transfer_timeout)}:
+            log.warning("plane operations towards %s still run %.0fs after their transfers failed: tearing its "
+                        "connection down so that their blocks can be reused", agent, self.transfer_timeout)
+            tear_down(agent)
+
+    def _let_go(self, hold: Hold) -> None:
+        if hold.entry is not None:
+            self.store.release_writer(hold.entry)
+        if hold.lease_token:
+            try:
+                self.store.release(hold.lease_token, success=False)
+            except NotFound:
+                pass
+        if isinstance(hold, Drain) and hold.channel is not None:
+            self._send(hold.channel, p.Released(xfer=hold.xfer))
+
+    def summary(self) -> dict:
+        return self.ledger.summary()
+
+
+def on_plane(transfer: Transfer) -> bool:
+    """The transfer's bytes ride (or were to ride) a plane."""
+    return transfer.plane is not None or (isinstance(transfer, Inbound) and transfer.kind is Kind.PULL
+                                          and transfer.channel.plane is not None)
