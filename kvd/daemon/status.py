@@ -92,7 +92,14 @@ class Status(Collector):
             "metrics": f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None,
             "registry": self.directory.status() if self.directory is not None else None,
             "cache": self.cache.stats() if self.cache is not None else None,
+            "plane": self.plane(),
         }
+
+    def plane(self) -> dict | None:
+        """The one-sided data plane: its agent and peers, operations, and what it holds for peers."""
+        if self.peers.plane is None:
+            return None
+        return {**self.peers.plane.stats(), **self.transfers.plane.summary()}
 
     def collect(self) -> Iterator:
         cfg, life = self.config, self.lifecycle

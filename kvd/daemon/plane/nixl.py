@@ -177,8 +177,9 @@ class NixlPlane:
             except Exception as exc:
                 log.debug("NIXL: checking a transfer: %s", exc)
                 op.state = OpState.FAILED
-            if op.state is not OpState.RUNNING:
-                self.counts["done" if op.state is OpState.DONE else "failed"] += 1
+        if op.state is not OpState.RUNNING and not op.counted:
+            op.counted = True
+            self.counts["done" if op.state is OpState.DONE else "failed"] += 1
         return op.state
 
     def release(self, handle: object) -> None:
@@ -210,6 +211,7 @@ class NixlPlane:
 class _Op:
     handle: object
     state: OpState
+    counted: bool = False  # its end is in `counts`
 
 
 def _build_agent(name: str):
