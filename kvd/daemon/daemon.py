@@ -124,7 +124,7 @@ class Daemon:
                              explain=self.directory.explain_missing if self.directory else None, plane=handshake)
         io = with_fault_injection(self.memory.io(cfg.chunk_size, cfg.window))
         self.transfers = Transfers(TransferSettings.of(cfg), self.store, io, self.metrics, watch, self.peers,
-                                   plane_ops=PlaneOps(self.plane) if self.plane is not None else None)
+                                   plane_ops=PlaneOps.from_env(self.plane) if self.plane is not None else None)
         tier = tier_peers_for(cfg, self.cache, self.memory, self.peers, self.directory)  # pages homed elsewhere
         on_peer, on_link = self.transfers.on_message, self.transfers.on_link_message
         if tier is not None:  # (the tier's peer messages are answered there; the rest are transfers')

@@ -85,7 +85,7 @@ def test_dev_test_adds_q_and_two_workers_only_when_not_asked_otherwise(tmp_path)
         (venv / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
         (venv / "bin" / name).chmod(0o755)
     later = time.time() + 3600  # newer than pyproject.toml and requirements/: nothing to install
-    for stamp in (".kvd-installed", ".kvd-vllm-installed", ".kvd-sglang-installed"):
+    for stamp in (".kvd-installed", ".kvd-nixl-installed", ".kvd-vllm-installed", ".kvd-sglang-installed"):
         (venv / stamp).touch()
         os.utime(venv / stamp, (later, later))
     base = {k: v for k, v in os.environ.items() if k != "KVD_TEST_WORKERS"}

@@ -59,9 +59,12 @@ class PlaneHandlers:
         return actions
 
     def _say_placed(self, out: Outbound, ended: OpEnded) -> list:
+        """A slice is in the receiver's ranges: say so, and write the next (the receiver granted every
+        range up front, so nothing waits for its word: a bad slice is its abort, the end its done)."""
         out.ops -= 1
+        out.window.ack(ended.seq)
         out.deadline = self.clock() + self.limits.transfer_timeout
-        return [Send(out.channel, out.placed.pop(ended.seq))]
+        return [Send(out.channel, out.placed.pop(ended.seq)), *self._post_writes(out)]
 
     def _lend_entry(self, out: Outbound, ready) -> list:
         """A pull on the plane: the puller's plane reads our blocks, slice by slice, each checked
@@ -100,9 +103,8 @@ class PlaneHandlers:
 
     def _take_placed(self, inbound: Inbound, msg: p.Placed) -> list:
         entry, completed = self._check_placed(inbound, msg)
-        actions: list = [Received(inbound, msg.length), Send(inbound.channel, p.ChunkAck(xfer=inbound.xfer,
-                                                                                        seq=msg.seq))]
-        return [*actions, Progress(entry, completed)] if completed else actions
+        return [Received(inbound, msg.length), Progress(entry, completed)] if completed else [Received(inbound,
+                                                                                                    msg.length)]
 
     def _take_placed_and_publish(self, inbound: Inbound, msg: p.Placed) -> list:
         self._check_placed(inbound, msg)  # (its done acknowledges it)

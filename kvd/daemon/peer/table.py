@@ -172,8 +172,7 @@ def _rows() -> list[Row]:
     add([S.STREAM_ASKED], Commit, "seal", S.ASKED)
     add([S.STREAM_PLACING], Commit, "seal", S.PLACING)
     add([S.PLACING, S.STREAM_PLACING], OpEnded, "fail_op", _FAILED, OP_FAILED)
-    add([S.PLACING, S.STREAM_PLACING], OpEnded, "say_placed")
-    add([S.PLACING, S.STREAM_PLACING], p.ChunkAck, "ack_and_send")
+    add([S.PLACING, S.STREAM_PLACING], OpEnded, "say_placed")  # (and the next slice goes: no ack awaited)
     add([S.PLACING], p.Done, "finish_sending", _DONE, ALL_PLACED)
     add([S.ASKED, S.PLACING], p.Done, "refuse_early_done", _FAILED)
     add([S.STREAM_ASKED, S.STREAM_PLACING], p.Done, "refuse_unsealed_done", _FAILED)
@@ -191,7 +190,7 @@ def _rows() -> list[Row]:
     add([R.STREAMED], p.Seal, "publish", R.DONE)
 
     # receiving on a plane: what the sender's plane placed in our ranges, what ours read
-    add([R.GRANTED], p.Placed, "take_placed_and_publish", R.DONE, PLACED_COMPLETES)  # done acks it
+    add([R.GRANTED], p.Placed, "take_placed_and_publish", R.DONE, PLACED_COMPLETES)  # done answers them all
     add([R.GRANTED], p.Placed, "take_placed")
     add([R.STREAM_GRANTED], p.Placed, "take_placed", R.STREAMED, PLACED_COMPLETES)
     add([R.STREAM_GRANTED], p.Placed, "take_placed")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -22,14 +23,18 @@ log = logging.getLogger(__name__)
 
 SPIN = 0.0003  # seconds an operation is polled on every turn of the loop after it was posted
 POLL = 0.001  # then every this long
+# tests: each operation is posted this many seconds after it was asked for (a sender slowed enough that a
+# fault lands mid-transfer for certain); read once at start, nothing of it runs otherwise
+DELAY_ENV = "KVD_TEST_PLANE_POST_DELAY"
 
 Done = Callable[[KvdError | None], None]
 
 
 class PlaneOps:
-    def __init__(self, plane: DataPlane, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, plane: DataPlane, clock: Callable[[], float] = time.monotonic, delay: float = 0.0) -> None:
         self.plane = plane
         self.clock = clock
+        self.delay = delay
         self._running: dict[object, tuple[Done, str]] = {}  # handle -> (its callback, its peer)
         self._last_post = 0.0
         self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
@@ -38,6 +43,12 @@ class PlaneOps:
     def post(self, op: str, agent: str, local: Ranges, remote: Ranges, done: Done) -> None:
         """Start `op` ("write" or "read"); `done(None or the error)` is called once, from the loop, as
         it ends (never from inside this call)."""
+        if self.delay:
+            asyncio.get_running_loop().call_later(self.delay, self._start, op, agent, local, remote, done)
+        else:
+            self._start(op, agent, local, remote, done)
+
+    def _start(self, op: str, agent: str, local: Ranges, remote: Ranges, done: Done) -> None:
         loop = asyncio.get_running_loop()
         try:
             handle = self.plane.post(op, agent, local, remote)
@@ -47,6 +58,10 @@ class PlaneOps:
         self._running[handle] = (done, agent)
         self._last_post = self.clock()
         self._schedule(loop, soon=True)
+
+    @classmethod
+    def from_env(cls, plane: DataPlane) -> PlaneOps:
+        return cls(plane, delay=float(os.environ.get(DELAY_ENV, "0") or 0))
 
     def _schedule(self, loop: asyncio.AbstractEventLoop, soon: bool) -> None:
         """Poll on the next turn (soon) or in POLL seconds; a poll already due first stays."""
