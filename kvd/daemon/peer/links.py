@@ -189,10 +189,10 @@ class PeerLink:
                 self._do(self.handshake.handle(Refused(refusal, redial=False)))
                 return
             self.channel.features = frozenset(f for f in msg.features if isinstance(f, str))
-            refusal = self._plane.admit(self.channel, msg.node_id, msg.incarnation, msg.plane) if self._plane else None
-            if refusal is not None:  # (we require a plane this peer does not offer)
-                log.warning("%s", refusal.message)
-                self._do(self.handshake.handle(Refused(refusal, redial=False)))
+            unplaned = self._plane.admit(self.channel, msg.node_id, msg.incarnation, msg.plane) if self._plane else None
+            if unplaned is not None:  # (we require a plane this peer does not offer)
+                log.warning("%s", unplaned.message)
+                self._do(self.handshake.handle(Refused(unplaned, redial=False)))
                 return
             self._do(self.handshake.handle(Answered(msg.node_id, msg.incarnation)))
         elif isinstance(msg, p.Pong):

@@ -8,18 +8,35 @@ inherits these; they use its store, pool I/O, limits and clock.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from kvd.errors import BadRequest, ChecksumMismatch, PeerUnavailable, ProtocolError
 from kvd.wire import protocol as p
+from kvd.memory.io import PoolIO
 from kvd.wire.checksum import CRYPTOGRAPHIC
 from kvd.wire.layout import physical_segments
 
+from ..store.entries import Entry, Store
 from .channel import Channel
+from .limits import Limits
 from .ranges import checked_ranges, checked_slices, cut, paired
 from .states import Inbound, OpEnded, Outbound, PostOp, Progress, Received, Send, Transfer
 from .window import SendWindow
 
 
 class PlaneHandlers:
+    # what `Machine` has, that these handlers use
+    limits: Limits
+    store: Store
+    io: PoolIO
+    clock: Callable[[], float]
+
+    if TYPE_CHECKING:
+        def _offer_message(self, out: Outbound, sealed: bool) -> p.Offer: ...
+        def _pump(self, out: Outbound) -> list: ...
+        def _take(self, target: Inbound | Channel, msg: p.Offer) -> tuple[Inbound, Entry]: ...
+        def _publish(self, inbound: Inbound, event: object) -> list: ...
     def _ask(self, out: Outbound, event) -> list:
         return self._offer_for_plane(out, sealed=True)
 
@@ -62,7 +79,7 @@ class PlaneHandlers:
         """A slice is in the receiver's ranges: say so, and write the next (the receiver granted every
         range up front, so nothing waits for its word: a bad slice is its abort, the end its done)."""
         out.ops -= 1
-        out.window.ack(ended.seq)
+        out.sending()[1].ack(ended.seq)
         out.deadline = self.clock() + self.limits.transfer_timeout
         return [Send(out.channel, out.placed.pop(ended.seq)), *self._post_writes(out)]
 
@@ -70,7 +87,8 @@ class PlaneHandlers:
         """A pull on the plane: the puller's plane reads our blocks, slice by slice, each checked
         against the digest this offer gives it; its done ends the lease."""
         entry = ready.entry
-        out.lease_token = self.store.lease(entry, consume=not out.pull.keep, deadline=None).token
+        keep = out.pull is not None and out.pull.keep  # (a served pull has its Pull)
+        out.lease_token = self.store.lease(entry, consume=not keep, deadline=None).token
         out.entry, out.plane = entry, out.channel.plane
         out.window = window = SendWindow.whole(entry.total_bytes, self.limits.slice_bytes, 0)
         checksum, block_size = self.limits.plane_checksum, self.store.block_size
@@ -131,17 +149,17 @@ class PlaneHandlers:
         inbound.plane = msg.plane
         self.store.pin_writer(entry)
         inbound.regions = checked_ranges(msg.regions, entry.total_bytes, "offer")
-        inbound.reads = SendWindow.whole(entry.total_bytes, msg.chunk_size, self.limits.plane_in_flight)
-        inbound.slices = checked_slices(msg.slices, inbound.reads.chunks)
+        inbound.reads = reads = SendWindow.whole(entry.total_bytes, msg.chunk_size, self.limits.plane_in_flight)
+        inbound.slices = checked_slices(msg.slices, reads.chunks)
         return [Progress(entry, entry.complete_tensors()), *self._post_reads(inbound)]
 
     def _post_reads(self, inbound: Inbound) -> list:
-        entry, reads = inbound.entry, inbound.reads
+        entry, reads, regions, _ = inbound.reading()
         actions: list = []
         for seq in reads.ready_to_send():
             offset, length = reads.chunks[seq]
             local = physical_segments(entry.extents, self.store.block_size, offset, length)
-            actions.append(PostOp(inbound, seq, "read", *paired(local, cut(inbound.regions, offset, length))))
+            actions.append(PostOp(inbound, seq, "read", *paired(local, cut(regions, offset, length))))
         return actions
 
     def _take_read(self, inbound: Inbound, ended: OpEnded) -> list:
@@ -155,14 +173,15 @@ class PlaneHandlers:
 
     def _check_read(self, inbound: Inbound, ended: OpEnded) -> tuple:
         entry, ledger = inbound.receiving()
-        offset, length, expected = inbound.slices[ended.seq]
+        _, reads, _, slices = inbound.reading()
+        offset, length, expected = slices[ended.seq]
         ledger.check(ended.seq, offset, length)
         if self.io.digest(physical_segments(entry.extents, self.store.block_size, offset, length),
                           inbound.checksum) != expected:
             raise ChecksumMismatch(f"slice {ended.seq} of {entry.request_id!r} read from "
                                    f"{inbound.channel.peer_name} failed its {inbound.checksum} check")
         ledger.mark(ended.seq, offset, length)
-        inbound.reads.ack(ended.seq)
+        reads.ack(ended.seq)
         inbound.deadline = self.clock() + self.limits.transfer_timeout
         return entry, entry.mark_range(offset, length), length
 

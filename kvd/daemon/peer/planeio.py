@@ -22,19 +22,25 @@ from .states import Inbound, Kind, OpEnded, Outbound, PostOp, Transfer
 
 log = logging.getLogger(__name__)
 
+MAX_UNSAID = 4096  # `released` words kept per peer until its link is back
+
 
 class PlaneIO:
     def __init__(self, ops: PlaneOps | None, store: Store, metrics: Metrics, handle: Callable[[object], None],
-                 send: Callable[[Channel, p.Message], object], transfer_timeout: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 send: Callable[[Channel, p.Message], object], link_up: Callable[[str], Channel | None],
+                 transfer_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ops = ops
         self.store = store
         self.metrics = metrics
         self._handle = handle  # feeds an event to the machine and carries out its actions
         self._send = send
+        # our link to a peer, if its handshake is up (where a `released` reaches the peer's ledger: a
+        # connection it forgot after a silence would drop it); None while it is not
+        self._link_up = link_up
         self.transfer_timeout = transfer_timeout
         self.clock = clock
         self.ledger = PlaneLedger()
+        self._unsaid: dict[str, set[int]] = {}  # peer -> the transfers whose `released` it has yet to hear
 
     def post(self, action: PostOp) -> None:
         transfer, seq = action.transfer, action.seq
@@ -65,14 +71,14 @@ class PlaneIO:
         if isinstance(transfer, Outbound):
             if transfer.kind is Kind.PUSH:  # our writes from its blocks
                 self._drain(Drain(transfer.xfer, agent, transfer.request_id, nbytes, lease_token=transfer.lease_token,
-                                  since=now, channel=transfer.channel))
+                                  since=now, peer=transfer.channel.peer_name))
             elif entry is not None:  # a pull we lent to: the puller's reads of its blocks
                 self.ledger.park(Parked(transfer.xfer, agent, transfer.request_id, nbytes,
                                         lease_token=transfer.lease_token, since=now))
             return
         if transfer.kind is Kind.PULL:  # our reads into its entry (or none yet): then say released
             self._drain(Drain(transfer.xfer, agent, transfer.request_id, nbytes, entry=entry, since=now,
-                              channel=transfer.channel))
+                              peer=transfer.channel.peer_name))
         elif entry is not None:  # granted to the pusher: its writes into the entry
             self.ledger.park(Parked(transfer.xfer, agent, transfer.request_id, nbytes, entry=entry, since=now))
 
@@ -95,8 +101,11 @@ class PlaneIO:
             self._let_go(parked)
 
     def tick(self, now: float, tear_down: Callable[[str], None]) -> None:
-        """Our operations of failed transfers still running a transfer timeout later (a frozen peer's
-        plane may never end them): that peer is torn down, which ends them (then the link dials anew)."""
+        """Say `released` to peers whose links are back; our operations of failed transfers still
+        running a transfer timeout later (a frozen peer's plane may never end them): that peer is
+        torn down, which ends them (then the link dials anew)."""
+        for peer in list(self._unsaid):
+            self._say_released(peer)
         for agent in {hold.agent for hold in self.ledger.stuck(now - self.transfer_timeout)}:
             log.warning("plane operations towards %s still run %.0fs after their transfers failed: tearing its "
                         "connection down so that their blocks can be reused", agent, self.transfer_timeout)
@@ -110,8 +119,19 @@ class PlaneIO:
                 self.store.release(hold.lease_token, success=False)
             except NotFound:
                 pass
-        if isinstance(hold, Drain) and hold.channel is not None:
-            self._send(hold.channel, p.Released(xfer=hold.xfer))
+        if isinstance(hold, Drain) and hold.peer:
+            unsaid = self._unsaid.setdefault(hold.peer, set())
+            if len(unsaid) < MAX_UNSAID:  # (a peer gone for good would never take them)
+                unsaid.add(hold.xfer)
+            self._say_released(hold.peer)
+
+    def _say_released(self, peer: str) -> None:
+        """On our link to the peer, once its handshake is up (each tick until then)."""
+        channel = self._link_up(peer)
+        if channel is None:
+            return
+        for xfer in self._unsaid.pop(peer, ()):
+            self._send(channel, p.Released(xfer=xfer))
 
     def summary(self) -> dict:
         return self.ledger.summary()

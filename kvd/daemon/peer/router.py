@@ -254,12 +254,13 @@ class Router:
         channel.peer_name = msg.node_id
         channel.features = frozenset(f for f in msg.features if isinstance(f, str))
         plane = self.peers.plane
-        refusal = plane.admit(channel, msg.node_id, msg.incarnation, msg.plane) if plane is not None else None
-        if refusal is not None:  # (we require a plane this peer does not offer)
-            self._refuse(rid, Unauthorized(refusal.message), conn)
+        unplaned = plane.admit(channel, msg.node_id, msg.incarnation, msg.plane) if plane is not None else None
+        if unplaned is not None:  # (we require a plane this peer does not offer)
+            self._refuse(rid, Unauthorized(unplaned.message), conn)
             return
         channel.send(p.PeerHelloOk(node_id=self.settings.node_id, incarnation=self.incarnation,
-                                   features=list(p.FEATURES), plane=plane.offer() if channel.plane else None))
+                                   features=list(p.FEATURES),
+                                   plane=plane.offer() if plane is not None and channel.plane else None))
 
 
 class RouterChannel(Channel):

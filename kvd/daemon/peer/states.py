@@ -135,6 +135,12 @@ class Inbound:
             raise AssertionError(f"transfer {self.xfer:x} is {self.state} without an entry")
         return self.entry, self.ledger
 
+    def reading(self) -> tuple[Entry, SendWindow, list, list]:
+        """A pull on a plane's entry, reads, the holder's ranges and its slices (from its offer on)."""
+        if self.entry is None or self.reads is None or self.regions is None or self.slices is None:
+            raise AssertionError(f"transfer {self.xfer:x} is {self.state} without its reads")
+        return self.entry, self.reads, self.regions, self.slices
+
 
 Transfer = Outbound | Inbound
 

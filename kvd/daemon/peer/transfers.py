@@ -114,7 +114,8 @@ class Transfers:
         self._sends: dict[int, list] = {}  # the chunk sends of a sender, for their trackers
         self._waiting: dict[int, asyncio.Task] = {}  # served pulls waiting for their entry
         self.frames = FrameHolds(store, settings.transfer_timeout, clock)  # ended sends ZeroMQ may still hold
-        self.plane = PlaneIO(plane_ops, store, metrics, self._handle, self._send, settings.transfer_timeout, clock)
+        self.plane = PlaneIO(plane_ops, store, metrics, self._handle, self._send, self._link_up,
+                             settings.transfer_timeout, clock)
 
     # --- pushes and pulls, as the local handlers start them -----------------------------------------
 
@@ -244,6 +245,11 @@ class Transfers:
     def _handle(self, event) -> None:
         self._run(self.machine.handle(event))
 
+    def _link_up(self, peer: str) -> Channel | None:
+        """Our link to the peer, if its handshake is up."""
+        link = self.peers.links.get(peer)
+        return link.channel if link is not None and link.connected else None
+
     def on_link_message(self, link: PeerLink, msg: p.Message) -> None:
         self.on_message(link.channel, msg)
 
@@ -325,6 +331,8 @@ class Transfers:
         waiting = self._waiting.pop(transfer.xfer, None)
         if waiting is not None:
             waiting.cancel()  # a served pull whose puller gave up while we waited for the entry
+        if error is not None and on_plane(transfer):
+            self.plane.failed(transfer)  # (its blocks wait for what a plane may still do to them)
         if isinstance(transfer, Inbound):
             result = self._pulls.pop(transfer.xfer, None)
             if result is not None and not result.done():
@@ -336,9 +344,7 @@ class Transfers:
             return
         sends = self._sends.pop(transfer.xfer, [])
         if transfer.entry is not None:
-            if error is not None and on_plane(transfer):
-                self.plane.failed(transfer)  # (its blocks wait for what the plane may still do to them)
-            else:
+            if error is None or not on_plane(transfer):
                 self.frames.unpin_when_sent(transfer, sends)
             if error is None and transfer.entry.removed:  # (its lease consumed it: a push, a pull without keep)
                 self.events.on_departed(transfer.entry, transfer.channel.peer_name, transfer.kind is Kind.PUSH)

@@ -16,6 +16,10 @@ how much and for whom) rather than write into someone else's entry when it wakes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..store.entry import Entry
 
 
 @dataclass(eq=False)
@@ -27,7 +31,7 @@ class Hold:
     agent: str  # the peer's agent on the plane
     request_id: str
     nbytes: int
-    entry: object | None = None  # an entry whose writer pin to release
+    entry: Entry | None = None  # an entry whose writer pin to release
     lease_token: int = 0  # else a lease to release
     since: float = 0.0
 
@@ -36,7 +40,7 @@ class Hold:
 class Drain(Hold):
     """Ours: release once our operations of xfer ended, then tell the peer `released`."""
 
-    channel: object = None  # where to say it (the transfer's channel; any of the peer's will do)
+    peer: str = ""  # the peer's name, whose link the word goes on
 
 
 @dataclass(eq=False)

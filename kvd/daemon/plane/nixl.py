@@ -16,6 +16,8 @@ never started: metadata travels in kvd's hello.
 from __future__ import annotations
 
 import fcntl
+import importlib
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -37,12 +39,29 @@ _BUILD_LOCK = threading.Lock()  # (the agent is built with NIXL's config class s
 _STATES = {"DONE": OpState.DONE, "PROC": OpState.RUNNING, "ERR": OpState.FAILED}
 
 
+BUILDS = ("nixl_cu12", "nixl_cu13", "nixl_rocm")  # NIXL's wheels; `nixl` is a meta package choosing one
+
+
 def available() -> bool:
-    try:
-        import nixl  # noqa: F401
-    except Exception:  # (a broken install is as good as none)
-        return False
-    return True
+    """A NIXL build is installed (found, not imported: importing is the plane's start)."""
+    return any(importlib.util.find_spec(name) is not None for name in BUILDS)
+
+
+def _nixl_api():
+    """NIXL's Python API module. A host pool's daemon has not imported torch, and the meta package
+    would import it (3.4 s of a 4.2 s start here) only to read which CUDA the process runs: any build
+    will do for host memory, so the first installed is taken. A GPU pool's daemon has torch, and the
+    meta package picks the build for its CUDA."""
+    if "torch" not in sys.modules:
+        for name in BUILDS:
+            try:
+                return importlib.import_module(f"{name}._api")
+            except ModuleNotFoundError as exc:
+                if exc.name not in (name, f"{name}._api"):
+                    raise
+    import nixl  # noqa: F401
+
+    return sys.modules["nixl._api"]
 
 
 def net_device_for(host: str) -> str | None:
@@ -217,10 +236,10 @@ class _Op:
 def _build_agent(name: str):
     """A NIXL agent with the UCX backend and an event-driven progress thread (module docstring)."""
     try:
-        from nixl import nixl_agent, nixl_agent_config
+        api = _nixl_api()
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
     except Exception as exc:
         raise PlaneError(f"NIXL is not installed ({exc}): {INSTALL_HINT}") from None
-    api = sys.modules.get("nixl._api")
     bind = getattr(api, "nixlBind", None)
     if bind is None or not hasattr(bind, "nixlAgentConfig"):
         raise PlaneError("this NIXL's Python API is not the one kvd was tested with (pinned in pyproject.toml)")
