@@ -128,6 +128,15 @@ def run(workdir: Path, scenario: Callable[[Node], Awaitable[None]], **config) ->
     asyncio.run(main())
 
 
+async def until(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    """Yield to the daemon's loop until condition() holds (what it does after a reply, or on a
+    message that has no reply); fails the test naming `what` after timeout."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: not within {timeout} s"
+        await asyncio.sleep(0.005)
+
+
 def tensor(name: str, nbytes: int) -> list:
     """A tensor spec as the wire has it: [name, dtype, shape]."""
     return [name, "uint8", [nbytes]]

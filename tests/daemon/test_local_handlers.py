@@ -10,7 +10,7 @@ from kvd.wire.framing import encode_message
 from kvd.wire.layout import physical_segments
 from kvd.daemon.writes import WriteState
 
-from .inprocess import Conn, Node, run, tensor
+from .inprocess import Conn, Node, run, tensor, until
 
 PAYLOAD = bytes(range(256)) * 40  # 10240 bytes: three blocks of 4 KiB, the last one partly
 
@@ -44,8 +44,8 @@ def test_a_put_then_a_get_gives_the_same_bytes_and_the_pool_back(tmp_path):
         got = await reader.ask(p.Get(req=reader.req(), request_id="r1", timeout=0.0))
         assert isinstance(got, p.GetSlots) and node.read(got.segments) == [PAYLOAD]
         await reader.send(p.GetDone(req=reader.req(), request_id="r1", token=got.token, consume=True, reply=False))
-        await asyncio.sleep(0.05)
-        assert "r1" not in node.store.entries and node.blocks_in_use() == 0
+        await until(lambda: "r1" not in node.store.entries and node.blocks_in_use() == 0,
+                    "the consuming get_done (it has no reply) taken: the entry and its blocks gone")
 
     run(tmp_path, scenario)
 

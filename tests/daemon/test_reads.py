@@ -8,7 +8,7 @@ from kvd.daemon.reads import MAX_WAITS_PER_CONNECTION
 from kvd.errors import BadRequest, NotFound, Timeout
 from kvd.wire import protocol as p
 
-from .inprocess import Node, run, run_pair, tensor
+from .inprocess import Node, run, run_pair, tensor, until
 from .test_local_handlers import PAYLOAD, reserve
 
 
@@ -17,8 +17,7 @@ def test_a_get_waits_for_a_put_and_one_that_times_out_says_so(tmp_path):
         reader, writer, late = await node.connect(), await node.connect(), await node.connect()
         await reader.send(p.Get(req=reader.req(), request_id="r", timeout=5.0))
         await late.send(p.Get(req=late.req(), request_id="never", timeout=0.1))
-        await asyncio.sleep(0.05)
-        assert node.daemon.metrics.waiting_reads == 2
+        await until(lambda: node.daemon.metrics.waiting_reads == 2, "both gets waiting")
         slots = await reserve(node, writer, "r")
         assert isinstance(await writer.ask(p.PutCommit(req=writer.req(), request_id="r", token=slots.token)), p.PutOk)
         got = await reader.recv()

@@ -16,12 +16,14 @@ from kvd.testing import free_port
 
 class PausingRelay(threading.Thread):
     """Listens on 127.0.0.1:`port`, connects each accepted connection to `target_port`, and forwards
-    both ways; after `limit` bytes towards the target it reads nothing more from that side."""
+    both ways; after `limit` bytes towards the target it reads nothing more from that side.
+    towards_target=False holds the other way instead: what the target sends back (a pull's bytes,
+    served by the daemon that was dialled)."""
 
-    def __init__(self, target_port: int, limit: int) -> None:
+    def __init__(self, target_port: int, limit: int, towards_target: bool = True) -> None:
         super().__init__(daemon=True, name="relay")
-        self.target_port, self.limit = target_port, limit
-        self.forwarded = 0  # bytes towards the target, over every connection
+        self.target_port, self.limit, self.towards_target = target_port, limit, towards_target
+        self.forwarded = 0  # bytes in the held direction, over every connection
         self.paused = threading.Event()
         self._stopping = threading.Event()
         self._resume = threading.Event()
@@ -41,7 +43,7 @@ class PausingRelay(threading.Thread):
             if self._resume.is_set():
                 self._resume.clear()
                 for s, (_, towards) in peers.items():
-                    if towards and s.fileno() >= 0 and not _registered(sel, s):
+                    if towards == self.towards_target and s.fileno() >= 0 and not _registered(sel, s):
                         sel.register(s, selectors.EVENT_READ, None)
             for key, _ in sel.select(0.05):
                 sock = key.fileobj
@@ -51,8 +53,11 @@ class PausingRelay(threading.Thread):
                 other, to_target = peers.get(sock, (None, False))
                 if other is None:
                     continue
+                held = to_target == self.towards_target
+                if held and self.forwarded >= self.limit:
+                    continue  # (paused in this very round: recv(0) would read as the end)
                 try:
-                    data = sock.recv(min(1 << 16, self.limit - self.forwarded) if to_target else 1 << 16)
+                    data = sock.recv(min(1 << 16, self.limit - self.forwarded) if held else 1 << 16)
                 except OSError:
                     data = b""
                 if not data:
@@ -63,12 +68,12 @@ class PausingRelay(threading.Thread):
                 except OSError:
                     self._close(sel, peers, sock)
                     continue
-                if to_target:
+                if held:
                     self.forwarded += len(data)
                     if self.forwarded >= self.limit:
                         self.paused.set()
                         for s, (_, towards) in peers.items():  # read nothing more from the sender
-                            if towards:
+                            if towards == self.towards_target:
                                 sel.unregister(s)
         for sock in list(peers):
             self._close(sel, peers, sock)
@@ -86,7 +91,7 @@ class PausingRelay(threading.Thread):
             return
         for sock in (client, target):
             sock.setblocking(True)  # sendall blocks: back-pressure, as on a direct connection
-            if sock is target or self.forwarded < self.limit:
+            if (sock is client) != self.towards_target or self.forwarded < self.limit:
                 sel.register(sock, selectors.EVENT_READ, None)
         peers[client] = (target, True)
         peers[target] = (client, False)

@@ -21,7 +21,7 @@ import torch
 
 import kvd
 from kvd.wire import protocol as p
-from kvd.testing import DaemonProc, free_port, raw_connection, wait_ready
+from kvd.testing import DaemonProc, eventually, free_port, raw_connection, wait_ready
 
 from .relay import PausingRelay
 
@@ -297,7 +297,7 @@ def test_retry_after_a_receiver_stall_is_accepted(daemons, relay):
         b.kill(signal.SIGCONT)
     assert isinstance(push.error, kvd.PeerUnavailable), repr(push.error)
     relay.release()  # the retry's connection goes through
-    time.sleep(0.3)  # B runs again
     with a.client() as ca, b.client() as cb:
+        eventually(lambda: ca.stats()["peers"]["B"]["connected"], timeout=10)  # B runs again, and answers
         ca.put("stalled", {"x": big}, dest="B")  # the client retries its failed push
         assert torch.equal(cb.get("stalled", timeout=5)["x"], big)

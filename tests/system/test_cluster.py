@@ -73,6 +73,11 @@ def wait_listed(cluster: Cluster, daemons, count: int, timeout: float = 10.0) ->
     eventually(lambda: all(len(cluster.node_ids(d)) == count for d in daemons), timeout=timeout)
 
 
+def registry_idle(clients) -> bool:
+    """Every change each daemon queued for the registry is written, and none is listed any more."""
+    return all(r["outbox"] == 0 and r["published"] == 0 for r in (c.stats()["registry"] for c in clients))
+
+
 def test_eight_daemons_find_each_other_and_serve_gets_by_request_id(cluster):
     nodes = [cluster.start(f"d{i}") for i in range(8)]
     wait_listed(cluster, nodes, 8)
@@ -86,11 +91,11 @@ def test_eight_daemons_find_each_other_and_serve_gets_by_request_id(cluster):
             assert exact(rid, got)
             with pytest.raises(kvd.NotFound):
                 clients[i].get(rid, timeout=0)  # the holder's copy moved to its reader
-        time.sleep(0.3)  # the unpublish of the last pulled entry reaches the registry first
+        eventually(lambda: registry_idle(clients))  # the unpublish of the last pulled entry is written first
         writes = [c.stats()["registry"]["ops"].get("publish:ok", 0) for c in clients]
         clients[2].put("pushed", kv_for("pushed"), dest="d6")  # a peer by node id, no --peer given
         assert exact("pushed", clients[6].get("pushed", timeout=2))
-        time.sleep(0.2)  # (the outbox flushes within milliseconds)
+        eventually(lambda: registry_idle(clients))  # (whatever the push queued is written by now)
         # the push mode (prefill pushes, decode reads locally) costs no registry write at all
         assert [c.stats()["registry"]["ops"].get("publish:ok", 0) for c in clients] == writes
         status = clients[0].stats()["registry"]
@@ -109,7 +114,8 @@ def test_a_get_with_no_source_waits_for_a_holder_to_appear(cluster):
         got = {}
         reader = threading.Thread(target=lambda: got.update(kv=cb.get("later", timeout=10)))
         reader.start()
-        time.sleep(0.5)
+        # the get waits for a holder (else it finds one); asked on a connection of its own (cb is the reader's)
+        eventually(lambda: ask(p.Stats(req=1), b.socket)["waiting_reads"] == 1)
         ca.put("later", kv_for("later"))
         reader.join(10)
         assert exact("later", got["kv"])
@@ -161,7 +167,8 @@ def test_a_duplicate_node_id_stays_out_and_the_first_is_unaffected(cluster):
     first = cluster.start("same")
     eventually(lambda: cluster.node_ids(first) == {"same"})
     second = cluster.start("same")
-    time.sleep(2 * TTL + 1)
+    time.sleep(2 * TTL)  # the first renews its lease past two TTLs: the second stays out all along
+    eventually(lambda: ask(p.Stats(req=1), second.socket)["registry"]["conflict"] is not None, timeout=10)
     with second.client() as c2, first.client() as c1:
         status = c2.stats()["registry"]
         assert not status["registered"] and status["conflict"] is not None
@@ -176,9 +183,14 @@ def race_for_one_id(cluster, node_id: str) -> list:
     racers = [cluster.start(node_id, wait=False) for _ in range(2)]
     for racer in racers:
         wait_ready(racer)
-    time.sleep(2 * TTL + 1)
-    registered = [ask(p.Stats(req=1), r.socket)["registry"]["registered"] for r in racers]
-    assert sorted(registered) == [False, True], registered
+    time.sleep(2 * TTL)  # past any lease the loser may have seen
+    registered: list = []
+
+    def settled() -> bool:
+        registered[:] = [ask(p.Stats(req=1), r.socket)["registry"]["registered"] for r in racers]
+        return sorted(registered) == [False, True]
+
+    eventually(settled, timeout=10)
     return racers
 
 
@@ -266,13 +278,12 @@ def test_losing_the_registry_loses_no_data_and_no_daemon(cluster):
     load = Workload(a, b, "w")
     load.start()
     try:
-        time.sleep(1.0)
-        assert load.ok > 0
+        eventually(lambda: load.ok > 0, timeout=10)
         cluster.registry.pause()  # a hung registry: every call must hit its deadline, never hang a get
         time.sleep(2 * TTL)
         before = load.ok + load.errors
-        time.sleep(1.0)
-        assert load.ok + load.errors > before  # gets still end (in errors, while nobody can say who holds what)
+        # gets still end (in errors, while nobody can say who holds what): each within its 1 s timeout
+        eventually(lambda: load.ok + load.errors > before, timeout=10)
         with a.client() as ca, b.client() as cb:
             ca.put("static", kv_for("static"), dest="B")  # static and ad-hoc peers keep working
             assert exact("static", cb.get("static", timeout=2))
@@ -288,9 +299,7 @@ def test_losing_the_registry_loses_no_data_and_no_daemon(cluster):
         wait_listed(cluster, [a, b], 2, timeout=20)
         with b.client() as cb:
             assert exact("survivor", cb.get("survivor", timeout=10))
-        healed = load.ok
-        time.sleep(1.0)
-        assert load.ok > healed, (load.errors, load.last_error)  # the workload runs on after all of it
+        load.progresses(timeout=10)  # the workload runs on after all of it
     finally:
         load.halt.set()
         load.join(10)
@@ -316,7 +325,8 @@ def test_a_get_stream_with_no_source_finds_the_holder_too(cluster):
         late = {}  # and one put after the reader began waiting: the lookup waits for its holder
         reader = threading.Thread(target=lambda: [late.update(g) for g in cb.get_stream("later-s", timeout=10)])
         reader.start()
-        time.sleep(0.5)
+        # the reader waits (else it finds the holder); asked on a connection of its own (cb is the reader's)
+        eventually(lambda: ask(p.Stats(req=1), b.socket)["waiting_reads"] == 1)
         ca.put("later-s", kv_for("later-s"))
         reader.join(10)
         assert exact("later-s", late)

@@ -211,7 +211,10 @@ def test_daemon_serves_with_the_example_config(tmp_path):
                 "systemd would kill it every WatchdogSec")
         if "HUP" in service.get("ExecReload", ""):
             proc.send_signal(signal.SIGHUP)
-            time.sleep(1)
+            deadline = time.monotonic() + 10  # until the daemon has taken it (every SIGHUP path logs a line)
+            while "SIGHUP:" not in log_path.read_text() and proc.poll() is None:
+                assert time.monotonic() < deadline, f"no word of the SIGHUP in 10 s:\n{log_path.read_text()}"
+                time.sleep(0.05)
             assert proc.poll() is None, "kvd.service reloads with SIGHUP, which killed the daemon"
             with kvd.Client(endpoint) as client:
                 client.stats()

@@ -245,7 +245,7 @@ def test_connected_client_that_never_commits_loses_its_reservation_at_lease_expi
     slots = p.decode(conn.receive(5))
     with d.client() as c:
         assert c.stats()["pool"]["used_bytes"] == 4 << 20
-        time.sleep(1.6)
+        wait_until(lambda: not c.list(), 10)  # the lease (1 s) ran out: the entry went at the next sweep
         with pytest.raises(kvd.NotFound):
             c.get("slow", timeout=0)
         assert c.stats()["pool"]["parked_bytes"] == 4 << 20
@@ -323,7 +323,17 @@ def test_receiver_killed_mid_transfer(daemons):
 
 
 def test_holder_killed_mid_pull(daemons):
-    a, b = daemons.pair(pool_size="320MiB", extra=["--transfer-timeout", "2s"])
+    # B's link to A runs through a relay that holds what A sends past 16 MiB: the pull is certain to
+    # be under way when A dies (watching for "receiving", 256 MiB could all arrive before the kill)
+    port_a, port_b = free_port(), free_port()
+    relay = PausingRelay(port_a, 16 << 20, towards_target=False)
+    relay.start()
+    a = daemons.start("A", port=port_a, pool_size="320MiB", extra=["--transfer-timeout", "2s"],
+                      peers={"B": f"tcp://127.0.0.1:{port_b}"}, wait=False)
+    b = daemons.start("B", port=port_b, pool_size="320MiB", extra=["--transfer-timeout", "2s"],
+                      peers={"A": relay.endpoint}, wait=False)
+    wait_ready(a)
+    wait_ready(b)
     with a.client() as ca:
         ca.put("doomed-pull", {"x": torch.randint(0, 256, (256 << 20,), dtype=torch.uint8)})
     errors = []
@@ -337,12 +347,14 @@ def test_holder_killed_mid_pull(daemons):
 
     thread = threading.Thread(target=puller)
     thread.start()
-    with b.client() as watcher:  # kill A once bytes are arriving (a fixed sleep could miss the pull)
-        deadline = time.monotonic() + 10
-        while not any(e["state"] == "receiving" for e in watcher.list()):
-            assert time.monotonic() < deadline and thread.is_alive(), "the pull never started, or ended first"
-            time.sleep(0.002)
-    a.kill(signal.SIGKILL)
+    try:
+        assert relay.paused.wait(20), f"the relay forwarded only {relay.forwarded} bytes"
+        assert thread.is_alive(), f"the pull ended before the fault: {errors!r}"
+        with b.client() as watcher:
+            assert any(e["state"] == "receiving" for e in watcher.list()), watcher.list()
+        a.kill(signal.SIGKILL)
+    finally:
+        relay.stop()
     thread.join(30)
     assert not thread.is_alive(), "the get did not return"
     assert errors and isinstance(errors[0], (kvd.PeerUnavailable, kvd.Timeout)), errors
@@ -495,10 +507,10 @@ def test_a_get_that_outlives_its_caller_does_not_hide_the_entry(daemons):
         conn = raw_connection(d.socket)
         request = p.GetStream if stream else p.Get
         conn.send(p.encode(request(req=1, request_id=rid, timeout=20.0)))
-        time.sleep(0.2)  # the daemon is waiting for rid on that connection's behalf
-        conn.close()
-        time.sleep(0.2)
         with d.client() as c:
+            wait_until(lambda: c.stats()["waiting_reads"] == 1, 5)  # waiting for rid on that connection's behalf
+            conn.close()
+            wait_until(lambda: c.stats()["waiting_reads"] == 0, 5)  # the daemon saw it go
             c.put(rid, {"x": torch.arange(50)})
             assert torch.equal(c.get(rid, timeout=2)["x"], torch.arange(50))
             assert c.stats()["pool"]["used_bytes"] == 0

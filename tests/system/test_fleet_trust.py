@@ -166,10 +166,18 @@ def test_a_registry_writer_can_neither_take_pushes_nor_forge_caches(cluster, ca)
         # B's key names the insider's endpoint (its own signed record, relabelled), again and again
         forged = json.dumps({**evil_node, "node_id": "B"}).encode()
         forger.put_holder(HolderRecord("r2", "B", evil_inc, 1, 16384, expires_at=None), under="B")
+        dropped = lambda: sum(ask(p.Stats(req=1), a.socket)["registry"]["dropped"].values())  # noqa: E731
+        seen, tested = dropped(), 0
         with a.client() as ca_:
             for i in range(10):
                 forger.put_node("B", forged, leased=True)
-                time.sleep(0.3)  # (A's watch sees it; on Redis it polls)
+                # A's watch sees it and drops it (on Redis it polls, and sees only a change of value):
+                # a push after that is one the forgery had its chance to divert
+                deadline = time.monotonic() + 3
+                while dropped() == seen and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                tested += dropped() > seen
+                seen = dropped()
                 rid = f"r1-{i}"
                 try:
                     ca_.put(rid, kv_for(rid), dest="B")
@@ -180,6 +188,8 @@ def test_a_registry_writer_can_neither_take_pushes_nor_forge_caches(cluster, ca)
             with pytest.raises(kvd.KvdError):
                 got = ca_.get("r2", timeout=2)
                 raise AssertionError(f"A took r2 from somewhere: {got}")
+        assert tested >= 1, "A never saw a forged record of B before a push: nothing was tested"
+        print(f"{tested} of 10 pushes followed a forged record of B that A saw")
         assert not any(rid.startswith("r1-") for rid in entries(evil))  # no push went through the insider
         assert "r2" in entries(evil)  # (and none of A's gets pulled its bytes)
         # B notices its record changed and writes it again within 2 x TTL

@@ -75,6 +75,8 @@ while time.monotonic() < end:
         while s.recv(1 << 20):
             pass
     answers.append(first.decode(errors="replace"))
+    if len(answers) == 1:
+        print("scraping", flush=True)  # (the test measures once every scraper is at it)
 print(len(answers), sum(a == "HTTP/1.1 200" for a in answers))
 """
 
@@ -97,9 +99,9 @@ def test_claimed_names_neither_grow_the_page_nor_stall_the_clients(daemons):
     took = time.monotonic() - started
     # a local client's latency while three scrapers scrape without pause (other processes: no GIL
     # shared with the client measured here)
-    scrapers = [subprocess.Popen([sys.executable, "-c", SCRAPER, str(port), "2.5"], stdout=subprocess.PIPE,
+    scrapers = [subprocess.Popen([sys.executable, "-c", SCRAPER, str(port), "4"], stdout=subprocess.PIPE,
                                  text=True) for _ in range(3)]
-    time.sleep(0.3)
+    assert [s.stdout.readline().strip() for s in scrapers] == ["scraping"] * 3  # (not a guess at their start-up)
     latencies = []
     with a.client() as c:
         end = time.monotonic() + 2.0

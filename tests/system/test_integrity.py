@@ -61,6 +61,10 @@ def filled(nbytes: int, value: int) -> torch.Tensor:
     return torch.full((nbytes,), value, dtype=torch.uint8)
 
 
+def listed(client) -> set[str]:
+    return {e["request_id"] for e in client.list()}
+
+
 def pool_used(client) -> int:
     return client.stats()["pool"]["used_bytes"]
 
@@ -87,7 +91,8 @@ def test_an_expired_stream_never_writes_into_another_requests_blocks(daemons):
     with d.client() as writer, d.client() as other:
         stream = writer.put_stream("long-prefill", STREAM_LAYOUT)
         stream.write({"layer.0": filled(256 << 10, 1)})
-        time.sleep(1.6)  # a slow layer: the lease runs out
+        # a slow layer: the lease runs out (the entry goes at the first sweep past 1 s)
+        eventually(lambda: "long-prefill" not in listed(other), timeout=10)
         # its blocks are parked while the writer may still write: a put that needs them waits its turn
         with pytest.raises(kvd.PoolFull):
             other.put("victim", {"x": filled(1 << 20, 7)})
@@ -156,9 +161,10 @@ def test_a_plain_put_whose_copy_outlives_its_lease_says_why(daemons):
     conn = raw_connection(d.socket)
     conn.send(p.encode(p.PutAlloc(req=1, request_id="slow-copy", tensors=[["x", "uint8", [4096]]])))
     slots = p.decode(conn.receive(5))
-    time.sleep(1.6)
+    notice = p.decode(conn.receive(10))  # the lease ran out: the daemon says so on the put's own req
+    assert isinstance(notice, p.Error) and notice.req == 1, notice
     conn.send(p.encode(p.PutCommit(req=2, request_id="slow-copy", token=slots.token)))
-    replies = [p.decode(conn.receive(5)), p.decode(conn.receive(5))]
+    replies = [notice, p.decode(conn.receive(5))]
     commit = next(r for r in replies if r.req == 2)
     assert isinstance(commit, p.Error) and commit.code == kvd.Timeout.code
     assert "not committed within 1 s of its reservation (--lease-timeout)" in commit.message, commit.message
@@ -171,7 +177,7 @@ def test_an_abort_after_expiry_never_deletes_a_new_entry_of_the_same_id(daemons)
     d = daemons.start("A", extra=["--lease-timeout", "1s"])
     with d.client() as writer, d.client() as other:
         stream = writer.put_stream("reused-id", STREAM_LAYOUT)
-        time.sleep(1.6)
+        eventually(lambda: "reused-id" not in listed(other), timeout=10)  # expired after 1 s
         other.put("reused-id", {"x": filled(4096, 3)})
         stream.abort()
         assert torch.equal(other.get("reused-id", timeout=1)["x"], filled(4096, 3))
@@ -233,7 +239,8 @@ def test_a_puller_that_says_done_early_never_receives_another_requests_bytes(dae
         peer.send(p.Pull(xfer=42, request_id="pulled", timeout=5.0))
         assert isinstance(peer.recv(), p.Offer)
         peer.send(p.Done(xfer=42))  # before reading a byte
-        time.sleep(0.3)
+        # taken: the entry is gone, its blocks parked while ZeroMQ still holds the unread chunks
+        eventually(lambda: c.stats()["pool"]["parked_bytes"] == 32 << 20)
         c.put("victim", {"x": filled(32 << 20, 0x77)})
         assert_only(peer.drain(), 0x11)
         assert torch.equal(c.get("victim")["x"], filled(32 << 20, 0x77))
@@ -263,7 +270,7 @@ def test_a_get_waiting_behind_a_failed_pull_has_the_entry_at_once(daemons):
 
         thread = threading.Thread(target=get)
         thread.start()
-        time.sleep(0.5)  # the get is parked behind the claim
+        eventually(lambda: c.stats()["waiting_reads"] == 1)  # the get is parked behind the claim
         assert "x" not in got
         aborted = time.monotonic()
         peer.send(p.Abort(xfer=43, code=1, message="the puller gives up"))
@@ -386,8 +393,7 @@ def test_two_pulls_under_one_transfer_id_leave_nothing_pinned(daemons):
         assert any(isinstance(m, p.Abort) and "in use" in m.message for m in got), got
         assert sum(isinstance(m, p.Offer) for m in got) <= 1, got
         peer.send(p.Done(xfer=77))  # (for a transfer that went on anyway)
-        time.sleep(0.3)
-        assert torch.equal(c.get("twice", timeout=1)["x"], filled(4096, 5))  # the keep pull left it
+        assert torch.equal(c.get("twice", timeout=5)["x"], filled(4096, 5))  # the keep pull left it
         eventually(lambda: pool_used(c) == 0)
         peer.close()
 
@@ -402,7 +408,9 @@ def test_an_offer_and_a_pull_under_one_transfer_id_leave_no_half_entry(daemons):
                           chunk_size=1 << 20, checksum="none"))
         peer.send(p.Chunk(xfer=78, seq=0, offset=0, lengths=[1 << 20], digest=0, payload=[bytes(1 << 20)]))
         peer.send(p.Pull(xfer=78, request_id="other", timeout=2.0, keep=True))
-        time.sleep(2.5)  # the half-received entry is dropped at its transfer deadline
+        # the half-received entry is dropped (at once for the clash, else at its 1 s transfer deadline)
+        eventually(lambda: c.stats()["counters"]["failures"] >= 1, timeout=10)
+        assert "half" not in listed(c)
         c.put("half", {"x": filled(4096, 6)})
         assert torch.equal(c.get("half")["x"], filled(4096, 6))
         assert torch.equal(c.get("other")["x"], filled(4096, 5))

@@ -77,6 +77,19 @@ def test_nodes_agree_on_homes_and_a_leave_moves_only_its_keys(daemons, registry)
         assert new == old if old != "C" else new in ("A", "B")
 
 
+def dialled_unread(port: int) -> int:
+    """Established TCP connections to a local listening port with bytes the kernel holds unread: to a
+    SIGSTOPped daemon, the peers that dialled it since it stopped and wait for its handshake."""
+    count = 0
+    with open("/proc/net/tcp") as rows:  # (loopback IPv4: where the daemons listen)
+        next(rows)
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                count += int(fields[4].split(":")[1], 16) > 0
+    return count
+
+
 def test_a_daemon_stopped_while_it_asks_a_frozen_home_exits_cleanly(daemons, registry):
     # a get of pages homed on B waits up to the tier's deadline for B; A told to stop meanwhile
     # calls the question off before its pool goes, answers or drops its client, and exits 0
@@ -91,6 +104,7 @@ def test_a_daemon_stopped_while_it_asks_a_frozen_home_exits_cleanly(daemons, reg
     b = daemons.start("B", pool_size="16MiB", extra=flags)
     eventually(lambda: tier_nodes(a) == ["A", "B"] == tier_nodes(b), timeout=15)
     at_b = [k for k, home in zip(KEYS, homes("ns", KEYS, ["A", "B"])) if home == "B"][:64]
+    port_b = int(b.listen.rsplit(":", 1)[1])
     b.kill(signal.SIGSTOP)
     try:
         ended: dict = {}
@@ -101,13 +115,19 @@ def test_a_daemon_stopped_while_it_asks_a_frozen_home_exits_cleanly(daemons, reg
                     ended["hits"] = client.cache_get(at_b, [torch.empty(PAGE) for _ in at_b], namespace="ns")
                 except KvdError as exc:  # (the daemon going away is an answer too)
                     ended["error"] = exc
+            ended["at"] = time.monotonic()
 
+        before = dialled_unread(port_b)
         reader = threading.Thread(target=get)
         reader.start()
-        time.sleep(0.3)  # A is waiting for B's answer
+        # A is waiting for B's answer: it dialled B for the question, and its greeting lies unread there
+        eventually(lambda: dialled_unread(port_b) > before or not reader.is_alive(), timeout=5)
+        assert reader.is_alive(), f"the get ended before A was stopped: {ended}"
+        stopping = time.monotonic()
         assert a.stop() == 0
         reader.join(10)
         assert not reader.is_alive() and ended
+        assert ended["at"] > stopping, "the get ended at the tier's 1 s deadline, not at the stop"
         assert ended.get("hits", [False]) == [False] * len(ended.get("hits", [False]))
         log = a.log()
         assert "Traceback" not in log and "was destroyed but it is pending" not in log, log[-2000:]

@@ -11,6 +11,7 @@ import torch
 
 import kvd
 from kvd.client.tensors import TORCH_DTYPES
+from kvd.testing import eventually
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -126,8 +127,8 @@ def test_get_waits_for_a_later_put(daemon):
 
     thread = threading.Thread(target=reader)
     thread.start()
-    time.sleep(0.3)
     with daemon.client() as c:
+        eventually(lambda: c.stats()["waiting_reads"] == 1)  # the get waits (else it would find the entry)
         c.put("later", {"x": torch.arange(5)})
     thread.join(10)
     assert torch.equal(result["kv"]["x"], torch.arange(5))
@@ -190,7 +191,8 @@ def test_fragmented_pool_still_serves_what_fits(client):
 def test_ttl_expiry_reclaims_space(client):
     client.put("short", {"x": torch.ones(1 << 20, dtype=torch.uint8)}, ttl=0.3)
     assert client.stats()["pool"]["used_bytes"] > 0
-    time.sleep(1.0)
+    # (gone at the first housekeeping sweep after 0.3 s)
+    eventually(lambda: client.stats()["entries"] == 0 and client.stats()["pool"]["used_bytes"] == 0)
     stats = client.stats()
     assert stats["entries"] == 0 and stats["pool"]["used_bytes"] == 0
     assert stats["expired_total"] == 1
@@ -275,6 +277,16 @@ def test_no_daemon_is_a_clear_error(tmp_path):
         kvd.Client(f"ipc://{tmp_path}/nothing.sock").connect()
 
 
+async def _lost(c: kvd.AsyncClient, timeout: float = 5.0) -> None:
+    """Until the client's loop has seen its connection end (a restarted daemon's old socket)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while c._lost is None:
+        assert time.monotonic() < deadline, "the client never saw its connection end"
+        await asyncio.sleep(0.01)
+
+
 def _restart_in_place(daemons, old):
     """SIGTERM a daemon, then start a new one on the same client socket (what systemd does)."""
     assert old.stop() == 0
@@ -310,7 +322,7 @@ def test_an_async_client_carries_on_across_a_daemon_restart(daemons):
             await c.put("before", {"x": torch.arange(10)})
             first = c.info.incarnation
             d = await asyncio.to_thread(_restart_in_place, daemons, d)
-            await asyncio.sleep(0.1)  # the old connection's end has been seen by the loop
+            await _lost(c)
             await c.put("after", {"x": torch.arange(20)})
             assert c.info.incarnation != first
             assert torch.equal((await c.get("after"))["x"], torch.arange(20))
@@ -402,7 +414,7 @@ def test_an_async_stream_across_a_daemon_restart_fails_without_writing(daemons):
             d = _restart_in_place(daemons, d)
             with d.client() as other:
                 other.put("victim", {"x": victim})
-            await asyncio.sleep(0.2)  # the client sees its connection close
+            await _lost(c)
             await c.stats()  # another task's call reconnects the shared client meanwhile
             with pytest.raises(kvd.KvdError, match="connection to the daemon was lost"):
                 await stream.write({"l1": torch.full((1 << 20,), -7.0)})
@@ -621,8 +633,8 @@ def test_a_claim_given_back_wakes_the_next_reader_at_once(daemons):
 
         thread = threading.Thread(target=second_reader)
         thread.start()
-        time.sleep(0.5)
-        assert "x" not in result  # still claimed
+        eventually(lambda: c.stats()["waiting_reads"] == 1)  # the second reader waits...
+        assert "x" not in result  # ...as the entry is still claimed
         conn.send(p.encode(p.GetDone(req=3, request_id="given-back", token=slots.token, consume=False,
                                      reply=True)))
         assert isinstance(p.decode(conn.receive(5)), p.Ok)

@@ -193,11 +193,14 @@ def start_push_and_wait_in_flight(a: DaemonProc, ca, request_id: str, data: torc
 def test_link_down_mid_push_fails_fast_and_leaks_nothing(daemons, net):
     a, b = start_pair(daemons, net, FAST_HEARTBEAT + ["--transfer-timeout", "10s"])
     data = random_bytes(192 << 20, 2)
-    with a.client() as ca, b.client() as cb:
+    # shaped to 1 Gbit/s, the push takes 1.6 s: the link is certain to go down mid-push (at veth
+    # speed the rest of it could go in the few ms between "in flight" and the link going down)
+    with a.client() as ca, b.client() as cb, qdisc(net, "tbf", "rate", "1gbit", "burst", "256kb", "latency", "100ms"):
         pusher = start_push_and_wait_in_flight(a, ca, "cut", data)
         net.link("down")
         down = time.monotonic()
         try:
+            assert pusher.is_alive(), "the push ended before the link went down"
             pusher.join(10)
             assert not pusher.is_alive(), "push still running 10 s after the link went down"
         finally:
@@ -220,10 +223,13 @@ def test_link_down_mid_push_fails_fast_and_leaks_nothing(daemons, net):
 def test_partition_frees_a_failed_push_while_the_link_is_still_down(daemons, net):
     a, b = start_pair(daemons, net, FAST_HEARTBEAT + ["--transfer-timeout", "3s"])
     data = random_bytes(64 << 20, 3)
-    with a.client() as ca, b.client() as cb:
+    # shaped to 400 Mbit/s, the push takes 1.3 s: certain to be under way when the link goes down
+    with a.client() as ca, b.client() as cb, qdisc(net, "tbf", "rate", "400mbit", "burst", "256kb", "latency",
+                                                   "100ms"):
         pusher = start_push_and_wait_in_flight(a, ca, "partitioned", data)
         net.link("down")
         try:
+            assert pusher.is_alive(), "the push ended before the link went down"
             pusher.join(10)
             assert isinstance(pusher.error, kvd.PeerUnavailable), repr(pusher.error)
             # heartbeat loss + transfer timeout + ZMTP's own 5 s heartbeat timeout have all passed by then

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import kvd
-from kvd.testing import eventually, free_port
+from kvd.testing import eventually, free_port, wait_ready
+
+from .relay import PausingRelay
 
 
 def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
@@ -124,8 +126,12 @@ def test_systemd_notify_ready_watchdog_stopping(daemons, tmp_path):
     notify.bind(str(path))
     notify.setblocking(False)
     d = daemons.start("A", env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000"})
-    time.sleep(1.0)
-    messages = _notifications(notify)
+    messages: list[str] = []
+    deadline = time.monotonic() + 10
+    while sum(m == "WATCHDOG=1" for m in messages) < 2:
+        assert time.monotonic() < deadline, f"fewer than two WATCHDOG=1 in 10 s: {messages}"
+        messages += _notifications(notify)
+        time.sleep(0.05)
     assert messages and messages[0].startswith("READY=1")
     assert sum(m == "WATCHDOG=1" for m in messages) >= 2  # every 0.2 s
     assert d.stop() == 0
@@ -153,12 +159,31 @@ def test_sighup_reloads_peers_and_log_level(daemons, tmp_path):
     assert "configuration reloaded (peers)" in log
     config.write_text("this is not toml = = =\n")
     d.proc.send_signal(signal.SIGHUP)
-    time.sleep(0.5)
+    eventually(lambda: "configuration not reloaded" in d.log() or d.proc.poll() is not None)
     assert d.proc.poll() is None and "configuration not reloaded" in d.log()
 
 
-def test_sigterm_drains_an_in_flight_push(daemons):
-    a, b = daemons.pair(pool_size="320MiB")
+def pair_through(daemons, relay: PausingRelay, **kwargs):
+    """Daemons A and B, A's link to B through the relay (which holds the push past its limit: a
+    SIGTERM or SIGSTOP is certain to land mid-transfer, however fast the machine)."""
+    port_a = free_port()
+    a = daemons.start("A", port=port_a, peers={"B": relay.endpoint}, wait=False, **kwargs)
+    b = daemons.start("B", port=relay.target_port, peers={"A": f"tcp://127.0.0.1:{port_a}"}, wait=False, **kwargs)
+    wait_ready(a)
+    wait_ready(b)
+    return a, b
+
+
+@pytest.fixture
+def relay():
+    relay = PausingRelay(free_port(), 16 << 20)
+    relay.start()
+    yield relay
+    relay.stop()
+
+
+def test_sigterm_drains_an_in_flight_push(daemons, relay):
+    a, b = pair_through(daemons, relay, pool_size="320MiB")
     big = torch.randint(0, 256, (192 << 20,), dtype=torch.uint8)
     result = {}
 
@@ -172,11 +197,12 @@ def test_sigterm_drains_an_in_flight_push(daemons):
 
     thread = threading.Thread(target=pusher)
     thread.start()
-    deadline = time.monotonic() + 10
+    assert relay.paused.wait(20), f"the relay forwarded only {relay.forwarded} bytes"
     with a.client() as ca:
-        while ca.stats()["transfers_in_flight"] == 0 and time.monotonic() < deadline and thread.is_alive():
-            time.sleep(0.005)
-    a.proc.send_signal(signal.SIGTERM)
+        assert thread.is_alive() and ca.stats()["transfers_in_flight"] == 1, result  # (a push over: no drain)
+        a.proc.send_signal(signal.SIGTERM)
+        eventually(lambda: ca.stats()["draining"])
+    relay.release()  # the push goes on while A drains
     thread.join(30)
     assert result.get("ok"), result
     assert a.proc.wait(20) == 0
@@ -185,31 +211,27 @@ def test_sigterm_drains_an_in_flight_push(daemons):
     assert "draining" in a.log()
 
 
-def test_new_work_is_refused_while_draining(daemons):
-    a, b = daemons.pair(pool_size="320MiB", extra=["--drain-timeout", "5s"])
+def test_new_work_is_refused_while_draining(daemons, relay):
+    a, b = pair_through(daemons, relay, pool_size="320MiB", extra=["--drain-timeout", "5s"])
     big = torch.zeros(192 << 20, dtype=torch.uint8)
     thread = threading.Thread(target=lambda: a.client().put("slow", {"x": big}, dest="B"))
     thread.start()
     with a.client() as ca:
-        deadline = time.monotonic() + 10
-        while ca.stats()["transfers_in_flight"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        assert relay.paused.wait(20), f"the relay forwarded only {relay.forwarded} bytes"
+        assert thread.is_alive()  # the push is held mid-way: A drains until it ends
         a.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.05)
-        if a.proc.poll() is None:
-            try:
-                ca.put("late", {"x": torch.ones(1)})
-            except (kvd.ShuttingDown, kvd.Timeout):
-                pass
-            else:
-                assert a.proc.poll() is not None or not ca.stats()["draining"], "accepted new work while draining"
+        eventually(lambda: ca.stats()["draining"])
+        with pytest.raises(kvd.ShuttingDown):  # (it once took it, or the check was skipped)
+            ca.put("late", {"x": torch.ones(1)})
+    relay.release()
     thread.join(30)
     assert a.proc.wait(20) == 0
 
 
-def test_stopped_peer_is_detected_by_heartbeat(daemons):
-    a, b = daemons.pair(pool_size="320MiB", extra=["--heartbeat-interval", "0.3s", "--heartbeat-timeout", "1.5s",
-                                                   "--transfer-timeout", "60s"])
+def test_stopped_peer_is_detected_by_heartbeat(daemons, relay):
+    a, b = pair_through(daemons, relay, pool_size="320MiB",
+                        extra=["--heartbeat-interval", "0.3s", "--heartbeat-timeout", "1.5s", "--transfer-timeout",
+                               "60s"])
     big = torch.zeros(256 << 20, dtype=torch.uint8)
     errors = []
 
@@ -222,11 +244,13 @@ def test_stopped_peer_is_detected_by_heartbeat(daemons):
 
     thread = threading.Thread(target=pusher)
     thread.start()
-    time.sleep(0.1)
+    assert relay.paused.wait(20), f"the relay forwarded only {relay.forwarded} bytes"
+    assert thread.is_alive(), f"the push ended before the fault: {errors!r}"  # (256 MiB can take 0.1 s)
     b.kill(signal.SIGSTOP)
     stopped = time.monotonic()
     thread.join(30)
     b.kill(signal.SIGCONT)
+    relay.release()  # (B runs again: what was held reaches it, and a new connection goes through)
     assert errors and isinstance(errors[0][0], kvd.PeerUnavailable), errors
     assert errors[0][1] - stopped < 10  # the heartbeat, not the 60 s transfer timeout
     assert "lost" in a.log()
@@ -235,7 +259,7 @@ def test_stopped_peer_is_detected_by_heartbeat(daemons):
         while ca.stats()["pool"]["used_bytes"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert ca.stats()["pool"]["used_bytes"] == 0
-        time.sleep(1.0)  # B answers pings again
+        eventually(lambda: ca.stats()["peers"]["B"]["connected"], timeout=10)  # B answers pings again
         ca.put("after-freeze", {"x": torch.ones(4)}, dest="B")
     with b.client() as cb:
         assert cb.get("after-freeze")["x"].sum().item() == 4

@@ -35,7 +35,8 @@ def test_get_waits_until_a_push_has_fully_arrived(daemons):
 
     thread = threading.Thread(target=reader)
     thread.start()
-    time.sleep(0.2)
+    with b.client() as cb:
+        eventually(lambda: cb.stats()["waiting_reads"] == 1)  # the get waits before the push begins
     with a.client() as ca:
         ca.put("late", {"x": big}, dest="B")
     thread.join(30)
@@ -63,7 +64,8 @@ def test_pull_waits_on_the_holder_for_a_later_put(daemons):
 
     thread = threading.Thread(target=reader)
     thread.start()
-    time.sleep(0.3)
+    with b.client() as cb:
+        eventually(lambda: cb.stats()["transfers_in_flight"] == 1)  # the pull waits on A before the put
     with a.client() as ca:
         ca.put("pull-late", {"x": torch.arange(100)})
     thread.join(15)

@@ -331,8 +331,10 @@ def test_stream_aborted_after_its_last_write_is_not_delivered(daemons):
         with pytest.raises(RuntimeError, match="prefill failed"):
             with ca.put_stream("abandoned", layout, dest="B") as stream:
                 stream.write({"layer.0": torch.ones(1000)})
+                # B has every byte, only the commit is missing (else there is nothing to not deliver)
+                wait_until(lambda: cb.stats()["counters"]["received_bytes"] == 4000, "B never had the bytes")
                 raise RuntimeError("prefill failed")
-        time.sleep(0.5)
+        wait_until(lambda: cb.stats()["counters"]["failures"] == 1, "B never took the abort")
         with pytest.raises(kvd.NotFound):
             cb.get("abandoned", timeout=0)
         assert cb.stats()["pool"]["used_bytes"] == 0

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvd
+from kvd.testing import eventually
 
 LAYERS = 8
 
@@ -58,8 +59,8 @@ def test_local_stream_is_readable_while_written(daemon):
     layers = make_layers()
     arrivals: dict = {}
     reader = read_in_thread(daemon, "local-stream", arrivals, timeout=10)
-    time.sleep(0.2)
     with daemon.client() as producer:
+        eventually(lambda: producer.stats()["waiting_reads"] == 1)  # the reader waits before the first write
         written = produce(producer, "local-stream", layers)
     reader.join(20)
     assert_streamed(layers, arrivals, written, 0.1)
@@ -125,13 +126,13 @@ def test_stream_errors(client):
 
 def test_aborted_stream_reaches_the_reader(daemon):
     layers = make_layers(4)
-    errors = []
+    errors, groups = [], []
 
     def reader():
         with daemon.client() as c:
             try:
-                for _ in c.get_stream("aborted", timeout=10):
-                    pass
+                for group in c.get_stream("aborted", timeout=10):
+                    groups.append(group)
             except kvd.KvdError as exc:
                 errors.append(exc)
 
@@ -141,7 +142,8 @@ def test_aborted_stream_reaches_the_reader(daemon):
         with pytest.raises(RuntimeError):
             with producer.put_stream("aborted", layout_of(layers)) as stream:
                 stream.write({"layer.0": layers["layer.0"]})
-                time.sleep(0.3)
+                eventually(lambda: groups or errors)  # the reader follows the stream: it has layer.0
+                assert groups and not errors, errors
                 raise RuntimeError("prefill crashed")
     thread.join(10)
     assert errors and isinstance(errors[0], kvd.NotFound)
