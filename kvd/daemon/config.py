@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from kvd.units import parse_duration, parse_size
 from kvd.wire.checksum import ALGORITHMS
-from kvd.wire.endpoints import LOCAL_SCHEMES, default_socket, unix_path
+from kvd.wire.endpoints import LOCAL_SCHEMES, default_socket, tcp_endpoint_problem, unix_path
 
 UNIX_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux, the terminating NUL included
 DEFAULT_PEER_PORT = 7470
@@ -80,10 +80,12 @@ class Config:
         problems = []
         if not self.node_id or len(self.node_id) > 128:
             problems.append("node_id must be 1-128 characters")
-        if not self.listen.startswith("tcp://"):
-            problems.append(f"listen must be a tcp:// endpoint, got {self.listen!r}")
+        if (problem := tcp_endpoint_problem(self.listen)) is not None:
+            problems.append(f"listen {problem}")
         if not self.socket.startswith(LOCAL_SCHEMES):
             problems.append(f"socket must be a unix://PATH (or tcp://) endpoint, got {self.socket!r}")
+        elif self.socket.startswith("tcp://") and (problem := tcp_endpoint_problem(self.socket)) is not None:
+            problems.append(f"socket {problem}")
         elif (path := unix_path(self.socket)) is not None:
             if not os.path.isabs(path):
                 problems.append(f"socket {self.socket!r}: the path must be absolute (unix:///dir/kvd.sock): clients "
@@ -114,6 +116,8 @@ class Config:
         for name, endpoint in self.peers.items():
             if not name or not endpoint.startswith("tcp://"):
                 problems.append(f"peer {name!r} needs a tcp:// endpoint, got {endpoint!r}")
+            elif (problem := tcp_endpoint_problem(endpoint)) is not None:
+                problems.append(f"peer {name!r}: {problem}")
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             problems.append("heartbeat_interval must be > 0 and below heartbeat_timeout")
         for name in ("default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "drain_timeout"):
@@ -145,7 +149,10 @@ class Config:
             if not self.advertise and _wildcard(self.listen):
                 problems.append(f"listen {self.listen} is a wildcard address, which peers cannot dial: set "
                                 "advertise (--advertise tcp://HOST:PORT) to the address they reach this node at")
-        if self.advertise and (not self.advertise.startswith("tcp://") or _wildcard(self.advertise)):
+        if self.advertise and self.advertise.startswith("tcp://") and (
+                problem := tcp_endpoint_problem(self.advertise)) is not None:
+            problems.append(f"advertise {problem}")
+        elif self.advertise and (not self.advertise.startswith("tcp://") or _wildcard(self.advertise)):
             problems.append(f"advertise must be a tcp://HOST:PORT peers can dial, got {self.advertise!r}")
         try:
             check_cluster(self.cluster)

@@ -126,8 +126,7 @@ class Daemon:
         try:
             self.router.start(on_peer)
         except zmq.ZMQError as exc:
-            raise BadRequest(f"cannot listen for peers on {cfg.listen} ({exc}): another kvd on this host? Give each "
-                             "its own --listen port (and --socket, --metrics-port)") from None
+            raise BadRequest(bind_failure(f"listen for peers on {cfg.listen}", exc, "--listen")) from None
         self.peers.start(on_link, self.transfers.on_lost)
         status = Status(StatusSettings.of(cfg), life, self.store, self.transfers, self.peers, self.local, self.metrics,
                         self.router.bound_endpoint, __version__, self.directory)
@@ -149,10 +148,12 @@ class Daemon:
             try:
                 await self.http.start()
             except OSError as exc:
-                raise BadRequest(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port} ({exc.strerror}): "
-                                 "another kvd on this host? Give each its own --metrics-port (0 turns it "
-                                 "off)") from None
-        await self.local.start(cfg.socket, self.handlers.on_local_message, self.handlers.on_client_gone)
+                raise BadRequest(bind_failure(f"serve metrics on {cfg.metrics_host}:{cfg.metrics_port}", exc,
+                                              "--metrics-port", " (0 turns it off)")) from None
+        try:
+            await self.local.start(cfg.socket, self.handlers.on_local_message, self.handlers.on_client_gone)
+        except OSError as exc:
+            raise BadRequest(bind_failure(f"serve clients on {cfg.socket}", exc, "--socket")) from None
         if self.directory is not None:
             await self.directory.start()  # registers in the background: a registry away never holds us up
         self._housekeeping = asyncio.get_running_loop().create_task(self._keep_house(), name="housekeeping")
@@ -409,6 +410,16 @@ def curve_summary(curve) -> str:
     ways += [f"{len(curve.allowed)} allowed keys"] if curve.allowed else []
     ways += [f"{len(curve.denied)} denied"] if curve.denied else []
     return f", CURVE on ({', '.join(ways)})"
+
+
+def bind_failure(what: str, exc: Exception, option: str, hint: str = "") -> str:
+    """Why a listener did not start. A port in use may be anyone's: say so, and what to change."""
+    import errno
+
+    if getattr(exc, "errno", None) == errno.EADDRINUSE:
+        return (f"cannot {what}: the port is in use (by another kvd or another program): choose another "
+                f"port for {option}{hint}")
+    return f"cannot {what}: {getattr(exc, 'strerror', None) or exc}"
 
 
 def insecure_refusal(listen: str) -> str:

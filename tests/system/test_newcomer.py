@@ -117,3 +117,46 @@ def test_an_unreachable_registry_is_said_at_start_and_in_the_errors_it_causes(da
     with b.client() as c:
         with pytest.raises(kvd.PeerUnavailable, match="no cluster registry"):
             c.put("x", {"x": torch.ones(4)}, dest="decode-7")
+
+
+def last_line(result: subprocess.CompletedProcess) -> str:
+    """The one line that says why a start failed (the log's "starting with configuration" may precede it)."""
+    err = one_line_error(result)
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--listen", "tcp://127.0.0.1:99999", "listen 'tcp://127.0.0.1:99999': port 99999 is out of range (1-65535)"),
+    ("--listen", "tcp://127.0.0.1", "listen 'tcp://127.0.0.1' has no port"),
+    ("--peer", "B=tcp://10.0.0.2:99999", "peer 'B': 'tcp://10.0.0.2:99999': port 99999 is out of range"),
+    ("--socket", "tcp://127.0.0.1:70000", "socket 'tcp://127.0.0.1:70000': port 70000 is out of range"),
+])
+def test_a_port_out_of_range_or_missing_is_refused_by_name(tmp_path, flag, value, words):
+    args = ["serve", "--metrics-port", "0", "--pool-size", "4MiB", flag, value]
+    if flag != "--listen":
+        args += ["--listen", f"tcp://127.0.0.1:{free_port()}"]
+    if flag != "--socket":
+        args += ["--socket", f"unix://{tmp_path}/k.sock"]
+    result = kvd(*args)
+    assert result.returncode == 2
+    line = last_line(result)
+    assert words in line and "cluster CA" not in result.stderr, result.stderr
+
+
+def test_a_port_another_program_holds_says_in_use_and_which_option(tmp_path):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        peer = serve(tmp_path, "--listen", f"tcp://127.0.0.1:{port}")
+        metrics = kvd("serve", "--listen", f"tcp://127.0.0.1:{free_port()}", "--metrics-port", str(port),
+                      "--socket", f"unix://{tmp_path}/m.sock", "--pool-size", "4MiB")
+    assert peer.returncode == 1 and metrics.returncode == 1
+    line = last_line(peer)
+    assert line.endswith(f"cannot listen for peers on tcp://127.0.0.1:{port}: the port is in use (by another kvd or "
+                         "another program): choose another port for --listen"), line
+    line = last_line(metrics)
+    assert "the port is in use (by another kvd or another program): choose another port for --metrics-port" in line
+    assert "another kvd on this host?" not in peer.stderr + metrics.stderr
