@@ -160,3 +160,37 @@ def test_a_port_another_program_holds_says_in_use_and_which_option(tmp_path):
     line = last_line(metrics)
     assert "the port is in use (by another kvd or another program): choose another port for --metrics-port" in line
     assert "another kvd on this host?" not in peer.stderr + metrics.stderr
+
+
+def test_a_peer_refusing_this_nodes_cert_is_logged_once_a_minute(daemons, tmp_path):
+    """B's CA did not sign A's cert: B refuses A's hello, and A's link says hello again every
+    second. A's log says so once, not once a second (observed over 3 s of puts that fail)."""
+    import torch
+
+    import kvd
+    from kvd.trust.keygen import keygen_ca, keygen_node
+
+    dirs = {name: tmp_path / name for name in "AB"}
+    for name, d in dirs.items():
+        keygen_ca(str(d))
+        keygen_node(str(d), name, ca_secret=str(d / "ca.key_secret"))
+    (dirs["A"] / "peers").mkdir()
+    (dirs["A"] / "peers" / "B.key").write_bytes((dirs["B"] / "B.key").read_bytes())  # A may dial B
+    port_a, port_b = free_port(), free_port()
+    b = daemons.start("B", port=port_b, extra=["--curve-secret-key", str(dirs["B"] / "B.key_secret"),
+                                               "--curve-ca", str(dirs["B"] / "ca.key")])
+    a = daemons.start("A", port=port_a, peers={"B": f"tcp://127.0.0.1:{port_b}"},
+                      extra=["--curve-secret-key", str(dirs["A"] / "A.key_secret"), "--curve-ca",
+                             str(dirs["A"] / "ca.key"), "--curve-allow", str(dirs["A"] / "peers")])
+    refused = 0
+    started = time.monotonic()
+    with a.client() as c:
+        while time.monotonic() - started < 3.5:
+            with pytest.raises(kvd.Unauthorized, match="refused this daemon"):
+                c.put(f"r{refused}", {"x": torch.ones(4)}, dest="B")
+            refused += 1
+            time.sleep(0.5)  # (paced puts over the window: the link's own redials go on between them)
+    lines = [line for line in a.log().splitlines() if "refused this daemon" in line and "WARNING" in line]
+    assert refused >= 3 and len(lines) == 1, lines
+    assert lines[0].endswith("(again at most once a minute)")
+    assert b.proc.poll() is None
