@@ -95,8 +95,8 @@ class RedisBackend:
         (`client_cert`: it holds a certificate of ours)."""
         try:
             import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry  # (the asyncio client's own: a sync one is converted, with a warning)
             from redis.backoff import NoBackoff
-            from redis.retry import Retry
         except ImportError:
             raise RuntimeError("the Redis registry needs redis-py: pip install redis") from None
         self.keys = RedisKeys(cluster)

@@ -194,3 +194,12 @@ def test_a_peer_refusing_this_nodes_cert_is_logged_once_a_minute(daemons, tmp_pa
     assert refused >= 3 and len(lines) == 1, lines
     assert lines[0].endswith("(again at most once a minute)")
     assert b.proc.poll() is None
+
+
+def test_a_redis_registry_starts_without_a_python_warning(daemons):
+    """redis-py's asyncio client converted the synchronous Retry kvd gave it, with a UserWarning
+    on every daemon's stderr at start."""
+    nowhere = f"redis://127.0.0.1:{free_port()}"  # (the warning came at construction: no server needed)
+    a = daemons.start("A", extra=["--registry", nowhere, "--registry-ttl", "1s"])
+    assert f"registry {nowhere}" in a.log()
+    assert "Warning" not in a.log(), a.log()[-2000:]
