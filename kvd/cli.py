@@ -80,8 +80,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     add("--max-peer-connections", type=int, help="peer connections to --listen at once")
     add("--max-entries", type=int, help="entries held at once; past it a put gets PoolFull")
     add("--cache-size", metavar="SIZE|FRACTION",
-        help="the KV tier's budget: a size (2GiB) or a fraction of the pool (0.5); 0 = off. Its pages are "
-             "evicted LRU past it, or when a handoff needs the room")
+        help="the KV tier's budget: a size with its unit (2GiB) or a fraction of the pool (0.5); 0 = off. Its "
+             "pages are evicted LRU past it, or when a handoff needs the room")
     add("--registry", metavar="URL",
         help="cluster registry: etcd[s]://[USER:PASS@]HOST:PORT[,HOST:PORT...] or "
              "redis[s]://[USER:PASS@]HOST:PORT[/DB] (default: none, static peers only)")

@@ -231,15 +231,18 @@ def _wildcard(endpoint: str) -> bool:
 
 
 def parse_cache_size(value: Any) -> float:
-    """'0.25' or 0.25: a fraction of the pool; '2GiB' or 2147483648: bytes; 0: off."""
-    if isinstance(value, bool):
+    """'0.25' or 0.25: a fraction of the pool; '2GiB' or '2147483648B': bytes; 0: off. A number
+    above 1 without a unit is refused: it read as bytes, and `--cache-size 2` turned the tier off."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"cache_size must be a fraction or a size, got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
     try:
-        return float(value)
-    except (TypeError, ValueError):
+        number = float(value)
+    except ValueError:
         return float(parse_size(value))
+    if number > 1:
+        raise ValueError(f"cache_size {value!r} has no unit: a bare number is a fraction of the pool (0-1, e.g. "
+                         f"0.5); give a size with its unit (e.g. 2GiB, or {int(number)}B for bytes)")
+    return number
 
 
 def _coerce(name: str, value: Any) -> Any:

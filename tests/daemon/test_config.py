@@ -304,3 +304,15 @@ def test_direct_config_validation_and_public():
         cfg.window = 3  # type: ignore[misc]
     with pytest.raises(ValueError, match="negative"):
         Config(node_id="A", socket="ipc:///tmp/a.sock", default_ttl=-1)
+
+
+@pytest.mark.parametrize("value, budget", [("0.5", 32 << 20), (0.25, 16 << 20), ("1", 64 << 20), ("0", 0),
+                                           ("2MiB", 2 << 20), ("1048576B", 1 << 20), ("1", 64 << 20)])
+def test_cache_size_is_a_fraction_or_a_size_with_its_unit(value, budget):
+    assert load_config(cli={"cache_size": value, "pool_size": "64MiB"}, env={}).cache_budget == budget
+
+
+@pytest.mark.parametrize("value", ["2", "1.5", 2, 1.5, "1e9", 2147483648])
+def test_cache_size_a_bare_number_above_one_is_refused(value):
+    with pytest.raises(ValueError, match=r"has no unit: a bare number is a fraction of the pool \(0-1"):
+        load_config(cli={"cache_size": value}, env={})

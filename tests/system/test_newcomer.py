@@ -203,3 +203,13 @@ def test_a_redis_registry_starts_without_a_python_warning(daemons):
     a = daemons.start("A", extra=["--registry", nowhere, "--registry-ttl", "1s"])
     assert f"registry {nowhere}" in a.log()
     assert "Warning" not in a.log(), a.log()[-2000:]
+
+
+@pytest.mark.parametrize("value", ["2", "1.5"])
+def test_a_cache_size_above_one_without_a_unit_is_refused(tmp_path, value):
+    """It read as bytes: `--cache-size 2` gave the tier 2 bytes, and every page was refused."""
+    result = serve(tmp_path, "--cache-size", value, timeout=20)
+    assert result.returncode == 2
+    assert last_line(result) == (f"kvd: cache_size '{value}' has no unit: a bare number is a fraction of the pool "
+                                 f"(0-1, e.g. 0.5); give a size with its unit (e.g. 2GiB, or {int(float(value))}B "
+                                 "for bytes)")
