@@ -213,3 +213,31 @@ def test_a_cache_size_above_one_without_a_unit_is_refused(tmp_path, value):
     assert last_line(result) == (f"kvd: cache_size '{value}' has no unit: a bare number is a fraction of the pool "
                                  f"(0-1, e.g. 0.5); give a size with its unit (e.g. 2GiB, or {int(float(value))}B "
                                  "for bytes)")
+
+
+def test_a_client_pointed_at_the_peer_port_is_told_so(daemons):
+    """ZeroMQ greets first (0xFF ... 0x7F), which a client read as 'message declares 255 frames',
+    or ZeroMQ reset the connection first: 'connection lost'. Either way: say it is a peer port."""
+    import asyncio
+
+    import torch
+
+    import kvd as kvdlib
+
+    a = daemons.start("A")
+    wanted = f"{a.listen}: the other end speaks ZeroMQ: this is a kvd peer port (--listen), not a client socket"
+    for _ in range(3):  # (which of the two ways ZeroMQ ends it is up to timing: each try may meet either)
+        result = kvd("status", "--socket", a.listen, timeout=20)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines() == [f"kvd: {wanted} (give the daemon's --socket, e.g. "
+                                                      "unix:///run/kvd/kvd.sock)"], result.stderr
+        with pytest.raises(kvdlib.ProtocolError, match=wanted.replace("(", r"\(").replace(")", r"\)")):
+            kvdlib.Client(a.listen).put("x", {"x": torch.ones(4)})
+
+    async def async_put():
+        await kvdlib.AsyncClient(a.listen).put("x", {"x": torch.ones(4)})
+
+    with pytest.raises(kvdlib.ProtocolError, match="this is a kvd peer port"):
+        asyncio.run(async_put())
+    with a.client() as c:  # the daemon serves on
+        c.put("y", {"x": torch.ones(4)})
