@@ -241,3 +241,26 @@ def test_a_client_pointed_at_the_peer_port_is_told_so(daemons):
         asyncio.run(async_put())
     with a.client() as c:  # the daemon serves on
         c.put("y", {"x": torch.ones(4)})
+
+
+@pytest.mark.parametrize("kind", ["etcd", "redis"])
+def test_a_plain_registry_url_against_a_tls_server_says_which_scheme(daemons, tmp_path, kind):
+    from tests.cluster.conftest import _missing
+    from tests.cluster.servers import EtcdServer, RedisServer, find_etcd, find_redis, make_certs, start_server, \
+        stop_server
+
+    binary = find_etcd() if kind == "etcd" else find_redis()
+    if binary is None:
+        _missing(kind)
+    server = start_server(EtcdServer if kind == "etcd" else RedisServer, binary, certs=make_certs(tmp_path / "certs"))
+    try:
+        plain = server.url.replace(f"{kind}s://", f"{kind}://")
+        a = daemons.start("A", extra=["--registry", plain, "--registry-ttl", "1s"])
+        deadline = time.monotonic() + 15
+        while "cannot reach the cluster registry" not in a.log():
+            assert time.monotonic() < deadline, a.log()[-2000:]
+            time.sleep(0.1)
+        line = next(line for line in a.log().splitlines() if "cannot reach the cluster registry" in line)
+        assert f"use {kind}s://" in line, line
+    finally:
+        stop_server(server)
