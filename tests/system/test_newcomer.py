@@ -264,3 +264,13 @@ def test_a_plain_registry_url_against_a_tls_server_says_which_scheme(daemons, tm
         assert f"use {kind}s://" in line, line
     finally:
         stop_server(server)
+
+
+def test_a_big_pool_says_it_is_prefaulting_and_how_long_it_took(daemons):
+    """An 8 GiB pool took 27 s to prefault, and the log said nothing until 'ready'."""
+    a = daemons.start("A", pool_size="1GiB")
+    log = a.log()
+    assert "prefaulting the 1.0GiB pool: every page is allocated now" in log and "--no-prefault skips it" in log
+    said, done, ready = (log.index(words) for words in ("prefaulting the", "pool of 1.0GiB prefaulted in",
+                                                         "ready: pool"))
+    assert said < done < ready
