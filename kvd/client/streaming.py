@@ -25,6 +25,8 @@ def specs_from(layout: Mapping[str, Any]) -> list[TensorSpec]:
     specs = []
     for name, value in layout.items():
         if isinstance(value, torch.Tensor):
+            if value.is_nested:
+                raise BadRequest(f"layout[{name!r}] is a nested tensor, which has no one shape")
             shape, dtype = tuple(value.shape), value.dtype
         elif isinstance(value, tuple) and len(value) == 2:
             shape, dtype = tuple(value[0]), value[1]

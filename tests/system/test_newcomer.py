@@ -274,3 +274,42 @@ def test_a_big_pool_says_it_is_prefaulting_and_how_long_it_took(daemons):
     said, done, ready = (log.index(words) for words in ("prefaulting the", "pool of 1.0GiB prefaulted in",
                                                          "ready: pool"))
     assert said < done < ready
+
+
+def _odd_tensors():
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():  # (torch warns that sparse CSR and nested tensors are in beta)
+        warnings.simplefilter("ignore")
+        return {
+            "sparse": (torch.ones(4, 4).to_sparse(), "is a torch.sparse_coo tensor, not a dense one"),
+            "csr": (torch.ones(4, 4).to_sparse_csr(), "is a torch.sparse_csr tensor, not a dense one"),
+            "meta": (torch.empty(4, 4, device="meta"), "is a meta tensor; give one with memory"),
+            "nested": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "is a nested tensor"),
+        }
+
+
+@pytest.mark.parametrize("kind", ["sparse", "csr", "meta", "nested"])
+def test_sparse_meta_and_nested_tensors_are_a_bad_request_naming_the_tensor(daemons, kind):
+    """They raised torch's own RuntimeError (or NotImplementedError) from deep in a copy."""
+    import torch
+
+    import kvd as kvdlib
+
+    odd, words = _odd_tensors()[kind]
+    a = daemons.start("A", pool_size="16MiB", extra=["--block-size", "4KiB"])
+    with a.client() as c:
+        with pytest.raises(kvdlib.BadRequest, match=f"tensor 'k' {words}"):
+            c.put("r1", {"v": torch.ones(4, 4), "k": odd})
+        c.put("r2", {"k": torch.ones(4, 4)})
+        with pytest.raises(kvdlib.BadRequest, match=rf"out\['k'\] {words}"):
+            c.get("r2", out={"k": odd}, timeout=5)
+        assert torch.equal(c.get("r2", timeout=5)["k"], torch.ones(4, 4))  # the bad get gave it back
+        with pytest.raises(kvdlib.BadRequest, match=rf"pages\[1\] {words}"):
+            c.cache_put(["p0", "p1"], [torch.ones(4, 4), odd], namespace="ns")
+        assert c.cache_put(["p2"], [torch.ones(4, 4)], namespace="ns") == [True]
+        with pytest.raises(kvdlib.BadRequest, match=rf"outs\[0\] {words}"):
+            c.cache_get(["p2"], [odd], namespace="ns")
+        assert c.stats()["pool"]["used_bytes"] == 4096  # p2's block: the refused calls took nothing
