@@ -14,7 +14,7 @@ import torch
 
 from kvd.errors import BadRequest
 from kvd.wire import protocol as p
-from kvd.wire.layout import TensorSpec
+from kvd.wire.layout import TensorSpec, validate_specs
 
 from .ops import NO_REPLY, WAIT_FOREVER, Emit, Receive
 from .blocks import Rows, block_index, gather_rows
@@ -70,6 +70,7 @@ def _give_up(core, state: StreamState):
 def open_stream(core, state: StreamState, ttl: float | None, meta: dict | None):
     core._check_request_id(state.request_id)
     core._check_meta(meta)
+    validate_specs(state.specs)
     state.generation = core._generation
     state.req = next(core._reqs)
     slots = yield p.PutAlloc(req=state.req, request_id=state.request_id,

@@ -313,3 +313,20 @@ def test_sparse_meta_and_nested_tensors_are_a_bad_request_naming_the_tensor(daem
         with pytest.raises(kvdlib.BadRequest, match=rf"outs\[0\] {words}"):
             c.cache_get(["p2"], [odd], namespace="ns")
         assert c.stats()["pool"]["used_bytes"] == 4096  # p2's block: the refused calls took nothing
+
+
+def test_too_many_tensors_says_so_with_the_limit(daemon):
+    """Past about 60k tensors the error was the header's size ('header of 1368965 bytes exceeds
+    the 1048576-byte limit'), which names neither the cause nor the limit."""
+    import torch
+
+    import kvd as kvdlib
+    from kvd.wire.layout import MAX_TENSORS
+
+    many = {f"layer.{i}": torch.ones(1) for i in range(60_000)}
+    with daemon.client() as c:
+        said = f"too many tensors: 60000 in one request, at most {MAX_TENSORS}"
+        for call in (lambda: c.put("r", many), lambda: c.put_stream("s", many)):
+            with pytest.raises(kvdlib.BadRequest, match=said):
+                call()
+        c.put("ok", {f"layer.{i}": torch.ones(1) for i in range(MAX_TENSORS)})  # the limit itself is fine
