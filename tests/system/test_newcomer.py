@@ -330,3 +330,22 @@ def test_too_many_tensors_says_so_with_the_limit(daemon):
             with pytest.raises(kvdlib.BadRequest, match=said):
                 call()
         c.put("ok", {f"layer.{i}": torch.ones(1) for i in range(MAX_TENSORS)})  # the limit itself is fine
+
+
+def test_cache_get_into_an_out_of_the_wrong_size_is_a_bad_request_naming_the_page(daemons):
+    """It answered False, as a miss would: the caller's bug looked like an empty cache."""
+    import torch
+
+    import kvd as kvdlib
+
+    a = daemons.start("A", pool_size="16MiB", extra=["--block-size", "4KiB"])
+    with a.client() as c:
+        assert c.cache_put(["p0", "p1"], [torch.ones(1024), torch.ones(512)], namespace="ns") == [True, True]
+        with pytest.raises(kvdlib.BadRequest, match="page 'p1' of namespace 'ns' holds 2048 bytes, and the out "
+                                                    "given for it has 4096: give an out of the page's size"):
+            c.cache_get(["p0", "p1"], [torch.empty(1024), torch.empty(1024)], namespace="ns")
+        outs = [torch.empty(1024), torch.empty(512)]
+        assert c.cache_get(["p0", "p1", "absent"], [*outs, torch.empty(4)], namespace="ns") == [True, True, False]
+        assert torch.equal(outs[1], torch.ones(512))
+        c.cache_clear("ns")  # the refused get pinned nothing: every block comes back
+        assert c.stats()["pool"]["used_bytes"] == 0
