@@ -8,7 +8,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .daemon.config import FIELD_NAMES, config_default, load_config, parse_labels, parse_peers, shown_default
+from .daemon.config import (
+    FIELD_NAMES, config_default, load_config, parse_labels, parse_peers, shown_default, unknown_variables,
+)
 
 PRECEDENCE = "Precedence: command-line flags > KVD_* environment variables > --config file > defaults."
 
@@ -195,6 +197,8 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(config.log_level, config.log_format)
     import logging
 
+    for warning in unknown_variables():  # (a misspelt KVD_* variable would be ignored without a word)
+        logging.getLogger("kvd").warning("%s", warning)
     logging.getLogger("kvd").info("starting with configuration %s", json.dumps(config.public()))
     daemon = Daemon(config, reload_config=lambda: load_config(cli, config_file=args.config))
     try:
@@ -209,6 +213,18 @@ def serve(args: argparse.Namespace) -> int:
             return 1
         raise
     return 0
+
+
+def _pairs(values: dict) -> str:
+    """{'puts': 3, 'sent_bytes': 4096} -> 'puts 3, sent 4.0KiB': a status line for people, not a repr."""
+    from .units import format_size
+
+    shown = []
+    for key, value in values.items():
+        if key.endswith("_bytes") and isinstance(value, int):
+            key, value = key.removesuffix("_bytes"), format_size(value)
+        shown.append(f"{key} {value}")
+    return ", ".join(shown) or "none"
 
 
 def client_command(args: argparse.Namespace) -> int:
@@ -230,12 +246,14 @@ def client_command(args: argparse.Namespace) -> int:
                   f" ({100 * pool['used_bytes'] / max(1, pool['capacity_bytes']):.1f}%),"
                   f" {format_size(pool['scratch_bytes'])} lent to clients for their next put,"
                   f" {format_size(pool['parked_bytes'])} parked (removed; a client or ZeroMQ may still touch it)")
-            print(f"entries    {stats['entries']}  {stats['entries_by_state']}")
+            print(f"entries    {stats['entries']}  ({_pairs(stats['entries_by_state'])})")
             print(f"transfers  {stats['transfers_in_flight']} in flight")
             print(f"clients    {stats['local_clients']} connected (this one included)")
             print(f"listen     {stats['listen']}")
-            for name, peer in stats["peers"].items():
+            for name, peer in sorted(stats["peers"].items()):
                 state = "connected" if peer["connected"] else "not connected"
+                if peer.get("not_linked"):  # (configured, but it cannot even be dialled)
+                    state = f"not linked: {peer['not_linked']}"
                 print(f"peer       {name} {peer['endpoint']} {state}")
             print(f"metrics    {stats['metrics'] or 'off'}")
             registry = stats.get("registry")
@@ -247,14 +265,14 @@ def client_command(args: argparse.Namespace) -> int:
                 if registry.get("last_error") and not registry["up"]:
                     print(f"           last error: {registry['last_error']}")
                 if registry.get("dropped"):
-                    print(f"           records dropped: {registry['dropped']}")
+                    print(f"           records dropped: {_pairs(registry['dropped'])}")
             cache = stats.get("cache")
             if cache:
                 print(f"kv tier    {cache['entries']} pages, {format_size(cache['bytes'])} in "
                       f"{format_size(cache['used_bytes'])} of {format_size(cache['budget'])} budget; "
                       f"{cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions, "
                       f"{cache['refused']} refused, {cache['namespaces']} namespaces")
-            print(f"counters   {stats['counters']}")
+            print(f"counters   {_pairs(stats['counters'])}")
             for error in stats["recent_errors"][-5:]:
                 when = time.strftime("%H:%M:%S", time.localtime(error["time"]))
                 print(f"error      {when} {error['request']} {error['request_id'] or ''}: {error['message']}")

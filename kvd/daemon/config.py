@@ -6,7 +6,9 @@ Every field has a default, so `kvd serve` runs bare. Units are parsed here, at t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
 import socket
 import tomllib
 from dataclasses import dataclass, field
@@ -278,13 +280,20 @@ def load_config(
     env: Mapping[str, str] | None = None,
     config_file: str | None = None,
 ) -> Config:
-    """Merge the layers: defaults < file < KVD_* environment < CLI (None means 'not given')."""
+    """Merge the layers: defaults < file < KVD_* environment < CLI (None means 'not given'). An
+    error names where the value came from: the file and key, the variable, or the flag."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    origins: dict[str, str] = {}  # field -> where its value came from, for the errors
     config_file = config_file or env.get("KVD_CONFIG")
     if config_file:
-        with open(config_file, "rb") as handle:
-            data = tomllib.load(handle)
+        try:
+            with open(config_file, "rb") as handle:
+                data = tomllib.load(handle)
+        except OSError as exc:
+            raise ValueError(f"cannot read the config file {config_file}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{config_file}: not valid TOML: {exc}") from None
         if "kvd" in data:  # everything under a [kvd] table; nothing may sit beside it
             table = data["kvd"]
             unknown = set(data) - {"kvd"} | set(table) - set(FIELD_NAMES)
@@ -292,16 +301,63 @@ def load_config(
             table = data
             unknown = set(table) - set(FIELD_NAMES)
         if unknown:
-            raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(unknown))}")
-        values.update({k: _coerce(k, v) for k, v in table.items()})
+            raise ValueError(f"{config_file}: unknown option(s) "
+                             f"{', '.join(_with_closest(name, FIELD_NAMES) for name in sorted(unknown))}")
+        for k, v in table.items():
+            origins[k] = f"{k} in {config_file}"
+            values[k] = _coerce_from(k, v, origins[k])
     for name in FIELD_NAMES:
         raw = env.get(f"KVD_{name.upper()}")
         if raw is not None and raw != "":
-            values[name] = _coerce(name, raw)
+            origins[name] = f"KVD_{name.upper()}"
+            values[name] = _coerce_from(name, raw, origins[name])
     for name, value in (cli or {}).items():
         if value is not None:
-            values[name] = _coerce(name, value)
-    return Config(**values)
+            origins[name] = flag_of(name)
+            values[name] = _coerce_from(name, value, origins[name])
+    try:
+        return Config(**values)
+    except ValueError as exc:
+        set_by = [origin for name, origin in origins.items() if _mentions(str(exc), name)]
+        raise ValueError(f"{exc} (set by {'; '.join(set_by)})" if set_by else str(exc)) from None
+
+
+def flag_of(name: str) -> str:
+    """The `kvd serve` flag that sets a field."""
+    return {"peers": "--peer", "labels": "--label", "pool_prefault": "--no-prefault"}.get(
+        name, "--" + name.replace("_", "-"))
+
+
+def _coerce_from(name: str, value: Any, origin: str) -> Any:
+    try:
+        return _coerce(name, value)
+    except (ValueError, TypeError) as exc:  # (TypeError: a TOML value of the wrong kind, e.g. a list)
+        text = str(exc) if isinstance(exc, ValueError) else f"{value!r} is not a valid {name}"
+        raise ValueError(f"{origin}: {text}") from None
+
+
+def _mentions(problem: str, name: str) -> bool:
+    words = {"peers": r"\bpeer\b", "labels": r"\blabel\b"}.get(name, rf"\b{name}\b")
+    return re.search(words, problem) is not None
+
+
+def _with_closest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"{name} (did you mean {close[0]}?)" if close else name
+
+
+# KVD_* variables that are no Config field but mean something to kvd, its tools or its tests
+OTHER_VARIABLES = {"KVD_CONFIG", "KVD_RUNTIME_DIR", "KVD_VLLM_COMMIT_IN_BACKGROUND", "KVD_VENV", "KVD_TORCH_INDEX",
+                   "KVD_ETCD_BIN", "KVD_REDIS_BIN", "KVD_PASSWORD"}
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each KVD_* variable that sets nothing (a misspelling is ignored otherwise),
+    with the closest name it may have meant."""
+    env = os.environ if env is None else env
+    known = [f"KVD_{name.upper()}" for name in FIELD_NAMES] + sorted(OTHER_VARIABLES)
+    return [f"environment variable {_with_closest(var, known)} is not a kvd setting: ignored"
+            for var in sorted(env) if var.startswith("KVD_") and var not in known and not var.startswith("KVD_TEST_")]
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

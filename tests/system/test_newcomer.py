@@ -210,9 +210,9 @@ def test_a_cache_size_above_one_without_a_unit_is_refused(tmp_path, value):
     """It read as bytes: `--cache-size 2` gave the tier 2 bytes, and every page was refused."""
     result = serve(tmp_path, "--cache-size", value, timeout=20)
     assert result.returncode == 2
-    assert last_line(result) == (f"kvd: cache_size '{value}' has no unit: a bare number is a fraction of the pool "
-                                 f"(0-1, e.g. 0.5); give a size with its unit (e.g. 2GiB, or {int(float(value))}B "
-                                 "for bytes)")
+    assert last_line(result) == (f"kvd: --cache-size: cache_size '{value}' has no unit: a bare number is a fraction "
+                                 "of the pool (0-1, e.g. 0.5); give a size with its unit (e.g. 2GiB, or "
+                                 f"{int(float(value))}B for bytes)")
 
 
 def test_a_client_pointed_at_the_peer_port_is_told_so(daemons):
@@ -349,3 +349,63 @@ def test_cache_get_into_an_out_of_the_wrong_size_is_a_bad_request_naming_the_pag
         assert torch.equal(outs[1], torch.ones(512))
         c.cache_clear("ns")  # the refused get pinned nothing: every block comes back
         assert c.stats()["pool"]["used_bytes"] == 0
+
+
+def test_status_shows_a_peer_that_cannot_link_and_prints_no_python_reprs(daemons, tmp_path):
+    """A configured peer with no CURVE key was missing from `kvd status`; entries and counters
+    printed as Python dicts."""
+    from kvd.trust.keygen import keygen_ca, keygen_node
+
+    keygen_ca(str(tmp_path / "k"))
+    keygen_node(str(tmp_path / "k"), "A", ca_secret=str(tmp_path / "k" / "ca.key_secret"))
+    nowhere = f"tcp://127.0.0.1:{free_port()}"
+    a = daemons.start("A", peers={"B": nowhere}, extra=["--curve-secret-key", str(tmp_path / "k" / "A.key_secret"),
+                                                        "--curve-ca", str(tmp_path / "k" / "ca.key")])
+    result = kvd("status", "--socket", a.socket, timeout=20)
+    assert result.returncode == 0, result.stderr
+    peer_lines = [line for line in result.stdout.splitlines() if line.startswith("peer ")]
+    assert len(peer_lines) == 1 and peer_lines[0].startswith(f"peer       B {nowhere} not linked: CURVE is on and no "
+                                                             "key of peer 'B' is known"), result.stdout
+    assert "{" not in result.stdout and "'" not in result.stdout.replace(peer_lines[0], ""), result.stdout
+    assert "entries    0  (writing 0, receiving 0, ready 0, claimed 0)" in result.stdout
+    assert "counters   puts 0, gets 0, errors 0, sent 0B, received 0B" in result.stdout
+
+
+@pytest.mark.parametrize("where, words", [
+    ("env", "kvd: KVD_POOL_SIZE: not a size: 'abc'"),
+    ("flag", "kvd: --pool-size: not a size: 'abc'"),
+    ("file", "kvd: pool_size in {file}: not a size: 'abc'"),
+    ("file-list", "kvd: pool_size in {file}: [1] is not a valid pool_size"),
+    ("file-invalid", "kvd: invalid configuration: window must be at least 1 (set by window in {file})"),
+    ("file-typo", "kvd: {file}: unknown option(s) pool_sise (did you mean pool_size?)"),
+    ("file-toml", "kvd: {file}: not valid TOML: "),
+    ("file-missing", "kvd: cannot read the config file {file}: No such file or directory"),
+])
+def test_a_config_error_names_the_variable_flag_file_and_key(tmp_path, where, words):
+    file = tmp_path / "kvd.toml"
+    contents = {"file": 'pool_size = "abc"\n', "file-list": "pool_size = [1]\n", "file-invalid": "window = 0\n",
+                "file-typo": "pool_sise = 3\n", "file-toml": "pool_size = \n"}
+    if where in contents:
+        file.write_text(contents[where])
+    args = ["serve", "--socket", f"unix://{tmp_path}/k.sock", "--listen", f"tcp://127.0.0.1:{free_port()}"]
+    env = dict(os.environ)
+    if where == "env":
+        env["KVD_POOL_SIZE"] = "abc"
+    elif where == "flag":
+        args += ["--pool-size", "abc"]
+    else:
+        args += ["--config", str(file)]
+    result = subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=30, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().startswith(words.format(file=file)), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_misspelt_kvd_variable_is_warned_of_with_the_closest_name(daemons):
+    a = daemons.start("A", env={"KVD_POOL_SZE": "1GiB", "KVD_DEFAULT_TTLL": "5s", "KVD_VENV": "/nowhere"})
+    log = a.log()
+    assert "WARNING kvd: environment variable KVD_POOL_SZE (did you mean KVD_POOL_SIZE?) is not a kvd setting: " \
+           "ignored" in log
+    assert "KVD_DEFAULT_TTLL (did you mean KVD_DEFAULT_TTL?)" in log
+    warnings = [line for line in log.splitlines() if "is not a kvd setting" in line]
+    assert len(warnings) == 2 and "KVD_VENV" not in log  # (./dev's own variable is known: no warning)
