@@ -430,4 +430,5 @@ def insecure_refusal(listen: str) -> str:
             "  kvd keygen --ca --dir /etc/kvd\n"
             "  kvd keygen NODE --dir /etc/kvd --ca-secret /etc/kvd/ca.key_secret\n"
             "  kvd serve --curve-secret-key /etc/kvd/NODE.key_secret --curve-ca /etc/kvd/ca.key ...\n"
+            "(across hosts, each node's /etc/kvd also holds the others' NODE.cert, to dial its --peer nodes by)\n"
             "or listen on loopback only, or pass --insecure if the network is trusted (and firewalled).")
