@@ -154,8 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "  kvd keygen --ca --dir D                                # D/ca.key, D/ca.key_secret (0600)\n"
                     "  kvd keygen NODE --dir D --ca-secret D/ca.key_secret    # D/NODE.key, .key_secret, .cert\n"
                     "  kvd serve --curve-secret-key D/NODE.key_secret --curve-ca D/ca.key ...\n\n"
-                    "The second command run again renews NODE's cert and keeps its key pair. Without --ca-secret,\n"
-                    "an existing pair is kept (the peers allow its public key) unless --force.")
+                    "Static --peer nodes are dialled by the certs beside NODE's own (D/PEER.cert): across hosts,\n"
+                    "copy every NODE.cert into each node's D. The second command run again renews NODE's cert and\n"
+                    "keeps its key pair. Without --ca-secret, an existing pair is kept (the peers allow its public\n"
+                    "key) unless --force.")
     keygen.add_argument("name", nargs="?", help="the node id (the cert is valid for this id only)")
     keygen.add_argument("--ca", action="store_true", help="write a new cluster CA (ca.key, ca.key_secret) instead")
     keygen.add_argument("--dir", default=".", help="where to write the files (default: .)")
@@ -166,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long the cert admits its node (default: 30d); renew before it runs out")
     keygen.add_argument("--force", action="store_true",
                         help="replace an existing pair or CA (whatever trusted the old one will refuse the new)")
+    keygen.add_argument("--if-missing", action="store_true",
+                        help="for scripts: keep an existing CA, or an existing pair (without --ca-secret), and exit "
+                             "0, where kvd keygen refuses to overwrite it (exit 1)")
     return parser
 
 
@@ -339,18 +344,22 @@ def keygen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if args.ca == bool(args.name):
         parser.error("keygen: give a node NAME, or --ca for a cluster CA")
+    if args.if_missing and args.force:
+        parser.error("keygen: --if-missing keeps what is there, --force replaces it: give one")
     try:
         if args.ca:
-            made = keygen_ca(args.dir, force=args.force)
-            print(f"CA public key: {made.public} (every node's --curve-ca)\n"
-                  f"CA secret key: {made.secret} (keep it off the nodes: it admits nodes to the cluster)")
+            made = keygen_ca(args.dir, force=args.force, if_missing=args.if_missing)
+            kept = " (already there: kept, --if-missing)" if made.kept else ""
+            print(f"CA public key: {made.public}{kept} (every node's --curve-ca)\n"
+                  f"CA secret key: {made.secret}{kept} (keep it off the nodes: it admits nodes to the cluster)")
             return 0
         made = keygen_node(args.dir, args.name, force=args.force, ca_secret=args.ca_secret, cluster=args.cluster,
-                           valid_for=parse_duration(args.valid_for))
+                           valid_for=parse_duration(args.valid_for), if_missing=args.if_missing)
     except (KvdError, OSError, ValueError) as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 1
-    print(f"public key: {made.public}\nsecret key: {made.secret} (keep it private)")
+    kept = " (already there: kept, --if-missing)" if made.kept else ""
+    print(f"public key: {made.public}{kept}\nsecret key: {made.secret}{kept} (keep it private)")
     if made.cert:
         print(f"cert:       {made.cert} ({'renewed for the same key pair' if made.renewed else 'new'}, "
               f"node {args.name} of cluster {args.cluster}, valid for {args.valid_for})")

@@ -409,3 +409,68 @@ def test_a_misspelt_kvd_variable_is_warned_of_with_the_closest_name(daemons):
     assert "KVD_DEFAULT_TTLL (did you mean KVD_DEFAULT_TTL?)" in log
     warnings = [line for line in log.splitlines() if "is not a kvd setting" in line]
     assert len(warnings) == 2 and "KVD_VENV" not in log  # (./dev's own variable is known: no warning)
+
+
+def test_the_three_commands_of_a_cluster_ca_are_enough_for_static_peers(daemons, tmp_path):
+    """docs: `kvd keygen --ca`, `kvd keygen NODE --ca-secret`, `kvd serve --curve-ca`. Static peers
+    also needed each other's certs in a --curve-allow directory; now the CA-verified certs beside
+    this node's own give the keys to dial them by. A cert the CA did not sign gives none, and the
+    error says so."""
+    import torch
+
+    import kvd as kvdlib
+
+    keys = tmp_path / "keys"
+    assert kvd("keygen", "--ca", "--dir", str(keys)).returncode == 0
+    for node in ("A", "B"):
+        assert kvd("keygen", node, "--dir", str(keys), "--ca-secret", str(keys / "ca.key_secret")).returncode == 0
+    other = tmp_path / "other"  # C's cert is from another CA, laid beside ours
+    assert kvd("keygen", "--ca", "--dir", str(other)).returncode == 0
+    assert kvd("keygen", "C", "--dir", str(other), "--ca-secret", str(other / "ca.key_secret")).returncode == 0
+    (keys / "C.cert").write_bytes((other / "C.cert").read_bytes())
+
+    def trust(node: str) -> list[str]:
+        return ["--curve-secret-key", str(keys / f"{node}.key_secret"), "--curve-ca", str(keys / "ca.key")]
+
+    port_a, port_b, port_c = free_port(), free_port(), free_port()
+    a = daemons.start("A", port=port_a, peers={"B": f"tcp://127.0.0.1:{port_b}", "C": f"tcp://127.0.0.1:{port_c}"},
+                      extra=trust("A"))
+    b = daemons.start("B", port=port_b, peers={"A": f"tcp://127.0.0.1:{port_a}"}, extra=trust("B"))
+    kv = {"x": torch.arange(16, dtype=torch.float32)}
+    with a.client() as ca, b.client() as cb:
+        ca.put("pushed", kv, dest="B")
+        assert torch.equal(cb.get("pushed", timeout=10)["x"], kv["x"])
+        cb.put("pulled", kv)
+        assert torch.equal(ca.get("pulled", source="B", timeout=10)["x"], kv["x"])
+        with pytest.raises(kvdlib.BadRequest, match=r"C\.cert gives no key \(the cert of 'C' is not signed by this "
+                                                     r"cluster's CA\)"):
+            ca.put("nope", kv, dest="C")
+
+
+def test_keygen_if_missing_keeps_an_existing_ca_or_pair_and_exits_0(tmp_path):
+    """`kvd keygen --ca` over an existing CA exits 1 (rightly: it would orphan every cert); a
+    script that sets up a host wants a form it can run every time."""
+    d = tmp_path / "keys"
+    assert kvd("keygen", "--ca", "--dir", str(d), "--if-missing").returncode == 0  # none there: made
+    ca = (d / "ca.key").read_bytes(), (d / "ca.key_secret").read_bytes()
+    again = kvd("keygen", "--ca", "--dir", str(d))
+    assert again.returncode == 1 and "--if-missing keeps what is there and exits 0" in again.stderr
+    kept = kvd("keygen", "--ca", "--dir", str(d), "--if-missing")
+    assert kept.returncode == 0 and "already there: kept" in kept.stdout and kept.stderr == ""
+    assert ((d / "ca.key").read_bytes(), (d / "ca.key_secret").read_bytes()) == ca
+    assert kvd("keygen", "A", "--dir", str(d), "--if-missing").returncode == 0
+    pair = (d / "A.key_secret").read_bytes()
+    assert kvd("keygen", "A", "--dir", str(d)).returncode == 1
+    assert kvd("keygen", "A", "--dir", str(d), "--if-missing").returncode == 0
+    assert (d / "A.key_secret").read_bytes() == pair
+    both = kvd("keygen", "--ca", "--dir", str(d), "--if-missing", "--force")
+    assert both.returncode == 2 and "give one" in both.stderr
+    other = tmp_path / "other"  # halves of two CAs, or one half alone: neither kept nor replaced
+    assert kvd("keygen", "--ca", "--dir", str(other)).returncode == 0
+    (d / "ca.key").write_bytes((other / "ca.key").read_bytes())
+    mixed = kvd("keygen", "--ca", "--dir", str(d), "--if-missing")
+    assert mixed.returncode == 1 and "halves of two different CAs" in mixed.stderr and "Traceback" not in mixed.stderr
+    (d / "ca.key").unlink()
+    half = kvd("keygen", "--ca", "--dir", str(d), "--if-missing")
+    assert half.returncode == 1 and "only one half of a CA" in half.stderr
+    assert (d / "ca.key_secret").read_bytes() == ca[1]
