@@ -390,3 +390,16 @@ def test_relative_links_and_their_anchors_resolve(doc):
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked.read_text()):
             broken.append(target)
     assert broken == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_default_socket_is_spelt_as_the_code_finds_it(doc, monkeypatch):
+    """docs/sglang.md said unix://$XDG_RUNTIME_DIR/kvd.sock; the socket is in a kvd/ directory there."""
+    from kvd.wire.endpoints import default_socket
+
+    for name in ("KVD_SOCKET", "KVD_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    code = default_socket().replace("/run/user/1000", "$XDG_RUNTIME_DIR")
+    said = set(re.findall(r"unix://\$XDG_RUNTIME_DIR/[\w./-]*", doc.read_text()))
+    assert said <= {code}, f"{doc.name} says {said}, the code uses {code}"
