@@ -474,3 +474,20 @@ def test_keygen_if_missing_keeps_an_existing_ca_or_pair_and_exits_0(tmp_path):
     half = kvd("keygen", "--ca", "--dir", str(d), "--if-missing")
     assert half.returncode == 1 and "only one half of a CA" in half.stderr
     assert (d / "ca.key_secret").read_bytes() == ca[1]
+
+
+def test_a_batch_bigger_than_the_budget_keeps_its_first_pages_and_refuses_the_rest(daemons):
+    """What docs/kv-tier.md now says of it (it said nothing: one could expect the batch's last
+    pages to win, as LRU eviction would have it)."""
+    import torch
+
+    a = daemons.start("A", pool_size="16MiB", extra=["--cache-size", "1MiB"])  # 16 blocks of 64 KiB
+    pages = [torch.full((16 << 10,), i, dtype=torch.float32) for i in range(24)]  # one block each
+    with a.client() as c:
+        assert c.cache_put([f"old{i}" for i in range(4)], pages[:4]) == [True] * 4
+        assert c.cache_put([f"k{i}" for i in range(24)], pages) == [True] * 16 + [False] * 8
+        stats = c.cache_stats()
+        assert stats["entries"] == 16 and stats["evictions"] == 4 and stats["refused"] == 8
+        outs = [torch.empty(16 << 10) for _ in range(24)]
+        assert c.cache_get([f"k{i}" for i in range(24)], outs) == [True] * 16 + [False] * 8
+        assert all(torch.equal(outs[i], pages[i]) for i in range(16))
