@@ -491,3 +491,16 @@ def test_a_batch_bigger_than_the_budget_keeps_its_first_pages_and_refuses_the_re
         outs = [torch.empty(16 << 10) for _ in range(24)]
         assert c.cache_get([f"k{i}" for i in range(24)], outs) == [True] * 16 + [False] * 8
         assert all(torch.equal(outs[i], pages[i]) for i in range(16))
+
+
+@pytest.mark.parametrize("doc, heading", [("README.md", "## Using it from a worker"), ("docs/client.md", "## The API")])
+def test_the_first_snippet_runs_as_written(daemon, doc, heading):
+    """The README's snippet used k0 and v0 without defining them: a NameError for whoever pasted it."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / doc).read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "KVD_SOCKET": daemon.socket})
+    assert ran.returncode == 0, ran.stderr[-2000:]
