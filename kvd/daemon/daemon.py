@@ -299,6 +299,7 @@ class Daemon:
                    if curve.peer_keys.get(name) != fresh.peer_keys.get(name)}
         curve.peer_keys.clear()
         curve.peer_keys.update(fresh.peer_keys)
+        curve.unusable = fresh.unusable  # (why a cert beside ours gives no key: for the dial's error)
         if fresh.cert is not None and curve.cert is not None and fresh.cert.raw != curve.cert.raw:
             curve.signer = fresh.signer  # a renewed cert: new hellos show it, the registry record carries it
             if self.directory is not None:

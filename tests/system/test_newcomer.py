@@ -504,3 +504,38 @@ def test_the_first_snippet_runs_as_written(daemon, doc, heading):
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "KVD_SOCKET": daemon.socket})
     assert ran.returncode == 0, ran.stderr[-2000:]
+
+
+def test_a_peer_cert_copied_beside_ours_then_sighup_links_that_peer(daemons, tmp_path):
+    """What the dial error says to do: copy B's cert beside this node's own, then SIGHUP."""
+    import signal
+
+    import torch
+
+    import kvd as kvdlib
+    from kvd.trust.keygen import keygen_ca, keygen_node
+
+    ca, here, there = tmp_path / "ca", tmp_path / "a", tmp_path / "b"  # B's files on "another host"
+    keygen_ca(str(ca))
+    keygen_node(str(here), "A", ca_secret=str(ca / "ca.key_secret"))
+    keygen_node(str(there), "B", ca_secret=str(ca / "ca.key_secret"))
+    (there / "A.cert").write_bytes((here / "A.cert").read_bytes())  # B may dial A; A knows nothing of B yet
+    port_a, port_b = free_port(), free_port()
+    b = daemons.start("B", port=port_b, peers={"A": f"tcp://127.0.0.1:{port_a}"},
+                      extra=["--curve-secret-key", str(there / "B.key_secret"), "--curve-ca", str(ca / "ca.key")])
+    a = daemons.start("A", port=port_a, peers={"B": f"tcp://127.0.0.1:{port_b}"},
+                      extra=["--curve-secret-key", str(here / "A.key_secret"), "--curve-ca", str(ca / "ca.key")])
+    kv = {"x": torch.ones(8)}
+    with a.client() as c:
+        with pytest.raises(kvdlib.BadRequest, match=rf"there is no B\.cert beside this node's cert \(in {here}: copy "
+                                                    r"B's cert there, then SIGHUP\)"):
+            c.put("r1", kv, dest="B")
+        (here / "B.cert").write_bytes((there / "B.cert").read_bytes())
+        a.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 15
+        while "SIGHUP: configuration reloaded" not in a.log():
+            assert time.monotonic() < deadline, a.log()[-2000:]
+            time.sleep(0.05)
+        c.put("r2", kv, dest="B")
+    with b.client() as c:
+        assert torch.equal(c.get("r2", timeout=10)["x"], kv["x"])
