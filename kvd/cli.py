@@ -8,7 +8,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .daemon.config import FIELD_NAMES, config_default, load_config, parse_labels, parse_peers, shown_default
+from .daemon.config import (
+    FIELD_NAMES, config_default, load_config, parse_labels, parse_peers, shown_default, unknown_variables,
+)
 
 PRECEDENCE = "Precedence: command-line flags > KVD_* environment variables > --config file > defaults."
 
@@ -85,8 +87,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     add("--max-peer-connections", type=int, help="peer connections to --listen at once")
     add("--max-entries", type=int, help="entries held at once; past it a put gets PoolFull")
     add("--cache-size", metavar="SIZE|FRACTION",
-        help="the KV tier's budget: a size (2GiB) or a fraction of the pool (0.5); 0 = off. Its pages are "
-             "evicted LRU past it, or when a handoff needs the room")
+        help="the KV tier's budget: a size with its unit (2GiB) or a fraction of the pool (0.5); 0 = off. Its "
+             "pages are evicted LRU past it, or when a handoff needs the room")
     add("--cache-max-pages", type=int, metavar="N",
         help="pages the KV tier holds at most (each costs ~1 KB of daemon memory beside its blocks)")
     add("--cache-namespace-pages", type=int, metavar="N",
@@ -161,8 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "  kvd keygen --ca --dir D                                # D/ca.key, D/ca.key_secret (0600)\n"
                     "  kvd keygen NODE --dir D --ca-secret D/ca.key_secret    # D/NODE.key, .key_secret, .cert\n"
                     "  kvd serve --curve-secret-key D/NODE.key_secret --curve-ca D/ca.key ...\n\n"
-                    "The second command run again renews NODE's cert and keeps its key pair. Without --ca-secret,\n"
-                    "an existing pair is kept (the peers allow its public key) unless --force.")
+                    "Static --peer nodes are dialled by the certs beside NODE's own (D/PEER.cert): across hosts,\n"
+                    "copy every NODE.cert into each node's D. The second command run again renews NODE's cert and\n"
+                    "keeps its key pair. Without --ca-secret, an existing pair is kept (the peers allow its public\n"
+                    "key) unless --force.")
     keygen.add_argument("name", nargs="?", help="the node id (the cert is valid for this id only)")
     keygen.add_argument("--ca", action="store_true", help="write a new cluster CA (ca.key, ca.key_secret) instead")
     keygen.add_argument("--dir", default=".", help="where to write the files (default: .)")
@@ -173,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long the cert admits its node (default: 30d); renew before it runs out")
     keygen.add_argument("--force", action="store_true",
                         help="replace an existing pair or CA (whatever trusted the old one will refuse the new)")
+    keygen.add_argument("--if-missing", action="store_true",
+                        help="for scripts: keep an existing CA, or an existing pair (without --ca-secret), and exit "
+                             "0, where kvd keygen refuses to overwrite it (exit 1)")
     return parser
 
 
@@ -204,6 +211,8 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(config.log_level, config.log_format)
     import logging
 
+    for warning in unknown_variables():  # (a misspelt KVD_* variable would be ignored without a word)
+        logging.getLogger("kvd").warning("%s", warning)
     logging.getLogger("kvd").info("starting with configuration %s", json.dumps(config.public()))
     daemon = Daemon(config, reload_config=lambda: load_config(cli, config_file=args.config))
     try:
@@ -218,6 +227,18 @@ def serve(args: argparse.Namespace) -> int:
             return 1
         raise
     return 0
+
+
+def _pairs(values: dict) -> str:
+    """{'puts': 3, 'sent_bytes': 4096} -> 'puts 3, sent 4.0KiB': a status line for people, not a repr."""
+    from .units import format_size
+
+    shown = []
+    for key, value in values.items():
+        if key.endswith("_bytes") and isinstance(value, int):
+            key, value = key.removesuffix("_bytes"), format_size(value)
+        shown.append(f"{key} {value}")
+    return ", ".join(shown) or "none"
 
 
 def client_command(args: argparse.Namespace) -> int:
@@ -239,12 +260,14 @@ def client_command(args: argparse.Namespace) -> int:
                   f" ({100 * pool['used_bytes'] / max(1, pool['capacity_bytes']):.1f}%),"
                   f" {format_size(pool['scratch_bytes'])} lent to clients for their next put,"
                   f" {format_size(pool['parked_bytes'])} parked (removed; a client or ZeroMQ may still touch it)")
-            print(f"entries    {stats['entries']}  {stats['entries_by_state']}")
+            print(f"entries    {stats['entries']}  ({_pairs(stats['entries_by_state'])})")
             print(f"transfers  {stats['transfers_in_flight']} in flight")
             print(f"clients    {stats['local_clients']} connected (this one included)")
             print(f"listen     {stats['listen']}")
-            for name, peer in stats["peers"].items():
+            for name, peer in sorted(stats["peers"].items()):
                 state = "connected" if peer["connected"] else "not connected"
+                if peer.get("not_linked"):  # (configured, but it cannot even be dialled)
+                    state = f"not linked: {peer['not_linked']}"
                 print(f"peer       {name} {peer['endpoint']} {state}")
             print(f"metrics    {stats['metrics'] or 'off'}")
             registry = stats.get("registry")
@@ -256,14 +279,14 @@ def client_command(args: argparse.Namespace) -> int:
                 if registry.get("last_error") and not registry["up"]:
                     print(f"           last error: {registry['last_error']}")
                 if registry.get("dropped"):
-                    print(f"           records dropped: {registry['dropped']}")
+                    print(f"           records dropped: {_pairs(registry['dropped'])}")
             cache = stats.get("cache")
             if cache:
                 print(f"kv tier    {cache['entries']} pages, {format_size(cache['bytes'])} in "
                       f"{format_size(cache['used_bytes'])} of {format_size(cache['budget'])} budget; "
                       f"{cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions, "
                       f"{cache['refused']} refused, {cache['namespaces']} namespaces")
-            print(f"counters   {stats['counters']}")
+            print(f"counters   {_pairs(stats['counters'])}")
             for error in stats["recent_errors"][-5:]:
                 when = time.strftime("%H:%M:%S", time.localtime(error["time"]))
                 print(f"error      {when} {error['request']} {error['request_id'] or ''}: {error['message']}")
@@ -330,18 +353,22 @@ def keygen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if args.ca == bool(args.name):
         parser.error("keygen: give a node NAME, or --ca for a cluster CA")
+    if args.if_missing and args.force:
+        parser.error("keygen: --if-missing keeps what is there, --force replaces it: give one")
     try:
         if args.ca:
-            made = keygen_ca(args.dir, force=args.force)
-            print(f"CA public key: {made.public} (every node's --curve-ca)\n"
-                  f"CA secret key: {made.secret} (keep it off the nodes: it admits nodes to the cluster)")
+            made = keygen_ca(args.dir, force=args.force, if_missing=args.if_missing)
+            kept = " (already there: kept, --if-missing)" if made.kept else ""
+            print(f"CA public key: {made.public}{kept} (every node's --curve-ca)\n"
+                  f"CA secret key: {made.secret}{kept} (keep it off the nodes: it admits nodes to the cluster)")
             return 0
         made = keygen_node(args.dir, args.name, force=args.force, ca_secret=args.ca_secret, cluster=args.cluster,
-                           valid_for=parse_duration(args.valid_for))
+                           valid_for=parse_duration(args.valid_for), if_missing=args.if_missing)
     except (KvdError, OSError, ValueError) as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 1
-    print(f"public key: {made.public}\nsecret key: {made.secret} (keep it private)")
+    kept = " (already there: kept, --if-missing)" if made.kept else ""
+    print(f"public key: {made.public}{kept}\nsecret key: {made.secret}{kept} (keep it private)")
     if made.cert:
         print(f"cert:       {made.cert} ({'renewed for the same key pair' if made.renewed else 'new'}, "
               f"node {args.name} of cluster {args.cluster}, valid for {args.valid_for})")

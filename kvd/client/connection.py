@@ -19,9 +19,26 @@ from collections.abc import Callable
 from kvd.errors import KvdError, ProtocolError, Timeout, Unauthorized, error_from_code
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import default_socket, tcp_address, unix_path
-from kvd.wire.framing import MessageReader, encode_message
+from kvd.wire.framing import PEER_PORT, MessageReader, encode_message, zmtp_greeting
 
 RECEIVE_BYTES = 1 << 16
+PROBE_TIMEOUT = 0.25  # s: how long a probe of a tcp:// endpoint waits for ZeroMQ's greeting (sent at once)
+
+
+def peer_port_error(endpoint: str, head: bytes = b"") -> ProtocolError | None:
+    """A tcp:// endpoint that dropped us, or sent no kvd message, before any answer: is a kvd peer
+    port there? ZeroMQ greets first, and a client socket never does. `head`: the first bytes it
+    sent, if any came (ZeroMQ may reset the connection before they are read: then a fresh
+    connection, which sends nothing, waits a moment for a greeting)."""
+    if unix_path(endpoint) is not None:
+        return None
+    if not head:
+        try:
+            with socket.create_connection(tcp_address(endpoint), timeout=PROBE_TIMEOUT) as probe:
+                head = probe.recv(10)
+        except (OSError, KvdError):
+            return None
+    return ProtocolError(f"{endpoint}: {PEER_PORT}") if zmtp_greeting(head) else None
 
 
 def _connect_socket(endpoint: str, timeout: float) -> socket.socket:
@@ -68,6 +85,7 @@ class BlockingConnection:
         self._poller = select.poll()
         self._poller.register(self._sock, select.POLLIN)
         self._broken = False
+        self._head: bytes | None = b""  # the stream's first bytes, until a message came (then None)
 
     def alive(self) -> bool:
         """False once the daemon has closed the connection (checked without blocking)."""
@@ -102,11 +120,21 @@ class BlockingConnection:
                 raise self._lost(exc) from None
             if not data:
                 raise self._lost(None)
-            self._ready.extend(self._reader.feed(data))
+            if self._head is not None:
+                self._head = (self._head + data)[:10]
+            try:
+                self._ready.extend(self._reader.feed(data))
+            except ProtocolError as exc:
+                self._broken = True
+                raise (peer_port_error(self.endpoint, self._head) if self._head else None) or exc from None
+            if self._ready:
+                self._head = None
         return self._ready.popleft()
 
     def _lost(self, exc: OSError | None) -> KvdError:
         self._broken = True
+        if self._head is not None and (wrong := peer_port_error(self.endpoint, self._head)) is not None:
+            return wrong
         why = f" ({exc.strerror or exc})" if exc is not None else ""
         return KvdError(f"the connection to the kvd daemon at {self.endpoint} was lost{why}")
 
@@ -123,6 +151,7 @@ class StreamConnection(asyncio.Protocol):
         self._reader = MessageReader()
         self.transport: asyncio.Transport | None = None
         self.endpoint = ""
+        self._head = True  # nothing received yet (ZeroMQ's greeting comes in the first bytes)
 
     @classmethod
     async def open(cls, endpoint: str, on_message: Callable[[list], None],
@@ -139,11 +168,13 @@ class StreamConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        head, self._head = self._head, None
         try:
             messages = self._reader.feed(data)
         except ProtocolError as exc:
             self.transport.abort()
-            self._on_lost(KvdError(f"the kvd daemon at {self.endpoint} sent a malformed stream: {exc}"))
+            wrong = peer_port_error(self.endpoint, data[:10]) if head else None
+            self._on_lost(wrong or KvdError(f"the kvd daemon at {self.endpoint} sent a malformed stream: {exc}"))
             return
         for frames in messages:
             self._on_message(frames)

@@ -23,7 +23,9 @@ from kvd.errors import BadRequest, KvdError, ProtocolError, error_from_code
 from kvd.memory.host import map_pool
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import default_socket, unix_path
-from kvd.wire.layout import Extent, Segment, TensorSpec, blocks_needed, physical_segments, tensor_offsets
+from kvd.wire.layout import (
+    Extent, Segment, TensorSpec, blocks_needed, physical_segments, tensor_offsets, validate_specs,
+)
 
 from .cache import give_back
 from .ops import NO_REPLY, WAIT_FOREVER, Emit, Operation, Receive, StreamClosed
@@ -219,6 +221,7 @@ class _ClientCore:
         blocks lent after the last put when it fits (one round trip), else reserve, write, commit."""
         self._check_request_id(request_id)
         self._check_meta(meta)
+        validate_specs(specs)  # (here: past the limit, the header itself would be refused as too big)
         wire_specs = [s.to_wire() for s in specs]
         wait = WAIT_FOREVER if dest else 0.0
         offsets, total = tensor_offsets(specs)

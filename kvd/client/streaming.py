@@ -14,7 +14,7 @@ import torch
 
 from kvd.errors import BadRequest
 from kvd.wire import protocol as p
-from kvd.wire.layout import TensorSpec
+from kvd.wire.layout import TensorSpec, validate_specs
 
 from .ops import NO_REPLY, WAIT_FOREVER, Emit, Receive
 from .blocks import Rows, block_index, gather_rows
@@ -25,6 +25,8 @@ def specs_from(layout: Mapping[str, Any]) -> list[TensorSpec]:
     specs = []
     for name, value in layout.items():
         if isinstance(value, torch.Tensor):
+            if value.is_nested:
+                raise BadRequest(f"layout[{name!r}] is a nested tensor, which has no one shape")
             shape, dtype = tuple(value.shape), value.dtype
         elif isinstance(value, tuple) and len(value) == 2:
             shape, dtype = tuple(value[0]), value[1]
@@ -68,6 +70,7 @@ def _give_up(core, state: StreamState):
 def open_stream(core, state: StreamState, ttl: float | None, meta: dict | None):
     core._check_request_id(state.request_id)
     core._check_meta(meta)
+    validate_specs(state.specs)
     state.generation = core._generation
     state.req = next(core._reqs)
     slots = yield p.PutAlloc(req=state.req, request_id=state.request_id,

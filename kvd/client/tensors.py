@@ -19,6 +19,17 @@ TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in D
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
 
+def memory_problem(tensor: torch.Tensor) -> str | None:
+    """Why kvd cannot copy this tensor's bytes as they lie (it copies a dense tensor's memory), or None."""
+    if tensor.is_nested:
+        return "a nested tensor, which has no one shape: give its components (or torch.nested.to_padded_tensor)"
+    if tensor.layout != torch.strided:
+        return f"a {tensor.layout} tensor, not a dense one: give tensor.to_dense()"
+    if tensor.device.type == "meta":  # has no memory: the bytes would come from, or go to, nowhere
+        return "a meta tensor; give one with memory"
+    return None
+
+
 def as_tensor(name: str, value: Any) -> torch.Tensor:
     """A torch tensor for a put value (torch tensors as they are; numpy arrays shared, not copied)."""
     if isinstance(value, torch.Tensor):
@@ -30,6 +41,8 @@ def as_tensor(name: str, value: Any) -> torch.Tensor:
             raise BadRequest(f"tensor {name!r}: numpy dtype {value.dtype} is not supported") from None
     else:
         raise BadRequest(f"tensor {name!r}: expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
+    if (problem := memory_problem(tensor)) is not None:
+        raise BadRequest(f"tensor {name!r} is {problem}")
     if tensor.dtype not in DTYPE_NAMES:
         raise BadRequest(f"tensor {name!r}: dtype {tensor.dtype} is not supported; use one of "
                          f"{', '.join(TORCH_DTYPES)}")
@@ -119,8 +132,8 @@ def copy_out(pool: torch.Tensor, spec: TensorSpec, segments: list, out: torch.Te
 def check_out(spec: TensorSpec, out: Any) -> None:
     if not isinstance(out, torch.Tensor):
         raise BadRequest(f"out[{spec.name!r}] must be a torch.Tensor")
-    if out.device.type == "meta":  # has no memory: the bytes would go nowhere, the entry with them
-        raise BadRequest(f"out[{spec.name!r}] is a meta tensor; give one with memory")
+    if (problem := memory_problem(out)) is not None:  # (the entry is given back, unread)
+        raise BadRequest(f"out[{spec.name!r}] is {problem}")
     if DTYPE_NAMES.get(out.dtype) != spec.dtype or tuple(out.shape) != spec.shape:
         raise BadRequest(
             f"out[{spec.name!r}] is {out.dtype} {tuple(out.shape)}, the cache holds {spec.dtype} {spec.shape}"

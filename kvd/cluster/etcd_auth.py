@@ -61,6 +61,10 @@ def refusal(e: GatewayError | str, name: str, user: str) -> str | None:
     text = e.message if isinstance(e, GatewayError) else e
     code = e.code if isinstance(e, GatewayError) else None
     who = f"user {user!r}" if user else "no user"
+    if "CommonName of client" in text:  # (etcd takes a client certificate's CN for the user, password unread)
+        return (f"etcd at {name} refused kvd's client certificate (--registry-cert): it has a CommonName, which "
+                "etcd with auth on would take for the user name, ignoring the password; issue one with no "
+                "CommonName (e.g. openssl req ... -subj /O=kvd; see docs/operations.md)")
     if "authentication failed" in text:
         return f"etcd at {name} refused kvd's credentials ({who}): {text}"
     if "user name is empty" in text:

@@ -141,6 +141,7 @@ class GatewayClient:
         self.max_body = max_body
         self._current = 0
         self._idle: list[_Conn] = []
+        self._answered = False  # any answer yet (until then a hang-up may be a TLS server's)
 
     async def _open(self, host: str, port: int) -> _Conn:
         try:
@@ -189,7 +190,7 @@ class GatewayClient:
             try:
                 await conn.send(path, body, headers)
                 status, head = await conn.head()
-                got_head = True
+                got_head = self._answered = True
                 data = await conn.body(head, cap)
             except BodyTooLarge:
                 conn.close()
@@ -201,7 +202,7 @@ class GatewayClient:
                 if _refused(e):
                     raise TLSError(f"etcd: {e}") from None
                 self._failover()
-                raise ConnectionError(f"etcd: {type(e).__name__}: {e}") from None
+                raise ConnectionError(f"etcd: {type(e).__name__}: {e}{self._tls_hint(got_head)}") from None
             except BaseException:
                 conn.close()  # cancelled (deadline) mid-request: the stream is in an unknown state
                 raise
@@ -214,15 +215,23 @@ class GatewayClient:
             return json.loads(data)
         raise AssertionError("unreachable")
 
+    def _tls_hint(self, answered: bool) -> str:
+        """A plain etcd:// call that met no HTTP answer: the server may speak TLS (it then hangs up)."""
+        if self.tls is not None or answered or self._answered:
+            return ""
+        return " (no HTTP answer came: if etcd serves TLS, use etcds://)"
+
     async def stream(self, path: str, req: dict[str, Any], *,
                      headers: Headers = ()) -> AsyncGenerator[dict[str, Any], None]:
         """A streaming call (watch): yields each JSON message's "result" as it arrives; ends when the
         server ends the stream. One message is capped at the client's max_body. Closing the generator
         closes the connection, which cancels the watch."""
         conn = await self._connect()
+        got_head = False
         try:
             await conn.send(path, json.dumps(req).encode(), headers)
             status, head = await conn.head()
+            got_head = self._answered = True
             if status != 200:
                 raise _error(status, await conn.body(head, MAX_LINE))
             # the gateway writes one JSON object per message, newline-delimited; a message may span
@@ -247,7 +256,7 @@ class GatewayClient:
             if _refused(e):
                 raise TLSError(f"etcd stream: {e}") from None
             self._failover()
-            raise ConnectionError(f"etcd stream: {type(e).__name__}: {e}") from None
+            raise ConnectionError(f"etcd stream: {type(e).__name__}: {e}{self._tls_hint(got_head)}") from None
         finally:
             conn.close()
 

@@ -95,8 +95,8 @@ class RedisBackend:
         (`client_cert`: it holds a certificate of ours)."""
         try:
             import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry  # (the asyncio client's own: a sync one is converted, with a warning)
             from redis.backoff import NoBackoff
-            from redis.retry import Retry
         except ImportError:
             raise RuntimeError("the Redis registry needs redis-py: pip install redis") from None
         self.keys = RedisKeys(cluster)
@@ -112,6 +112,7 @@ class RedisBackend:
         # TLS 1.3 finishes the client's side of the handshake before the server has checked for a
         # client certificate: a server that wants one we lack may then just close the connection
         self._tls_without_cert = tls is not None and not client_cert
+        self._plain_unanswered = tls is None  # redis:// with no answer yet: a hang-up may be a TLS server's
         self._skip = Skips(log, self.name)
         self.dropped: Counter[tuple[str, str]] = self._skip.dropped
         self.list_page, self.max_listing_bytes = LIST_PAGE, MAX_LISTING_BYTES
@@ -149,7 +150,9 @@ class RedisBackend:
         cancels = task.cancelling()
         try:
             async with asyncio.timeout(self.op_timeout):
-                return await fn(*args, **kw)
+                result = await fn(*args, **kw)
+            self._plain_unanswered = False
+            return result
         except TimeoutError:
             raise RegistryUnavailable(f"redis at {self.name} did not answer within {self.op_timeout:.2f} s") from None
         except (AuthenticationError, NoPermissionError) as e:
@@ -159,7 +162,8 @@ class RedisBackend:
                 raise RegistryRefused(f"redis at {self.name}: TLS failed ({tls}); check --registry-ca, and "
                                       "--registry-cert/--registry-key where the server asks for a client "
                                       "certificate") from None
-            raise RegistryUnavailable(f"redis at {self.name}: {type(e).__name__}: {e}") from None
+            hint = " (if Redis serves TLS, use rediss://)" if self._plain_unanswered and _HUNG_UP.search(str(e)) else ""
+            raise RegistryUnavailable(f"redis at {self.name}: {type(e).__name__}: {e}{hint}") from None
         finally:
             # redis-py sometimes absorbs a cancellation that lands mid-command (seen: ~1 in 50 cancels
             # of a polling watch) and answers or fails as usual; the caller's loop would then carry on
@@ -215,7 +219,7 @@ class RedisBackend:
         except RegistryRefused:
             raise
         except RegistryUnavailable as e:  # (a first command that meets a closed TLS connection)
-            if self._tls_without_cert and re.search(r"[Cc]onnection (closed by (the )?server|reset by peer)", str(e)):
+            if self._tls_without_cert and _HUNG_UP.search(str(e)):
                 raise RegistryRefused(f"redis at {self.name}: TLS failed (the server closed the connection without "
                                       "an answer, as one that requires a client certificate does); give "
                                       "--registry-cert/--registry-key if it asks for one, and check "
@@ -397,6 +401,9 @@ class RedisBackend:
             await self._r.aclose()
         except Exception as e:
             log.debug("redis close: %s", e)
+
+
+_HUNG_UP = re.compile(r"[Cc]onnection (closed by (the )?server|reset by peer)")  # (before any answer)
 
 
 def _tls_failure(e: BaseException) -> ssl.SSLError | None:

@@ -123,6 +123,11 @@ class CacheService:
 
     def _get(self, rid: bytes, msg: p.CacheGet) -> p.CacheSlots:
         token, found = self.store.lease(msg.namespace, msg.keys, msg.sizes)
+        for i, page in enumerate(found):  # a page held at another size: the caller's out is wrong, not a miss
+            if page is None and (held := self.store.held_size(msg.namespace, msg.keys[i])) not in (None, msg.sizes[i]):
+                self.store.release(token)
+                raise BadRequest(f"cache_get: page {msg.keys[i]!r} of namespace {msg.namespace!r} holds {held} bytes, "
+                                 f"and the out given for it has {msg.sizes[i]}: give an out of the page's size")
         if any(page is not None for page in found):
             self._own(rid, token)
         return p.CacheSlots(req=msg.req, token=token,

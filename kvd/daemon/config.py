@@ -6,7 +6,9 @@ Every field has a default, so `kvd serve` runs bare. Units are parsed here, at t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
 import socket
 import tomllib
 from dataclasses import dataclass, field
@@ -15,7 +17,7 @@ from collections.abc import Mapping
 
 from kvd.units import parse_duration, parse_size
 from kvd.wire.checksum import ALGORITHMS
-from kvd.wire.endpoints import LOCAL_SCHEMES, default_socket, unix_path
+from kvd.wire.endpoints import LOCAL_SCHEMES, default_socket, tcp_endpoint_problem, unix_path
 
 UNIX_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux, the terminating NUL included
 DEFAULT_PEER_PORT = 7470
@@ -87,10 +89,12 @@ class Config:
         problems = []
         if not self.node_id or len(self.node_id) > 128:
             problems.append("node_id must be 1-128 characters")
-        if not self.listen.startswith("tcp://"):
-            problems.append(f"listen must be a tcp:// endpoint, got {self.listen!r}")
+        if (problem := tcp_endpoint_problem(self.listen)) is not None:
+            problems.append(f"listen {problem}")
         if not self.socket.startswith(LOCAL_SCHEMES):
             problems.append(f"socket must be a unix://PATH (or tcp://) endpoint, got {self.socket!r}")
+        elif self.socket.startswith("tcp://") and (problem := tcp_endpoint_problem(self.socket)) is not None:
+            problems.append(f"socket {problem}")
         elif (path := unix_path(self.socket)) is not None:
             if not os.path.isabs(path):
                 problems.append(f"socket {self.socket!r}: the path must be absolute (unix:///dir/kvd.sock): clients "
@@ -123,6 +127,8 @@ class Config:
         for name, endpoint in self.peers.items():
             if not name or not endpoint.startswith("tcp://"):
                 problems.append(f"peer {name!r} needs a tcp:// endpoint, got {endpoint!r}")
+            elif (problem := tcp_endpoint_problem(endpoint)) is not None:
+                problems.append(f"peer {name!r}: {problem}")
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             problems.append("heartbeat_interval must be > 0 and below heartbeat_timeout")
         for name in ("default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "drain_timeout"):
@@ -156,7 +162,10 @@ class Config:
             if not self.advertise and _wildcard(self.listen):
                 problems.append(f"listen {self.listen} is a wildcard address, which peers cannot dial: set "
                                 "advertise (--advertise tcp://HOST:PORT) to the address they reach this node at")
-        if self.advertise and (not self.advertise.startswith("tcp://") or _wildcard(self.advertise)):
+        if self.advertise and self.advertise.startswith("tcp://") and (
+                problem := tcp_endpoint_problem(self.advertise)) is not None:
+            problems.append(f"advertise {problem}")
+        elif self.advertise and (not self.advertise.startswith("tcp://") or _wildcard(self.advertise)):
             problems.append(f"advertise must be a tcp://HOST:PORT peers can dial, got {self.advertise!r}")
         try:
             check_cluster(self.cluster)
@@ -236,15 +245,18 @@ def _wildcard(endpoint: str) -> bool:
 
 
 def parse_cache_size(value: Any) -> float:
-    """'0.25' or 0.25: a fraction of the pool; '2GiB' or 2147483648: bytes; 0: off."""
-    if isinstance(value, bool):
+    """'0.25' or 0.25: a fraction of the pool; '2GiB' or '2147483648B': bytes; 0: off. A number
+    above 1 without a unit is refused: it read as bytes, and `--cache-size 2` turned the tier off."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"cache_size must be a fraction or a size, got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
     try:
-        return float(value)
-    except (TypeError, ValueError):
+        number = float(value)
+    except ValueError:
         return float(parse_size(value))
+    if number > 1:
+        raise ValueError(f"cache_size {value!r} has no unit: a bare number is a fraction of the pool (0-1, e.g. "
+                         f"0.5); give a size with its unit (e.g. 2GiB, or {int(number)}B for bytes)")
+    return number
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -280,13 +292,20 @@ def load_config(
     env: Mapping[str, str] | None = None,
     config_file: str | None = None,
 ) -> Config:
-    """Merge the layers: defaults < file < KVD_* environment < CLI (None means 'not given')."""
+    """Merge the layers: defaults < file < KVD_* environment < CLI (None means 'not given'). An
+    error names where the value came from: the file and key, the variable, or the flag."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    origins: dict[str, str] = {}  # field -> where its value came from, for the errors
     config_file = config_file or env.get("KVD_CONFIG")
     if config_file:
-        with open(config_file, "rb") as handle:
-            data = tomllib.load(handle)
+        try:
+            with open(config_file, "rb") as handle:
+                data = tomllib.load(handle)
+        except OSError as exc:
+            raise ValueError(f"cannot read the config file {config_file}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{config_file}: not valid TOML: {exc}") from None
         if "kvd" in data:  # everything under a [kvd] table; nothing may sit beside it
             table = data["kvd"]
             unknown = set(data) - {"kvd"} | set(table) - set(FIELD_NAMES)
@@ -294,16 +313,63 @@ def load_config(
             table = data
             unknown = set(table) - set(FIELD_NAMES)
         if unknown:
-            raise ValueError(f"{config_file}: unknown option(s) {', '.join(sorted(unknown))}")
-        values.update({k: _coerce(k, v) for k, v in table.items()})
+            raise ValueError(f"{config_file}: unknown option(s) "
+                             f"{', '.join(_with_closest(name, FIELD_NAMES) for name in sorted(unknown))}")
+        for k, v in table.items():
+            origins[k] = f"{k} in {config_file}"
+            values[k] = _coerce_from(k, v, origins[k])
     for name in FIELD_NAMES:
         raw = env.get(f"KVD_{name.upper()}")
         if raw is not None and raw != "":
-            values[name] = _coerce(name, raw)
+            origins[name] = f"KVD_{name.upper()}"
+            values[name] = _coerce_from(name, raw, origins[name])
     for name, value in (cli or {}).items():
         if value is not None:
-            values[name] = _coerce(name, value)
-    return Config(**values)
+            origins[name] = flag_of(name)
+            values[name] = _coerce_from(name, value, origins[name])
+    try:
+        return Config(**values)
+    except ValueError as exc:
+        set_by = [origin for name, origin in origins.items() if _mentions(str(exc), name)]
+        raise ValueError(f"{exc} (set by {'; '.join(set_by)})" if set_by else str(exc)) from None
+
+
+def flag_of(name: str) -> str:
+    """The `kvd serve` flag that sets a field."""
+    return {"peers": "--peer", "labels": "--label", "pool_prefault": "--no-prefault"}.get(
+        name, "--" + name.replace("_", "-"))
+
+
+def _coerce_from(name: str, value: Any, origin: str) -> Any:
+    try:
+        return _coerce(name, value)
+    except (ValueError, TypeError) as exc:  # (TypeError: a TOML value of the wrong kind, e.g. a list)
+        text = str(exc) if isinstance(exc, ValueError) else f"{value!r} is not a valid {name}"
+        raise ValueError(f"{origin}: {text}") from None
+
+
+def _mentions(problem: str, name: str) -> bool:
+    words = {"peers": r"\bpeer\b", "labels": r"\blabel\b"}.get(name, rf"\b{name}\b")
+    return re.search(words, problem) is not None
+
+
+def _with_closest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"{name} (did you mean {close[0]}?)" if close else name
+
+
+# KVD_* variables that are no Config field but mean something to kvd, its tools or its tests
+OTHER_VARIABLES = {"KVD_CONFIG", "KVD_RUNTIME_DIR", "KVD_VLLM_COMMIT_IN_BACKGROUND", "KVD_VENV", "KVD_TORCH_INDEX",
+                   "KVD_ETCD_BIN", "KVD_REDIS_BIN", "KVD_PASSWORD"}
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each KVD_* variable that sets nothing (a misspelling is ignored otherwise),
+    with the closest name it may have meant."""
+    env = os.environ if env is None else env
+    known = [f"KVD_{name.upper()}" for name in FIELD_NAMES] + sorted(OTHER_VARIABLES)
+    return [f"environment variable {_with_closest(var, known)} is not a kvd setting: ignored"
+            for var in sorted(env) if var.startswith("KVD_") and var not in known and not var.startswith("KVD_TEST_")]
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -134,8 +134,7 @@ class Daemon:
         try:
             self.router.start(on_peer)
         except zmq.ZMQError as exc:
-            raise BadRequest(f"cannot listen for peers on {cfg.listen} ({exc}): another kvd on this host? Give each "
-                             "its own --listen port (and --socket, --metrics-port)") from None
+            raise BadRequest(bind_failure(f"listen for peers on {cfg.listen}", exc, "--listen")) from None
         self.peers.start(on_link, self.transfers.on_lost)
         status = Status(StatusSettings.of(cfg), life, self.store, self.transfers, self.peers, self.local, self.metrics,
                         self.router.bound_endpoint, __version__, self.directory)
@@ -157,10 +156,12 @@ class Daemon:
             try:
                 await self.http.start()
             except OSError as exc:
-                raise BadRequest(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port} ({exc.strerror}): "
-                                 "another kvd on this host? Give each its own --metrics-port (0 turns it "
-                                 "off)") from None
-        await self.local.start(cfg.socket, self.handlers.on_local_message, self.handlers.on_client_gone)
+                raise BadRequest(bind_failure(f"serve metrics on {cfg.metrics_host}:{cfg.metrics_port}", exc,
+                                              "--metrics-port", " (0 turns it off)")) from None
+        try:
+            await self.local.start(cfg.socket, self.handlers.on_local_message, self.handlers.on_client_gone)
+        except OSError as exc:
+            raise BadRequest(bind_failure(f"serve clients on {cfg.socket}", exc, "--socket")) from None
         if self.directory is not None:
             await self.directory.start()  # registers in the background: a registry away never holds us up
         self._housekeeping = asyncio.get_running_loop().create_task(self._keep_house(), name="housekeeping")
@@ -308,6 +309,7 @@ class Daemon:
                    if curve.peer_keys.get(name) != fresh.peer_keys.get(name)}
         curve.peer_keys.clear()
         curve.peer_keys.update(fresh.peer_keys)
+        curve.unusable = fresh.unusable  # (why a cert beside ours gives no key: for the dial's error)
         if fresh.cert is not None and curve.cert is not None and fresh.cert.raw != curve.cert.raw:
             curve.signer = fresh.signer  # a renewed cert: new hellos show it, the registry record carries it
             if self.directory is not None:
@@ -421,6 +423,16 @@ def curve_summary(curve) -> str:
     return f", CURVE on ({', '.join(ways)})"
 
 
+def bind_failure(what: str, exc: Exception, option: str, hint: str = "") -> str:
+    """Why a listener did not start. A port in use may be anyone's: say so, and what to change."""
+    import errno
+
+    if getattr(exc, "errno", None) == errno.EADDRINUSE:
+        return (f"cannot {what}: the port is in use (by another kvd or another program): choose another "
+                f"port for {option}{hint}")
+    return f"cannot {what}: {getattr(exc, 'strerror', None) or exc}"
+
+
 def insecure_refusal(listen: str) -> str:
     """Why a daemon with a --listen beyond loopback and no peer authentication does not start (as
     Redis' protected mode refuses), and the ways out."""
@@ -429,4 +441,5 @@ def insecure_refusal(listen: str) -> str:
             "  kvd keygen --ca --dir /etc/kvd\n"
             "  kvd keygen NODE --dir /etc/kvd --ca-secret /etc/kvd/ca.key_secret\n"
             "  kvd serve --curve-secret-key /etc/kvd/NODE.key_secret --curve-ca /etc/kvd/ca.key ...\n"
+            "(across hosts, each node's /etc/kvd also holds the others' NODE.cert, to dial its --peer nodes by)\n"
             "or listen on loopback only, or pass --insecure if the network is trusted (and firewalled).")

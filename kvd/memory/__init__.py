@@ -33,7 +33,7 @@ def open_staging_memory(device: str, size: int, path: str = "", prefault: bool =
     if device == "cpu":
         return HostMemory(size, path, prefault)
     if device.startswith("cuda"):
-        from .cuda import CudaMemory  # needs torch with CUDA and cupy (pip install cupy-cuda12x)
+        from .cuda import CudaMemory  # needs torch with CUDA and its cupy (cuda.cupy_hint says which)
 
         return CudaMemory(size, device)
     raise BadRequest(f"unknown device {device!r}: expected cpu or cuda:N")

@@ -10,8 +10,9 @@ bounce buffers to the network (daemon process; worker processes map it through i
   the copy of chunk k+1 overlaps the network send of chunk k. Inbound frames are copied
   host-to-device through a pinned buffer on the same side stream.
 
-Needs torch built with CUDA and cupy (`pip install cupy-cuda12x`, or `'.[cuda]'` from kvd's
-checkout). Nothing here runs without a GPU; tests marked `cuda` exercise it on one.
+Needs torch built with CUDA and the cupy built for the same CUDA major (`cupy_hint` says which:
+the `cuda` extra, `pip install '.[cuda]'`, is cupy-cuda12x, for a CUDA 12 torch). Nothing here runs
+without a GPU; tests marked `cuda` exercise it on one.
 """
 from __future__ import annotations
 
@@ -27,11 +28,21 @@ from .io import Segments
 log = logging.getLogger(__name__)
 
 
+def cupy_hint(cuda: str | None = torch.version.cuda) -> str:
+    """How to install the cupy that matches torch's CUDA (`cuda`: torch.version.cuda, e.g. "12.8"):
+    one hint, the same in the daemon's error, the docs and the tests' skip reason."""
+    major = (cuda or "12").split(".")[0]
+    if major == "12":
+        return "pip install '.[cuda]' from kvd's checkout ('kvd-daemon[cuda]'), i.e. cupy-cuda12x"
+    return (f"pip install cupy-cuda{major}x (torch is built for CUDA {cuda}; the cuda extra's cupy-cuda12x is "
+            "for CUDA 12)")
+
+
 def _cupy():
     try:
         import cupy
     except ImportError:
-        raise BadRequest("the CUDA pool needs cupy: pip install cupy-cuda12x") from None
+        raise BadRequest(f"the CUDA pool needs cupy: {cupy_hint()}") from None
     return cupy
 
 

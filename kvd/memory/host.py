@@ -19,6 +19,7 @@ import fcntl
 import logging
 import mmap
 import os
+import time
 
 from kvd.errors import BadRequest
 from kvd.units import format_size
@@ -26,6 +27,7 @@ from kvd.units import format_size
 from .io import HostPoolIO, PoolIO
 
 log = logging.getLogger(__name__)
+PREFAULT_LOG_BYTES = 1 << 30  # a pool this big says it is prefaulting, and how long it took (~3 s a GiB)
 
 
 class HostMemory:
@@ -50,6 +52,11 @@ class HostMemory:
         else:
             self._fd = os.memfd_create("kvd-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             self.client_path = f"/proc/{os.getpid()}/fd/{self._fd}"
+        started = time.monotonic()
+        loud = (prefault or bool(path)) and size >= PREFAULT_LOG_BYTES
+        if loud:  # (seconds per GiB: a start that says nothing for half a minute looks hung)
+            log.info("prefaulting the %s pool: every page is allocated now, which takes a few seconds per GiB "
+                     "(--no-prefault skips it; the first transfers then pay for the pages instead)", format_size(size))
         try:
             os.ftruncate(self._fd, size)
             if prefault or path:
@@ -72,6 +79,8 @@ class HostMemory:
             self.close()
             raise BadRequest(f"cannot allocate a {size}-byte host pool: {exc}") from None
         self._view = memoryview(self._map)
+        (log.info if loud else log.debug)("pool of %s prefaulted in %.1fs" if prefault or path else
+                                          "pool of %s mapped in %.1fs", format_size(size), time.monotonic() - started)
 
     def host_view(self) -> memoryview:
         return self._view

@@ -86,7 +86,8 @@ def refuse_existing(paths: list[str], why: str) -> None:
     existing = [path for path in paths if os.path.lexists(path)]
     if existing:
         raise BadRequest(f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: not "
-                         f"overwritten, since {why}; --force replaces {'them' if len(existing) > 1 else 'it'}")
+                         f"overwritten, since {why}; --force replaces {'them' if len(existing) > 1 else 'it'}, "
+                         "--if-missing keeps what is there and exits 0")
 
 
 # ---- the CA -----------------------------------------------------------------------------------

@@ -24,10 +24,29 @@ def unix_path(endpoint: str) -> str | None:
 
 def tcp_address(endpoint: str) -> tuple[str, int]:
     """(host, port) of a tcp://HOST:PORT endpoint (IPv6 hosts in brackets)."""
-    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
-    if not endpoint.startswith("tcp://") or not sep or not port.isdigit():
+    if not endpoint.startswith("tcp://"):
         raise BadRequest(f"local socket must be unix://PATH or tcp://HOST:PORT, got {endpoint!r}")
+    problem = tcp_endpoint_problem(endpoint)
+    if problem is not None:
+        raise BadRequest(f"local socket {problem}")
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def tcp_endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with a tcp://HOST:PORT endpoint, as words that follow its name; None if nothing.
+    (ZeroMQ would read a port past 65535 modulo 65536, and a missing one as some other failure.)"""
+    if not endpoint.startswith("tcp://"):
+        return f"must be a tcp://HOST:PORT endpoint, got {endpoint!r}"
+    rest = endpoint[len("tcp://"):]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port or (rest.startswith("[") and not host.endswith("]")):
+        return f"{endpoint!r} has no port: write tcp://HOST:PORT"
+    if not port.isdigit():
+        return f"{endpoint!r}: the port must be a number 1-65535, got {port!r}"
+    if not 1 <= int(port) <= 65535:
+        return f"{endpoint!r}: port {int(port)} is out of range (1-65535)"
+    return None
 
 
 def default_runtime_dir() -> str:

@@ -27,6 +27,14 @@ MAX_FRAMES = 1 + MAX_PAYLOAD_FRAMES
 MAX_MESSAGE_BYTES = 4 * MAX_HEADER_BYTES
 
 _U32 = struct.Struct("<I")
+# ZeroMQ speaks first: its greeting opens with the signature 0xFF, 8 bytes of padding, 0x7F (ZMTP 3)
+PEER_PORT = ("the other end speaks ZeroMQ: this is a kvd peer port (--listen), not a client socket (give the "
+             "daemon's --socket, e.g. unix:///run/kvd/kvd.sock)")
+
+
+def zmtp_greeting(data: bytes | bytearray) -> bool:
+    """Do these first bytes of a stream look like ZeroMQ's greeting (a peer port, not a client socket)?"""
+    return len(data) >= 1 and data[0] == 0xFF and (len(data) < 10 or data[9] == 0x7F)
 
 
 def encode_message(frames: Sequence[Frame]) -> bytes:

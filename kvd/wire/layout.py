@@ -58,7 +58,8 @@ class TensorSpec:
 
 def validate_specs(specs: list[TensorSpec]) -> None:
     if len(specs) > MAX_TENSORS:
-        raise BadRequest(f"too many tensors: {len(specs)} > {MAX_TENSORS}")
+        raise BadRequest(f"too many tensors: {len(specs)} in one request, at most {MAX_TENSORS}; split it into "
+                         "several requests (docs/client.md, Limits)")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise BadRequest("tensor names within one request must be unique")

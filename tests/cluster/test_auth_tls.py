@@ -299,3 +299,64 @@ def test_a_tls_server_that_closes_on_a_client_without_a_certificate_is_a_refusal
         check()
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize("setup, scheme", [("etcd-tls", "etcds"), ("redis-tls", "rediss")])
+def test_a_plain_url_against_a_tls_server_suggests_the_tls_scheme(servers, setup, scheme):
+    server = servers(setup)
+    plain = url_of(server).replace(f"{scheme}://", f"{scheme[:-1]}://")
+
+    @run
+    async def check():
+        b = open_backend(plain, cluster(), 2.0)
+        try:
+            with pytest.raises(RegistryUnavailable) as e:
+                await b.open_session(30)
+                await b.list_nodes()
+        finally:
+            await b.close()
+        return str(e.value)
+
+    assert f"use {scheme}://" in check()
+
+
+def test_a_plain_url_that_meets_a_plain_server_going_away_suggests_no_tls(servers):
+    server = servers("etcd-auth")  # (plain: an answer came, so a later hang-up is no TLS server's)
+
+    @run
+    async def check():
+        b = open_backend(url_of(server, "kvd", PASSWORD), cluster(), 2.0)
+        try:
+            await b.list_nodes()
+            return b._http._tls_hint(False)
+        finally:
+            await b.close()
+
+    assert check() == ""
+
+
+def test_etcd_with_auth_and_a_client_certificate_with_a_common_name_says_so(certs, tmp_path):
+    """etcd takes the CN for the user (and ignores the password); its gateway refuses the request
+    with an HTTP 400 that read as 'registry unavailable'."""
+    import dataclasses
+    import subprocess
+    from pathlib import Path
+
+    cn_cert, cn_key = tmp_path / "cn.pem", tmp_path / "cn-key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-days", "2", "-subj", "/CN=kvd-client", "-keyout", str(cn_key), "-out", str(cn_cert)],
+                   check=True, capture_output=True, timeout=30)
+    bundle = tmp_path / "client-ca.pem"
+    bundle.write_bytes(Path(certs.client_ca).read_bytes() + cn_cert.read_bytes())
+    server = start_secured("etcd", dataclasses.replace(certs, client_ca=str(bundle)), True, True)
+    try:
+        @run
+        async def check():
+            b = open_backend(url_of(server, "kvd", PASSWORD), cluster(), 2.0, ca_file=certs.server_cert,
+                             cert_file=str(cn_cert), key_file=str(cn_key))
+            return await refused(b, lambda s: b.list_nodes())
+
+        e = check()
+        assert "has a CommonName" in str(e) and "no CommonName" in str(e) and PASSWORD not in str(e), e
+    finally:
+        stop_server(server)

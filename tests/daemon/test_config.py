@@ -223,8 +223,33 @@ def test_unknown_keys_in_kvd_table(toml_file):
 
 @pytest.mark.parametrize("listen", ["ipc:///tmp/x.sock", "127.0.0.1:7470", "udp://h:1", ""])
 def test_bad_listen_endpoint(listen):
-    with pytest.raises(ValueError, match="listen must be a tcp:// endpoint"):
+    with pytest.raises(ValueError, match="listen must be a tcp://HOST:PORT endpoint"):
         load_config(cli={"listen": listen}, env={})
+
+
+@pytest.mark.parametrize("endpoint, problem", [
+    ("tcp://127.0.0.1:99999", "port 99999 is out of range (1-65535)"),
+    ("tcp://127.0.0.1:0", "port 0 is out of range (1-65535)"),
+    ("tcp://127.0.0.1", "has no port"),
+    ("tcp://127.0.0.1:", "has no port"),
+    ("tcp://[::1]", "has no port"),
+    ("tcp://:7470", "has no port"),
+    ("tcp://h:74x", "the port must be a number 1-65535, got '74x'"),
+])
+def test_a_tcp_endpoint_needs_a_port_in_range(endpoint, problem):
+    from kvd.wire.endpoints import tcp_endpoint_problem
+
+    assert problem in tcp_endpoint_problem(endpoint)
+    for cli in ({"listen": endpoint}, {"peers": {"B": endpoint}}, {"advertise": endpoint}, {"socket": endpoint}):
+        with pytest.raises(ValueError, match="out of range|has no port|must be a number"):
+            load_config(cli=cli, env={})
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:1", "tcp://[::1]:65535", "tcp://eth0:7470", "tcp://*:7470"])
+def test_a_tcp_endpoint_in_range_passes(endpoint):
+    from kvd.wire.endpoints import tcp_endpoint_problem
+
+    assert tcp_endpoint_problem(endpoint) is None
 
 
 @pytest.mark.parametrize("block", ["5000", "96KiB", "2048", "1"])
@@ -279,3 +304,15 @@ def test_direct_config_validation_and_public():
         cfg.window = 3  # type: ignore[misc]
     with pytest.raises(ValueError, match="negative"):
         Config(node_id="A", socket="ipc:///tmp/a.sock", default_ttl=-1)
+
+
+@pytest.mark.parametrize("value, budget", [("0.5", 32 << 20), (0.25, 16 << 20), ("1", 64 << 20), ("0", 0),
+                                           ("2MiB", 2 << 20), ("1048576B", 1 << 20), ("1", 64 << 20)])
+def test_cache_size_is_a_fraction_or_a_size_with_its_unit(value, budget):
+    assert load_config(cli={"cache_size": value, "pool_size": "64MiB"}, env={}).cache_budget == budget
+
+
+@pytest.mark.parametrize("value", ["2", "1.5", 2, 1.5, "1e9", 2147483648])
+def test_cache_size_a_bare_number_above_one_is_refused(value):
+    with pytest.raises(ValueError, match=r"has no unit: a bare number is a fraction of the pool \(0-1"):
+        load_config(cli={"cache_size": value}, env={})

@@ -34,7 +34,9 @@ def pytest_collection_modifyitems(config, items):
             import cupy  # noqa: F401
             return
         except ImportError:
-            reason = "cupy is not installed (pip install cupy-cuda12x)"
+            from kvd.memory.cuda import cupy_hint
+
+            reason = f"cupy is not installed ({cupy_hint()})"
     else:
         reason = "no CUDA GPU on this machine"
     skip = pytest.mark.skip(reason=reason)

@@ -72,3 +72,12 @@ def test_partial_message_is_kept_until_complete():
     assert reader.buffered == 13
     assert reader.feed(b"67890" + U32.pack(1)) == [[b"1234567890"]]
     assert reader.buffered == 4
+
+
+def test_zeromqs_greeting_is_told_from_a_kvd_message():
+    from kvd.wire.framing import zmtp_greeting
+
+    greeting = bytes([0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 1])  # what libzmq sends first (ZMTP 3.1)
+    assert zmtp_greeting(greeting) and zmtp_greeting(greeting[:4])
+    assert not zmtp_greeting(encode_message([b"x"])) and not zmtp_greeting(b"")
+    assert not zmtp_greeting(bytes([0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x00]))

@@ -48,6 +48,8 @@ class CurveKeys:
     signer: NodeSigner | None = None  # our signing key and cert, with a CA
     # a cluster node's key from its registry record, once that record's cert verified (the daemon sets it)
     registry_key: Callable[[str], bytes | None] = lambda name: None
+    cert_dir: str = ""  # with a CA: where this node's cert lies, and the certs of static peers beside it
+    unusable: dict[str, str] = field(default_factory=dict)  # NAME -> why NAME.cert there gives no key
 
     @property
     def cert(self) -> NodeCert | None:
@@ -66,8 +68,10 @@ class CurveKeys:
                 "--curve-allow, then SIGHUP; with a cluster registry, name the node by its id instead"
             )
         if self.authority is not None:
+            beside = self.unusable.get(peer_name) or f"there is no {peer_name}.cert beside this node's cert"
             raise BadRequest(f"CURVE is on and no key of peer {peer_name!r} is known: it is not (yet) in the cluster "
-                             f"registry with a cert of this cluster's CA, and {peer_name}.key is not among "
+                             f"registry with a cert of this cluster's CA, {beside} (in {self.cert_dir or '.'}: "
+                             f"copy {peer_name}'s cert there, then SIGHUP), and {peer_name}.key is not among "
                              "--curve-allow")
         raise BadRequest(
             f"CURVE is on but there is no public key for peer {peer_name!r}: put {peer_name}.key "
@@ -115,6 +119,9 @@ def load_keys(secret_key_file: str, allow: list[str], *, ca_file: str = "", cert
     if ca_file:
         keys.authority = Authority(load_ca_public(ca_file), cluster, keys.denied)
         keys.signer = _own_cert(keys.authority, own, secret_key_file, cert_file, node_id)
+        keys.cert_dir = os.path.dirname(os.path.abspath(cert_file or secret_key_file.removesuffix(".key_secret")
+                                                        + ".cert"))
+        _add_certs_beside(keys, keys.signer.cert.node_id)
     for item in allow:
         if os.path.isdir(item):
             for name in sorted(os.listdir(item)):
@@ -153,6 +160,28 @@ def _own_cert(authority: Authority, own, secret_key_file: str, cert_file: str, n
         return NodeSigner(own.sign_seed, cert)
     except KvdError as exc:
         raise BadRequest(f"{path}: {exc.message}") from None
+
+
+def _add_certs_beside(keys: CurveKeys, own_node: str) -> None:
+    """With a CA, the certs beside this node's own (where `kvd keygen` writes every node's) give the
+    keys to dial static peers by, as the registry's verified records do for a fleet: the CA vouches
+    for each, so the three commands are enough for `--peer B=...` too. Certs the CA does not
+    verify (another cluster's, expired, denied) give nothing; the dial error says why."""
+    assert keys.authority is not None
+    try:
+        names = sorted(os.listdir(keys.cert_dir))
+    except OSError:
+        return
+    for name in names:
+        if not name.endswith(".cert") or name == f"{own_node}.cert":
+            continue
+        path = os.path.join(keys.cert_dir, name)
+        try:
+            cert = keys.authority.verify(load_cert(path).raw)
+        except (KvdError, OSError) as exc:
+            keys.unusable[name.removesuffix(".cert")] = f"{path} gives no key ({getattr(exc, 'message', exc)})"
+            continue
+        keys.peer_keys.setdefault(cert.node_id, cert.curve_z85)
 
 
 def _add_key_file(keys: CurveKeys, path: str) -> None:

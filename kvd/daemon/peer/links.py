@@ -20,6 +20,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvd.errors import KvdError, PeerUnavailable, Unauthorized
 from kvd.wire import protocol as p
 
+from ..logs import Throttle
 from ..metrics import Metrics
 from .auth import CurveKeys, make_client
 from .channel import Channel, Sending
@@ -32,6 +33,7 @@ from ..plane.handshake import PlaneHandshake
 from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
 log = logging.getLogger(__name__)
+_REFUSALS = Throttle()  # (peer name, why) -> last logged: a refused link says so once a minute
 
 COPY_BELOW = (1 << 20) + 1  # bytes; frames up to 1 MiB are copied into ZeroMQ
 # ZeroMQ's own handshake (ZMTP, and CURVE's key exchange and ZAP check) happens before any kvd
@@ -199,7 +201,8 @@ class PeerLink:
             return
         elif isinstance(msg, p.Abort) and msg.xfer == 0 and msg.code == Unauthorized.code:
             refusal = Unauthorized(f"peer {self.name} ({self.endpoint}) refused this daemon: {msg.message}")
-            log.warning("%s", refusal.message)
+            if _REFUSALS.allow((self.name, msg.message)):  # (the link re-hellos each second: once a minute)
+                log.warning("%s (again at most once a minute)", refusal.message)
             self._do(self.handshake.handle(Refused(refusal, redial=False)))
         elif isinstance(msg, p.Abort) and msg.xfer == 0:  # (up: the peer restarted on the same address)
             self._do(self.handshake.handle(Forgotten(msg.message)), msg)

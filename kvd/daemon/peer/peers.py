@@ -73,6 +73,7 @@ class PeerSet:
         self._resolve = resolve or (lambda name: None)
         self._discovered: set[str] = set()  # links to nodes found through the registry
         self._configured: dict[str, str] = {}  # the peer list as last set (start, SIGHUP)
+        self._unlinked: dict[str, str] = {}  # configured peer -> why it has no link (for kvd status)
         self.ctx = ctx
         self.incarnation = incarnation
         self.curve = curve
@@ -168,6 +169,7 @@ class PeerSet:
         """Apply a reloaded peer list: new names are linked, removed ones closed; links named in
         `rekey` (their CURVE key changed; "*": the allow list did) are dialled again."""
         self._configured = dict(peers)
+        self._unlinked.clear()
         for name in [n for n in self.links if n in rekey or ("*" in rekey and n not in peers)]:
             self._forget(name)
         for name in [n for n in self.links if not n.startswith("tcp://") and n not in self._discovered
@@ -184,14 +186,19 @@ class PeerSet:
                     self.links[name] = self._new_link(name, endpoint)
                 except BadRequest as exc:  # (no CURVE key for it: a push to it says so; a reload may fix it)
                     log.error("peer %s is not linked: %s", name, exc)
+                    self._unlinked[name] = exc.message
                     continue
                 log.info("peer %s added at %s", name, endpoint)
 
     def states(self) -> dict[str, dict]:
-        return {
+        states = {
             name: {"endpoint": link.endpoint, "connected": link.connected, "node_id": link.remote_node_id}
             for name, link in self.links.items()
         }
+        for name in self._configured.keys() - states.keys():  # configured, never linked (no CURVE key for it)
+            states[name] = {"endpoint": self._configured[name], "connected": False, "node_id": None,
+                            "not_linked": self._unlinked.get(name, "not linked")}
+        return states
 
     def close(self) -> None:
         for link in self.links.values():

@@ -305,6 +305,11 @@ class CacheStore:
             count += 1
         return count
 
+    def held_size(self, namespace: str, key: str) -> int | None:
+        """The byte size of the visible page under a key, or None (absent, or still being written)."""
+        page = self._pages.get((namespace, key))
+        return None if page is None or page.writing else page.nbytes
+
     # --- removal ----------------------------------------------------------------------------------
 
     def clear(self, namespace: str) -> int:
