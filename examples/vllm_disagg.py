@@ -323,13 +323,14 @@ def default_scenarios(registry: str | None) -> list[str]:
     return ["push", "directory" if registry else "pull", "noise", "lost"]
 
 
-def start_daemons(daemons, registry: str | None, cluster: str | None = None):
+def start_daemons(daemons, registry: str | None, cluster: str | None = None, data_plane: str = "zmq"):
     """Daemons P (prefill) and D (decode): peers of each other by address, or, with a registry,
-    two nodes of one cluster that find each other there (no --peer)."""
+    two nodes of one cluster that find each other there (no --peer). `data_plane`: how their
+    transfers' bytes move (kvd serve --data-plane)."""
     if registry is None:
-        return daemons.pair(pool_size="256MiB")
+        return daemons.pair(pool_size="256MiB", extra=["--data-plane", data_plane])
     cluster = cluster or f"vllm-disagg-{os.getpid()}-{int(time.time())}"  # nobody else's entries
-    flags = ["--registry", registry, "--cluster", cluster]
+    flags = ["--registry", registry, "--cluster", cluster, "--data-plane", data_plane]
     pair = [daemons.start(name, pool_size="256MiB", extra=[*flags, "--role", role])
             for name, role in (("P", "prefill"), ("D", "decode"))]
     deadline = time.monotonic() + REGISTRY_READY_TIMEOUT
@@ -356,7 +357,8 @@ def lookups(daemon) -> dict[str, int]:
 def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: str = "float32", tp: int = 1,
         workdir: Path | None = None, prefill: tuple[int, int] | None = None,
         decode: tuple[int, int] | None = None, registry: str | None = None, arch: str = "llama",
-        hma: bool = True, prompt_tokens: int | None = None, verbose: bool = False) -> dict[str, Any]:
+        hma: bool = True, prompt_tokens: int | None = None, verbose: bool = False,
+        data_plane: str = "zmq") -> dict[str, Any]:
     """Start two daemons and two engines once, then run each scenario on fresh prompts.
     `prefill` and `decode` are (TP, PP) of each engine (default: (tp, 1) for both). With
     `registry` (a URL), the daemons are one cluster on it: no addresses anywhere. `arch` picks
@@ -373,7 +375,7 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
     daemons = DaemonFactory(workdir, log_level="info")
     engines: list[Engine] = []
     try:
-        daemon_p, daemon_d = start_daemons(daemons, registry)
+        daemon_p, daemon_d = start_daemons(daemons, registry, data_plane=data_plane)
         rpc_dir = workdir / "rpc"
         rpc_dir.mkdir(exist_ok=True)
         (p_tp, p_pp), (d_tp, d_pp) = prefill or (tp, 1), decode or (tp, 1)
@@ -394,11 +396,19 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
             result[name] = handoff(engine_p, engine_d, daemon_p, daemon_d,
                                    default_prompts(prompts, seed=index, length=prompt_tokens),
                                    max_tokens=max_tokens, pull=pull, fault=fault, by_name=registry is not None)
+        result["plane_ops"] = {d.node_id: plane_ops(d) for d in (daemon_p, daemon_d)}
         return result
     finally:
         for engine in engines:
             engine.close()
         daemons.stop_all()
+
+
+def plane_ops(daemon) -> int:
+    """One-sided plane operations the daemon posted (its writes for pushes, its reads for pulls)."""
+    with daemon.client() as client:
+        plane = client.stats().get("plane")
+    return plane["posted"] if plane else 0
 
 
 def handoff(prefill: Engine, decode: Engine, daemon_p, daemon_d, prompts: list[list[int]], *, max_tokens: int,
@@ -504,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-pp", type=int, default=1, metavar="N", help="the decode engine's PP size")
     parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                         help="both engines keep every layer's blocks of the whole prompt (one KV cache group)")
+    parser.add_argument("--data-plane", choices=["zmq", "auto", "nixl"], default="zmq",
+                        help="how the daemons move the bytes (kvd serve --data-plane; nixl needs NIXL installed)")
     parser.add_argument("--json", action="store_true", help="print the whole result as one JSON line too")
     parser.add_argument("--verbose", action="store_true", help="show vLLM's own output (default: in the workdir)")
     parser.add_argument("--save-model", metavar="DIR", help="only write the model (and a tokenizer) to DIR, e.g. "
@@ -521,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(args.scenarios, prompts=args.prompts, max_tokens=args.max_tokens, dtype=args.dtype,
                      prefill=prefill, decode=decode, registry=args.registry, arch=args.arch,
                      hma=not args.disable_hybrid_kv_cache_manager, prompt_tokens=args.prompt_tokens,
-                     verbose=args.verbose)
+                     verbose=args.verbose, data_plane=args.data_plane)
     except ValueError as exc:
         parser.error(str(exc))
     if args.json:
@@ -537,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
               f"entries left {sum(outcome['entries_left'].values())}{found}")
     ok = all(verdicts.values())
     where = f", daemons on {args.registry}" if args.registry else ""
+    if args.data_plane != "zmq":
+        where += f", data plane {args.data_plane} ({sum(result['plane_ops'].values())} plane operations)"
     hma = "" if not args.disable_hybrid_kv_cache_manager else ", hybrid KV cache manager off"
     print(f"{'PASS' if ok else 'FAIL'}: {args.arch}, prefill TP={prefill[0]} PP={prefill[1]} -> decode TP={decode[0]} "
           f"PP={decode[1]}, {args.dtype}{hma}{where}; {', '.join(n for n, v in verdicts.items() if v) or 'none'} "

@@ -113,9 +113,13 @@ class DaemonProc:
 
 
 class DaemonFactory:
-    def __init__(self, workdir: Path, log_level: str = "debug") -> None:
+    def __init__(self, workdir: Path, log_level: str = "debug", extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """extra, env: what every daemon it starts gets too (a test suite run on another data plane)."""
         self.workdir = Path(workdir)
         self.log_level = log_level
+        self.extra = list(extra or [])
+        self.env = dict(env or {})
         self.daemons: list[DaemonProc] = []
 
     def start(self, node_id: str = "A", *, peers: dict[str, str] | None = None, port: int | None = None,
@@ -129,10 +133,11 @@ class DaemonFactory:
                 "--socket", sock, "--pool-size", pool_size, "--metrics-port", "0", "--log-level", self.log_level]
         for name, endpoint in (peers or {}).items():
             args += ["--peer", f"{name}={endpoint}"]
-        args += extra or []
+        args += [*self.extra, *(extra or [])]  # (a test's own flags come last: they win)
         log_path = self.workdir / f"{node_id}-{index}.log"
         with open(log_path, "w") as log_file:
-            proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **self.env, **(env or {})})
         daemon = DaemonProc(node_id, sock, listen, proc, log_path, args)
         self.daemons.append(daemon)
         if wait:

@@ -1,14 +1,38 @@
 """Fixtures that start real `kvd serve` daemons in subprocesses on loopback and temp ipc paths."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvd.testing import DaemonFactory
 
 
+# The transfer suite runs on both data planes: a module that sets BOTH_PLANES = True gets each of its
+# tests twice, its daemons on ZeroMQ's frames and on NIXL (every entry on the plane, however small).
+PLANES = {
+    "zmq": ([], {}),
+    "nixl": (["--data-plane", "nixl"], {"KVD_TEST_PLANE_MIN_BYTES": "1", "UCX_TLS": "tcp"}),
+}
+
+
+def pytest_generate_tests(metafunc):
+    if getattr(metafunc.module, "BOTH_PLANES", False) and "daemons" in metafunc.fixturenames:
+        metafunc.parametrize("daemons", list(PLANES), indirect=True)
+
+
 @pytest.fixture
-def daemons(tmp_path):
-    factory = DaemonFactory(tmp_path)
+def daemons(tmp_path, request):
+    plane = getattr(request, "param", "zmq")
+    if plane == "nixl":
+        from kvd.daemon.plane.nixl import available
+
+        if not available():
+            if os.environ.get("CI") == "true":
+                pytest.fail("NIXL is not installed (./dev test installs it)")
+            pytest.skip("NIXL is not installed (./dev setup installs it)")
+    extra, env = PLANES[plane]
+    factory = DaemonFactory(tmp_path, extra=extra, env=env)
     yield factory
     failures = factory.stop_all()
     assert not failures, "\n".join(failures)

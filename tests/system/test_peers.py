@@ -11,6 +11,8 @@ import kvd
 from kvd.wire import protocol as p
 from kvd.testing import eventually, free_port
 
+BOTH_PLANES = True  # (tests/system/conftest.py: each test on ZeroMQ frames and on NIXL)
+
 
 def test_push_then_get_on_the_receiver(daemons):
     a, b = daemons.pair()

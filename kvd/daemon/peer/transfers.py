@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -30,6 +31,7 @@ from ..plane.ops import PlaneOps
 from ..store.entries import Entry, Store
 from .channel import Channel, Sending
 from .links import PeerLink
+from .limits import PLANE_MIN_BYTES
 from .machine import Limits, Machine
 from .frameholds import FrameHolds
 from .peers import PeerSet
@@ -40,6 +42,8 @@ from .states import (
 )
 
 log = logging.getLogger(__name__)
+
+PLANE_MIN_ENV = "KVD_TEST_PLANE_MIN_BYTES"  # (tests, the bench: read once at start)
 
 # seconds a pull's handshake may take at least, whatever its get's timeout: a get with timeout 0
 # of an entry complete on a peer still has time to say hello on a link not up yet
@@ -92,8 +96,11 @@ class TransferSettings:
     def of(cls, config: Config) -> TransferSettings:
         # a plane's bytes beyond loopback cross a fabric kvd does not encrypt: their digest is cryptographic
         plane_checksum = config.checksum if is_loopback_endpoint(config.listen) else "blake3_64"
+        # tests and the bench may put smaller entries on a plane (the transfer suite runs on both planes)
+        plane_min = int(os.environ.get(PLANE_MIN_ENV, PLANE_MIN_BYTES))
         return cls(config.node_id, Limits(config.chunk_size, config.window, config.checksum, config.transfer_timeout,
-                                          plane_checksum=plane_checksum), config.connect_timeout)
+                                          plane_min_bytes=plane_min, plane_checksum=plane_checksum),
+                   config.connect_timeout)
 
 
 class Transfers:
