@@ -17,7 +17,10 @@ PLANES = {
 
 
 def pytest_generate_tests(metafunc):
-    if getattr(metafunc.module, "BOTH_PLANES", False) and "daemons" in metafunc.fixturenames:
+    """A test marked frames_only checks the frames themselves (a raw ZeroMQ peer speaks to the daemon):
+    it runs on zmq only."""
+    if (getattr(metafunc.module, "BOTH_PLANES", False) and "daemons" in metafunc.fixturenames
+            and metafunc.definition.get_closest_marker("frames_only") is None):
         metafunc.parametrize("daemons", list(PLANES), indirect=True)
 
 

@@ -22,6 +22,8 @@ from kvd.wire import protocol as p
 from kvd.wire.checksum import digest
 from kvd.testing import eventually, raw_connection
 
+BOTH_PLANES = True  # (tests/system/conftest.py: each test on ZeroMQ frames and on NIXL)
+
 
 class RawPeer:
     """A bare ZeroMQ DEALER on a daemon's peer port that reads only when told to (a small
@@ -212,6 +214,7 @@ def test_a_slow_reader_never_reads_another_requests_bytes(daemons):
 
 # --- 2. pullers that stop reading or say done early --------------------------------------------------
 
+@pytest.mark.frames_only  # (a raw ZeroMQ peer: a NIXL daemon refuses it)
 def test_a_stalled_puller_never_receives_another_requests_bytes(daemons):
     a = daemons.start("A", pool_size="64MiB", extra=["--transfer-timeout", "1s"])
     with a.client() as c:
@@ -230,6 +233,7 @@ def test_a_stalled_puller_never_receives_another_requests_bytes(daemons):
         eventually(lambda: pool_used(c) == 0, timeout=10)
 
 
+@pytest.mark.frames_only  # (a raw ZeroMQ peer: a NIXL daemon refuses it)
 def test_a_puller_that_says_done_early_never_receives_another_requests_bytes(daemons):
     a = daemons.start("A", pool_size="64MiB", extra=["--chunk-size", "16MiB"])
     with a.client() as c:
@@ -249,6 +253,7 @@ def test_a_puller_that_says_done_early_never_receives_another_requests_bytes(dae
 
 
 
+@pytest.mark.frames_only  # (a raw ZeroMQ peer: a NIXL daemon refuses it)
 def test_a_get_waiting_behind_a_failed_pull_has_the_entry_at_once(daemons):
     # a pull without keep claims the entry; when it fails, the entry is the holder's again, and a
     # local get parked on it meanwhile must have it then, not at the end of its own timeout
@@ -380,6 +385,7 @@ def test_a_pool_file_on_a_tmpfs_too_small_fails_at_start(daemons, small_tmpfs):
 
 # --- 4. transfer ids used twice, impossible timeouts ---------------------------------------------------
 
+@pytest.mark.frames_only  # (a raw ZeroMQ peer: a NIXL daemon refuses it)
 def test_two_pulls_under_one_transfer_id_leave_nothing_pinned(daemons):
     a = daemons.start("A")
     with a.client() as c:
@@ -398,6 +404,7 @@ def test_two_pulls_under_one_transfer_id_leave_nothing_pinned(daemons):
         peer.close()
 
 
+@pytest.mark.frames_only  # (a raw ZeroMQ peer: a NIXL daemon refuses it)
 def test_an_offer_and_a_pull_under_one_transfer_id_leave_no_half_entry(daemons):
     a = daemons.start("A", extra=["--transfer-timeout", "1s"])
     with a.client() as c:
@@ -418,6 +425,7 @@ def test_an_offer_and_a_pull_under_one_transfer_id_leave_no_half_entry(daemons):
         peer.close()
 
 
+@pytest.mark.frames_only  # (a raw ZeroMQ peer: a NIXL daemon refuses it)
 @pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0])
 def test_a_pull_with_an_impossible_timeout_is_refused(daemons, timeout):
     a = daemons.start("A")

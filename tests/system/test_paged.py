@@ -6,6 +6,8 @@ import torch
 
 import kvd
 
+BOTH_PLANES = True  # (tests/system/conftest.py: each test on ZeroMQ frames and on NIXL)
+
 
 def paged(num_blocks=32, block_size=16, heads=4, head_dim=32, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)

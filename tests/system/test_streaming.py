@@ -11,6 +11,8 @@ import torch
 import kvd
 from kvd.testing import eventually
 
+BOTH_PLANES = True  # (tests/system/conftest.py: each test on ZeroMQ frames and on NIXL)
+
 LAYERS = 8
 
 

@@ -21,6 +21,7 @@ import importlib.util
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import struct
 import sys
@@ -37,6 +38,7 @@ PROGRESS_DELAY_US = 1000  # the progress thread's longest sleep between looks at
 INSTALL_HINT = "pip install '.[nixl]' from kvd's checkout (./dev setup installs it into .venv)"
 _BUILD_LOCK = threading.Lock()  # (the agent is built with NIXL's config class swapped for a moment)
 _STATES = {"DONE": OpState.DONE, "PROC": OpState.RUNNING, "ERR": OpState.FAILED}
+DAEMON_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
 
 
 BUILDS = ("nixl_cu12", "nixl_cu13", "nixl_rocm")  # NIXL's wheels; `nixl` is a meta package choosing one
@@ -235,6 +237,16 @@ class _Op:
 
 def _build_agent(name: str):
     """A NIXL agent with the UCX backend and an event-driven progress thread (module docstring)."""
+    # the threads NIXL and UCX start (on import and with the agent) inherit the signal mask of this one:
+    # with the daemon's signals blocked there, they are delivered to the thread that handles them
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, DAEMON_SIGNALS)
+    try:
+        return _build_agent_masked(name)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _build_agent_masked(name: str):
     try:
         api = _nixl_api()
         nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
@@ -268,6 +280,9 @@ def open_nixl(node_id: str, incarnation: int, region: tuple[int, int, str, int],
     device = net_device_for(listen_host)
     if device is not None:
         os.environ.setdefault("UCX_NET_DEVICES", device)  # (read when UCX starts: before the agent)
+    os.environ.setdefault("UCX_LOG_LEVEL", "warn")  # (this UCX build says pages at debug otherwise)
+    # UCX takes SIGHUP for its own debug hook by default: the daemon's reload would never run
+    os.environ.setdefault("UCX_DEBUG_SIGNO", "0")
     base, size, memory, index = region
     if memory not in ("DRAM", "VRAM"):
         raise BadRequest(f"NIXL cannot register {memory} memory")
