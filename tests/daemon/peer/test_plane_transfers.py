@@ -11,14 +11,14 @@ import pytest
 
 from kvd import errors
 from kvd.daemon.peer.states import (
-    Cancel, ChannelLost, Commit, Connected, EntryReady, Progress, Published, ReceiverState, SenderState,
+    Cancel, ChannelLost, Commit, Connected, EntryReady, Progress, Published, ReceiverState, SenderState, Tick,
     WaitForEntry, Written,
 )
 from kvd.daemon.store.entries import State
 from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec, physical_segments
 
-from .pair import BLOCK, IN_FLIGHT, PLANE, PLANE_MIN, SLICE, data_of, deliver, pair, push, settle, types
+from .pair import BLOCK, IN_FLIGHT, PLANE, PLANE_MIN, SLICE, TIMEOUT, data_of, deliver, pair, push, settle, types
 
 SIZE = 3 * SLICE + 123  # four slices, two in flight at a time
 
@@ -377,6 +377,28 @@ def test_a_pull_that_fails_before_the_offer_still_says_released():
     assert out.state is SenderState.FAILED and entry.leases and a.plane.summary()["parked"] == 1
     a.receive(a.channel.key)  # ... until released
     assert not entry.leases and entry.state is State.READY and not a.plane.ledger.parked
+
+
+def test_a_lend_that_comes_after_its_pull_ended_is_dropped():
+    """The holder's offer lending its blocks crosses the puller's abort: it names a pull that is no
+    more, and is no push to grant (granted, its blocks would wait for a `released` that the holder,
+    which never wrote a byte, would never send: parked for good)."""
+    a, b, clock = pair(plane=True)
+    entry = a.entry("r", data_of(SIZE))
+    inbound, actions = b.machine.start_pull("r", a.channel, timeout=3.0, keep=False)
+    b.run(actions)
+    deliver(a, b)
+    out = next(e for e in a.events if isinstance(e, WaitForEntry)).transfer
+    a.handle(EntryReady(out.xfer, entry))
+    b.handle(Cancel(inbound.xfer, errors.Timeout("the client gave up")))
+    settle(a, b)
+    assert types(b.sent) == ["pull", "abort", "released"] and not b.machine.transfers
+    assert "r" not in b.store.entries and b.store.allocator.free_blocks == 64
+    clock.now += 2 * TIMEOUT
+    for side in (a, b):
+        side.handle(Tick(clock.now))
+    settle(a, b)
+    assert_nothing_held(a, b)
 
 
 def test_released_from_another_peer_releases_nothing():
