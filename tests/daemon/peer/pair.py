@@ -118,6 +118,7 @@ class Side:
         self.channel: Channel | None = None  # how we reach the peer on its link's connection (B's view of A, ...)
         self.channels: dict[tuple, Channel] = {}  # our channels, by connection key
         self.unpin = True  # as the I/O layer does once ZeroMQ let go: release an ended sender's lease
+        self.validating = False  # check the machine's invariants after every event (pair(validate=True))
 
     @property
     def inbox(self) -> collections.deque:
@@ -164,6 +165,8 @@ class Side:
                 self.events.append(action)
                 if isinstance(action, Finished):
                     self._finished(action.transfer, action.error)
+        if self.validating:
+            self.machine.validate()
 
     def _finished(self, transfer, error) -> None:
         """As the I/O layer: a transfer on a plane that failed leaves its blocks to the plane's ledger
@@ -240,9 +243,10 @@ FIRST = ("dealer", "tcp://B")  # A's link to B: A's DEALER, B's ROUTER (routing 
 SECOND = ("dealer", "tcp://A")  # B's link to A
 
 
-def pair(features: tuple[str, ...] = (), *, plane: bool = False) -> tuple[Side, Side, Clock]:
+def pair(features: tuple[str, ...] = (), *, plane: bool = False, validate: bool = False) -> tuple[Side, Side, Clock]:
     """Two sides; `features`: what each says it speaks at the handshake (none: a v1 peer); plane: every
-    connection rides the harness's one-sided plane (entries of PLANE_MIN bytes and more use it).
+    connection rides the harness's one-sided plane (entries of PLANE_MIN bytes and more use it);
+    validate: both machines' invariants are checked after every event.
 
     A reaches B as `b.channel` on the first connection (its link); B answers A there as
     `a.channel`. On the second (B's link to A), B reaches A as `a.back` and A answers as `b.back`."""
@@ -250,6 +254,7 @@ def pair(features: tuple[str, ...] = (), *, plane: bool = False) -> tuple[Side, 
     sizes = {"plane_min_bytes": PLANE_MIN, "slice_bytes": SLICE} if plane else {}
     a, b = Side("A", clock, **sizes), Side("B", clock, **sizes)
     a.peer, b.peer = b, a
+    a.validating = b.validating = validate
     a.channel = Channel(FIRST, "A", None, lambda: False)  # B's view of A on A's link
     b.channel = Channel(FIRST, "B", None, lambda: False)  # A's view of B on its link
     a.back = Channel(SECOND, "A", None, lambda: False)  # B's view of A on its own link

@@ -34,7 +34,7 @@ def raw(side, entry) -> bytes:
 
 def granted_push(size: int = SIZE):
     """A sealed push on the plane, granted: its first writes are posted, none has ended."""
-    a, b, clock = pair(plane=True)
+    a, b, clock = pair(plane=True, validate=True)
     entry = a.entry("r", data_of(size))
     out = push(a, b, entry)
     a.handle(Connected(out.xfer))
@@ -45,7 +45,7 @@ def granted_push(size: int = SIZE):
 
 def lent_pull(size: int = SIZE, keep: bool = False):
     """B pulls from A on the plane; A lent its entry and B reads: its first reads are posted."""
-    a, b, clock = pair(plane=True)
+    a, b, clock = pair(plane=True, validate=True)
     entry = a.entry("r", data_of(size))
     inbound, actions = b.machine.start_pull("r", a.channel, timeout=3.0, keep=keep)
     b.run(actions)
@@ -76,7 +76,7 @@ def assert_nothing_held(*sides) -> None:
 # --- the happy paths -------------------------------------------------------------------------------
 
 def test_a_push_on_the_plane_is_granted_written_slice_by_slice_and_said_placed():
-    a, b, _ = pair(plane=True)
+    a, b, _ = pair(plane=True, validate=True)
     payload = data_of(SIZE)
     entry = a.entry("r", payload)
     out = push(a, b, entry)
@@ -110,7 +110,7 @@ def test_a_push_on_the_plane_is_granted_written_slice_by_slice_and_said_placed()
 def test_the_slices_ride_the_plane_between_fragmented_pools():
     """Each side's blocks are split where its own pool split them: a slice's pieces are paired up
     across both splits, and every byte lands where the grant said."""
-    a, b, _ = pair(plane=True)
+    a, b, _ = pair(plane=True, validate=True)
     for side, pattern in ((a, (1, 2, 3)), (b, (2, 3, 1))):  # both pools full, then holes of 1-3 blocks
         fillers, i = [], 0
         while side.store.allocator.free_blocks:
@@ -130,7 +130,7 @@ def test_the_slices_ride_the_plane_between_fragmented_pools():
 
 
 def test_a_stream_on_the_plane_is_written_tensor_by_tensor_and_published_after_its_seal():
-    a, b, _ = pair(plane=True)
+    a, b, _ = pair(plane=True, validate=True)
     sizes = [6000, 7000, 9000]  # 22000 bytes: three slices, cut where the tensors were written
     entry = a.store.reserve("s", [TensorSpec(f"l{i}", "uint8", (n,)) for i, n in enumerate(sizes)], None, None,
                             State.WRITING, None)
@@ -188,7 +188,7 @@ def test_a_pull_on_the_plane_is_lent_read_slice_by_slice_and_ended_by_done(keep)
 
 @pytest.mark.parametrize("how", ["push", "pull"])
 def test_an_entry_under_the_planes_minimum_goes_as_frames_on_a_plane_link(how):
-    a, b, _ = pair(plane=True)
+    a, b, _ = pair(plane=True, validate=True)
     payload = data_of(PLANE_MIN - 1)
     entry = a.entry("small", payload)
     if how == "push":
@@ -209,7 +209,7 @@ def test_an_entry_under_the_planes_minimum_goes_as_frames_on_a_plane_link(how):
 
 def test_a_stream_pulled_on_a_plane_link_goes_as_frames():
     """A pulled entry still being written is offered as a stream, and a plane lends sealed entries only."""
-    a, b, _ = pair(plane=True)
+    a, b, _ = pair(plane=True, validate=True)
     entry = a.store.reserve("w", [TensorSpec("x", "uint8", (2 * PLANE_MIN,))], None, None, State.WRITING, None)
     inbound, actions = b.machine.start_pull("w", a.channel, timeout=3.0, keep=False)
     b.run(actions)
@@ -223,7 +223,7 @@ def test_a_stream_pulled_on_a_plane_link_goes_as_frames():
 
 @pytest.mark.parametrize("regions", [[[0, SIZE - 1]], [[0, SIZE], [SIZE, 1]], [[0, -5]], [[0]], "all"])
 def test_a_grant_whose_ranges_do_not_hold_the_entry_is_refused(regions):
-    a, b, _ = pair(plane=True)
+    a, b, _ = pair(plane=True, validate=True)
     entry = a.entry("r", data_of(SIZE))
     out = push(a, b, entry)
     a.handle(Connected(out.xfer))
@@ -241,7 +241,7 @@ def test_a_grant_whose_ranges_do_not_hold_the_entry_is_refused(regions):
 
 
 def test_a_plane_offer_on_a_link_without_that_plane_is_refused():
-    a, b, _ = pair(plane=True)
+    a, b, _ = pair(plane=True, validate=True)
     offer = p.Offer(xfer=3, request_id="r", tensors=[["x", "uint8", [SIZE]]], total_bytes=SIZE, chunk_size=SLICE,
                     checksum="xxh3_64", sealed=True, plane="rdma-elsewhere")
     b.run(b.machine.handle(offer, a.channel))
@@ -364,7 +364,7 @@ def test_a_puller_that_restarted_releases_the_blocks_lent_to_it():
 def test_a_pull_that_fails_before_the_offer_still_says_released():
     """The holder may have lent its blocks already (its offer on the way): a puller that gives up
     while pulling still says it will read nothing, or those blocks would stay lent for good."""
-    a, b, _ = pair(plane=True)
+    a, b, _ = pair(plane=True, validate=True)
     entry = a.entry("r", data_of(SIZE))
     inbound, actions = b.machine.start_pull("r", a.channel, timeout=3.0, keep=False)
     b.run(actions)
@@ -383,7 +383,7 @@ def test_a_lend_that_comes_after_its_pull_ended_is_dropped():
     """The holder's offer lending its blocks crosses the puller's abort: it names a pull that is no
     more, and is no push to grant (granted, its blocks would wait for a `released` that the holder,
     which never wrote a byte, would never send: parked for good)."""
-    a, b, clock = pair(plane=True)
+    a, b, clock = pair(plane=True, validate=True)
     entry = a.entry("r", data_of(SIZE))
     inbound, actions = b.machine.start_pull("r", a.channel, timeout=3.0, keep=False)
     b.run(actions)
