@@ -26,13 +26,16 @@ from kvd.daemon.metrics import Metrics
 from kvd.daemon.peer.channel import Channel
 from kvd.daemon.peer.machine import Limits, Machine
 from kvd.daemon.peer.planeio import PlaneIO, on_plane
-from kvd.daemon.peer.states import Finished, Outbound, PostOp, Send, SendChunk, Written
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import State, Store
 from kvd.errors import KvdError
 from kvd.memory.io import HostPoolIO
 from kvd.wire import protocol as p
-from kvd.wire.layout import TensorSpec
+from kvd.daemon.peer.states import (
+    Connected, EntryReady, Finished, Outbound, PostOp, ReceiverState, SenderState, Send, SendChunk, WaitForEntry,
+    Written,
+)
+from kvd.wire.layout import TensorSpec, physical_segments
 
 BLOCK = 4096
 CHUNK = 8192
@@ -119,6 +122,10 @@ class Side:
         self.channels: dict[tuple, Channel] = {}  # our channels, by connection key
         self.unpin = True  # as the I/O layer does once ZeroMQ let go: release an ended sender's lease
         self.validating = False  # check the machine's invariants after every event (pair(validate=True))
+        self.overwritten: list = []  # holds the plane's ledger dropped for another under the same key
+        # a test handed us a message the peer never sent (a lie): the peer's plane is then an attacker's,
+        # whose operations on our memory nothing bounds (docs/operations.md), and are not checked
+        self.lied_to = False
 
     @property
     def inbox(self) -> collections.deque:
@@ -173,7 +180,14 @@ class Side:
         (drained after our operations, parked until the peer's `released`); an ended sender's lease is
         released once ZeroMQ let go of its frames (at once here, unless `unpin` is off)."""
         if error is not None and on_plane(transfer):
+            parked = self.plane.ledger.parked
+            key = (transfer.channel.plane_agent or "", transfer.xfer)
+            before = parked.get(key)
             self.plane.failed(transfer)
+            if before is not None and parked.get(key) is not before:
+                # a peer that used one transfer id twice (a replayed offer or pull), both parked: the
+                # ledger keeps the last, and the first's blocks are nobody's to release (reported)
+                self.overwritten.append(before)
         elif self.unpin and isinstance(transfer, Outbound) and transfer.entry is not None:
             self.store.release(transfer.lease_token, success=False)
 
@@ -220,6 +234,9 @@ class Side:
             source, target = op.owners[i]
             src_side, dst_side = (self, self.peer) if op.op == "write" else (self.peer, self)
             src_at, dst_at = (lo, ro) if op.op == "write" else (ro, lo)
+            granted = target if op.op == "write" else source  # (the peer's entry, when posted)
+            if self.peer.lied_to and (granted is None or owner(self.peer, ro) is not granted):
+                continue  # (an attacker's access to memory that is no longer its grant: not modelled)
             assert source is not None and owner(src_side, src_at) is source, \
                 f"{self.name}'s {op.op} of slice {op.seq} reads {src_side.name}'s blocks that its entry no longer owns"
             assert target is not None and owner(dst_side, dst_at) is target, \
@@ -315,3 +332,58 @@ def queue_all(a: Side, out, entry) -> None:
 
 def data_of(n: int, seed: int = 1) -> bytes:
     return random.Random(seed).randbytes(n)
+
+
+# --- scenarios on a plane (test_plane_transfers.py, test_plane_failures.py) -----------------------
+
+PLANE_SIZE = 3 * SLICE + 123  # four slices, two in flight at a time
+
+
+def blocks(entry) -> int:
+    return sum(n for _, n in entry.extents)
+
+
+def raw(side, entry) -> bytes:
+    """All of an entry's bytes in side's pool, the padding between its tensors included."""
+    return b"".join(bytes(side.pool[o:o + n]) for o, n in physical_segments(entry.extents, BLOCK, 0, entry.total_bytes))
+
+
+def granted_push(size: int = PLANE_SIZE):
+    """A sealed push on the plane, granted: its first writes are posted, none has ended."""
+    a, b, clock = pair(plane=True, validate=True)
+    entry = a.entry("r", data_of(size))
+    out = push(a, b, entry)
+    a.handle(Connected(out.xfer))
+    deliver(a, b)
+    assert out.state is SenderState.PLACING and len(a.ops.pending) == IN_FLIGHT
+    return a, b, entry, out, b.store.entries["r"]
+
+
+def lent_pull(size: int = PLANE_SIZE, keep: bool = False):
+    """B pulls from A on the plane; A lent its entry and B reads: its first reads are posted."""
+    a, b, clock = pair(plane=True, validate=True)
+    entry = a.entry("r", data_of(size))
+    inbound, actions = b.machine.start_pull("r", a.channel, timeout=3.0, keep=keep)
+    b.run(actions)
+    deliver(a, b)
+    wait = next(e for e in a.events if isinstance(e, WaitForEntry))
+    a.handle(EntryReady(wait.transfer.xfer, entry))
+    deliver(a, b)
+    assert wait.transfer.state is SenderState.LENT and inbound.state is ReceiverState.READING
+    return a, b, entry, wait.transfer, inbound
+
+
+def quiet(*sides) -> bool:
+    return not any(side.inboxes[key] for side in sides for key in side.inboxes)
+
+
+def assert_nothing_held(*sides) -> None:
+    """Every block is free or an entry's, no lease is left, the planes' ledgers are empty."""
+    for side in sides:
+        store = side.store
+        assert store.parked_bytes == 0, f"blocks parked on {side.name}"
+        assert all(not e.leases for e in store.entries.values()), f"a lease left on {side.name}"
+        assert store.allocator.used_blocks == sum(blocks(e) for e in store.entries.values())
+        summary = side.plane.summary()
+        assert (summary["ops_running"], summary["draining"], summary["parked"]) == (0, 0, 0), summary
+        assert not side.ops.pending
