@@ -177,8 +177,10 @@ class Side:
 
     def _finished(self, transfer, error) -> None:
         """As the I/O layer: a transfer on a plane that failed leaves its blocks to the plane's ledger
-        (drained after our operations, parked until the peer's `released`); an ended sender's lease is
-        released once ZeroMQ let go of its frames (at once here, unless `unpin` is off)."""
+        (drained after our operations, parked until the peer's `released`), a receiver's as a sender's,
+        as PlaneIO.failed expects (transfers.py hands it senders only: test_transfer_endings' xfail);
+        an ended sender's lease is released once ZeroMQ let go of its frames (at once here, unless
+        `unpin` is off)."""
         if error is not None and on_plane(transfer):
             parked = self.plane.ledger.parked
             key = (transfer.channel.plane_agent or "", transfer.xfer)
@@ -251,7 +253,8 @@ class Side:
 
     def restart(self) -> None:
         """This daemon died and came back (a new incarnation said hello): what its plane had posted
-        will never land, and the peer lets go of everything it had parked for our old agent."""
+        will never land, and the peer lets go of everything it had parked for our old agent. (Our own
+        machine is left as it was: a test of a restart looks at the peer.)"""
         self.ops.pending.clear()
         self.peer.plane.peer_gone(self.agent)
 
