@@ -8,7 +8,11 @@ every step of the property tests. It reads, never changes, and is too slow for t
   queued, nothing sent while connecting, no ack before accept, acks and chunks in flight add up);
 - a receiver's entry is the store's live, RECEIVING entry of that id, its blocks still there,
   its ledger and the entry's missing bytes agree, and STREAMED (only it) has every byte;
-  no two receivers share an entry, and every RECEIVING entry in the store has its receiver.
+  no two receivers share an entry, and every RECEIVING entry in the store has its receiver;
+- on a one-sided plane (its states, and only they, have one): a sender has sent nothing before the
+  grant (or while lending), and after it has one `placed` waiting for each write of its own running;
+  a receiver's entry is pinned for the plane's writer (only then), and one that reads has the
+  holder's ranges and slices, its reads window and its ledger in step.
 """
 from __future__ import annotations
 
@@ -18,6 +22,9 @@ from kvd.wire.layout import blocks_needed
 
 from ..store.entries import State
 from .states import KIND_STATES, STREAM_SENDER, TERMINAL, Inbound, Kind, Outbound, R, S
+
+PLANE_SENDER = frozenset({S.ASKED, S.STREAM_ASKED, S.PLACING, S.STREAM_PLACING, S.LENT})
+PLANE_RECEIVER = frozenset({R.GRANTED, R.STREAM_GRANTED, R.READING})
 
 
 def check_machine(machine) -> None:
@@ -66,11 +73,37 @@ def _check_sender(machine, out: Outbound, where: str, leases: set[int]) -> None:
         assert window.next_seq == 0, f"{where}: sent before its link was up"
     if out.state in (S.OFFERED, S.STREAM_OFFERED):
         assert window.acked == 0, f"{where}: acked before accept"
+    _check_plane_sender(machine, out, where)
+
+
+def _check_plane_sender(machine, out: Outbound, where: str) -> None:
+    entry, window = out.sending()
+    assert (out.plane is not None) == (out.state in PLANE_SENDER), f"{where}: its plane is {out.plane}"
+    if out.plane is None:
+        assert out.regions is None and out.ops == 0 and not out.placed, f"{where}: plane operations off a plane"
+        return
+    assert out.plane == out.channel.plane, f"{where}: on plane {out.plane}, its link on {out.channel.plane}"
+    assert entry.total_bytes >= out.plane_min, f"{where}: an entry too small for the plane rides it"
+    assert window.chunk_size == machine.limits.slice_bytes, f"{where}: not cut into slices"
+    if out.state is not S.PLACING and out.state is not S.STREAM_PLACING:  # asked, or lent: nothing sent
+        assert window.next_seq == 0 and out.regions is None, f"{where}: wrote before a grant"
+        assert out.ops == 0 and not out.placed, f"{where}: plane operations before a grant"
+        if out.state is S.LENT:
+            assert entry.state in (State.READY, State.CLAIMED), f"{where}: lends an entry that is {entry.state}"
+        return
+    regions = out.regions
+    assert regions is not None and sum(n for _, n in regions) == entry.total_bytes, f"{where}: its grant"
+    assert out.ops == len(out.placed), f"{where}: {out.ops} writes running, {len(out.placed)} placed to say"
+    assert set(out.placed) <= window.in_flight, f"{where}: a placed waits for a slice not in flight"
+    assert all((msg.offset, msg.length) == window.chunks[seq] for seq, msg in out.placed.items()), \
+        f"{where}: a placed that is not its slice's"
+    assert len(window.in_flight) <= machine.limits.plane_in_flight, f"{where}: more writes than its window"
 
 
 def _check_receiver(machine, inbound: Inbound, where: str, entries: set[int]) -> None:
     if inbound.state is R.PULLING:
         assert inbound.entry is None and inbound.ledger is None, f"{where} holds an entry before the offer"
+        assert inbound.plane is None and inbound.reads is None, f"{where} reads before the offer"
         return
     entry, ledger = inbound.entry, inbound.ledger
     assert entry is not None and ledger is not None, f"{where} has no entry or no ledger"
@@ -85,3 +118,28 @@ def _check_receiver(machine, inbound: Inbound, where: str, entries: set[int]) ->
     assert sum(entry.remaining) == entry.total_bytes - ledger.received_bytes, \
         f"{where}: the entry's missing bytes are not the ledger's"
     assert ledger.complete == (inbound.state is R.STREAMED), f"{where}: complete only once streamed"
+    _check_plane_receiver(machine, inbound, where)
+
+
+def _check_plane_receiver(machine, inbound: Inbound, where: str) -> None:
+    entry, ledger = inbound.receiving()
+    if inbound.state in PLANE_RECEIVER:
+        assert inbound.plane is not None, f"{where} has no plane"
+    if inbound.plane is not None:  # (STREAMED too, after a plane's stream: its seal is still to come)
+        assert inbound.state in PLANE_RECEIVER or inbound.state is R.STREAMED, f"{where} has a plane"
+        assert inbound.plane == inbound.channel.plane, f"{where}: on {inbound.plane}, its link on another"
+    # the plane's writer (the peer's writes, our reads) may write into the entry until its end: pinned
+    assert entry.writer == (inbound.plane is not None), f"{where}: its entry's writer pin is {entry.writer}"
+    reads = inbound.reads
+    if inbound.state is not R.READING:
+        assert inbound.regions is None and inbound.slices is None and reads is None, f"{where}: reads, not reading"
+        return
+    regions, slices = inbound.regions, inbound.slices
+    assert regions is not None and slices is not None and reads is not None, f"{where}: reads nothing"
+    assert sum(n for _, n in regions) == entry.total_bytes, f"{where}: the holder's ranges are not its entry"
+    assert reads.total_bytes == reads.queued_bytes == entry.total_bytes, f"{where}: reads not all of its entry"
+    assert [s[:2] for s in slices] == reads.chunks, f"{where}: slices and reads differ"
+    assert len(reads.in_flight) <= machine.limits.plane_in_flight, f"{where}: more reads than its window"
+    assert reads.acked + len(reads.in_flight) == reads.next_seq, f"{where}: reads ended and running"
+    read = sum(n for seq, (_, n) in enumerate(reads.chunks[:reads.next_seq]) if seq not in reads.in_flight)
+    assert ledger.received_bytes == read, f"{where}: {ledger.received_bytes} bytes received, {read} read"

@@ -80,6 +80,10 @@ PULLED_ON_PLANE = Guard("the puller reads over the link's plane, and the entry i
                         lambda t, e: t.pull.plane is not None and t.pull.plane == t.channel.plane
                         and e.entry.state is not State.WRITING and e.entry.total_bytes >= t.plane_min)
 PLANE_OFFER = Guard("it is for the plane", lambda t, e: e.plane is not None)
+# a holder's answer to a pull of ours that ended meanwhile (its abort and `released` are on their way to
+# the holder): no push to grant, which would park our blocks for a `released` that never comes
+LENDS = Guard("it lends the holder's blocks (a pull's answer)", lambda t, e: e.plane is not None
+              and e.regions is not None)
 PLANE_SEALED = Guard("it is for the plane, sealed", lambda t, e: e.plane is not None and e.sealed)
 OP_FAILED = Guard("the operation failed", lambda t, e: e.error is not None)
 ALL_PLACED = Guard("every slice was written and said placed",
@@ -114,6 +118,7 @@ def _rows() -> list[Row]:
                 rows.append(Row(state, event, when, does, target))
 
     # starting: an offer (pushed to us, or answering our pull), a pull we serve
+    add([NONE], p.Offer, "ignore", when=LENDS)
     add([NONE], p.Offer, "grant_offer", R.GRANTED, PLANE_SEALED)  # (its bytes come by the plane)
     add([NONE], p.Offer, "grant_offer", R.STREAM_GRANTED, PLANE_OFFER)
     add([R.PULLING], p.Offer, "read_offer", R.READING, PLANE_OFFER)

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvd.daemon.config import Config
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.peer.channel import Channel
 from kvd.daemon.peer.transfers import Transfers, TransferSettings
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import State, Store
-from kvd.errors import AlreadyExists
+from kvd.errors import AlreadyExists, PeerUnavailable
 from kvd.memory.io import HostPoolIO
 from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec
@@ -109,5 +111,25 @@ def test_what_ended_is_counted_from_the_machines_word_and_nothing_is_kept_of_it(
         assert transfers.metrics.tally["pushes"] == 1 and transfers.metrics.tally["failures"] == 1
         assert not transfers.busy() and not transfers._pushes and not transfers._sends
         assert store.allocator.free_blocks == 16 - 1  # the failed push's entry is back, the pushed one gone
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.xfail(strict=True, reason="reported: Transfers._finished hands only senders to PlaneIO.failed, so a "
+                   "receiver on a plane that failed is neither parked nor drained: its entry stays writer-pinned")
+def test_a_granted_entry_whose_push_failed_is_freed_by_the_senders_released():
+    async def scenario() -> None:
+        transfers, peers, store = _transfers()
+        channel = peers.link.channel
+        channel.plane, channel.plane_agent = "nixl", "agent-B"
+        size = 5 * 4096
+        transfers.on_message(channel, p.Offer(xfer=77, request_id="r", tensors=[["x", "uint8", [size]]],
+                                              total_bytes=size, chunk_size=1 << 20, checksum="xxh3_64", sealed=True,
+                                              plane="nixl"))
+        assert [m.TYPE for m in peers.sent] == ["grant"]
+        transfers.on_message(channel, p.Abort(xfer=77, code=PeerUnavailable.code, message="its write failed"))
+        assert store.parked_bytes == size and transfers.plane.summary()["parked"] == 1  # until B's word
+        transfers.on_message(channel, p.Released(xfer=77))
+        assert store.parked_bytes == 0 and store.allocator.free_blocks == 16
 
     asyncio.run(scenario())
