@@ -97,6 +97,9 @@ class PlaneHandlers:
         offer.regions = [list(r) for r in physical_segments(entry.extents, block_size, 0, entry.total_bytes)]
         offer.slices = [[offset, length, self.io.digest(physical_segments(entry.extents, block_size, offset, length),
                                                         checksum)] for offset, length in window.chunks]
+        # the puller reads without a word to us until its done: it has a transfer timeout a slice (its own
+        # stall bound), so we wait that long for all of them
+        out.deadline = self.clock() + self.limits.transfer_timeout * max(1, len(window.chunks))
         return [Send(out.channel, offer)]
 
     def _check_plane_offer(self, channel: Channel, msg: p.Offer) -> None:

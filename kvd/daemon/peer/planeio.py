@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
-from kvd.errors import KvdError, NotFound
+from kvd.errors import KvdError, NotFound, PeerUnavailable
 from kvd.wire import protocol as p
 
 from ..metrics import Metrics
@@ -68,31 +68,47 @@ class PlaneIO:
         entry = transfer.entry
         nbytes = entry.total_bytes if entry is not None else 0
         now = self.clock()
+        where = {"since": now, "peer": transfer.channel.peer_name, "channel": transfer.channel}
         if isinstance(transfer, Outbound):
             if transfer.kind is Kind.PUSH:  # our writes from its blocks
                 self._drain(Drain(transfer.xfer, agent, transfer.request_id, nbytes, lease_token=transfer.lease_token,
-                                  since=now, peer=transfer.channel.peer_name))
+                                  **where))
             elif entry is not None:  # a pull we lent to: the puller's reads of its blocks
                 self.ledger.park(Parked(transfer.xfer, agent, transfer.request_id, nbytes,
-                                        lease_token=transfer.lease_token, since=now))
+                                        lease_token=transfer.lease_token, **where))
             return
         if transfer.kind is Kind.PULL:  # our reads into its entry (or none yet): then say released
-            self._drain(Drain(transfer.xfer, agent, transfer.request_id, nbytes, entry=entry, since=now,
-                              peer=transfer.channel.peer_name))
+            self._drain(Drain(transfer.xfer, agent, transfer.request_id, nbytes, entry=entry, **where))
         elif entry is not None:  # granted to the pusher: its writes into the entry
-            self.ledger.park(Parked(transfer.xfer, agent, transfer.request_id, nbytes, entry=entry, since=now))
+            self.ledger.park(Parked(transfer.xfer, agent, transfer.request_id, nbytes, entry=entry, **where))
 
     def _drain(self, hold: Drain) -> None:
         ready = self.ledger.drain(hold)
         if ready is not None:
             self._let_go(ready)
 
-    def released(self, channel: Channel, msg: p.Released) -> None:
-        """The peer's plane is done with what we granted or lent it for msg.xfer."""
+    def on_message(self, channel: Channel, msg: p.Message, live: Container[int]) -> bool:
+        """The plane's part of a peer message (`live`: the transfers running): True if it is the plane's
+        alone. `released`, or a puller's `done` for a lent pull we ended meanwhile (it read every slice),
+        let go of what we parked for it; an `abort` for a transfer we ended asks whether our plane is
+        done with it: `released` answers when it is (else it comes once our operations end)."""
+        if type(msg) is p.Released:
+            self.released(channel, msg.xfer)
+            return True
+        xfer = getattr(msg, "xfer", 0)
+        if channel.plane_agent is None or not xfer or xfer in live:
+            return False
+        if type(msg) is p.Done:
+            self.released(channel, xfer)
+        elif type(msg) is p.Abort and self.ledger.idle(xfer):
+            self._send(channel, p.Released(xfer=xfer))
+        return False
+
+    def released(self, channel: Channel, xfer: int) -> None:
+        """The peer's plane is done with what we granted or lent it for xfer."""
         if channel.plane_agent is None:
             return
-        parked = self.ledger.released(channel.plane_agent, msg.xfer)
-        if parked is not None:
+        for parked in self.ledger.released(channel.plane_agent, xfer):
             self._let_go(parked)
 
     def peer_gone(self, agent: str) -> None:
@@ -106,6 +122,11 @@ class PlaneIO:
         torn down, which ends them (then the link dials anew)."""
         for peer in list(self._unsaid):
             self._say_released(peer)
+        for hold in self.ledger.to_ask(now, self.transfer_timeout):  # (its `released` may have been lost)
+            channel = self._link_up(hold.peer) or hold.channel
+            if channel is not None:
+                self._send(channel, p.Abort(xfer=hold.xfer, code=PeerUnavailable.code,
+                                            message="ended here: say released once your plane is done with it"))
         for agent in {hold.agent for hold in self.ledger.stuck(now - self.transfer_timeout)}:
             log.warning("plane operations towards %s still run %.0fs after their transfers failed: tearing its "
                         "connection down so that their blocks can be reused", agent, self.transfer_timeout)

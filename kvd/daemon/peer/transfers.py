@@ -244,8 +244,7 @@ class Transfers:
 
     def on_message(self, channel: Channel, msg: p.Message) -> None:
         """A message from a peer, on the channel it came on (ROUTER or link)."""
-        if type(msg) is p.Released:  # (the end of what its plane may do to our memory, not of a transfer)
-            self.plane.released(channel, msg)
+        if self.plane.on_message(channel, msg, self.machine.transfers):  # (what a plane may still do to memory)
             return
         self._run(self.machine.handle(msg, channel))
 

@@ -34,25 +34,29 @@ class Hold:
     entry: Entry | None = None  # an entry whose writer pin to release
     lease_token: int = 0  # else a lease to release
     since: float = 0.0
+    peer: str = ""  # the peer's name: our link to it carries what we say of the hold
+    channel: object = None  # the transfer's channel, where a link to the peer is not up
 
 
 @dataclass(eq=False)
 class Drain(Hold):
     """Ours: release once our operations of xfer ended, then tell the peer `released`."""
 
-    peer: str = ""  # the peer's name, whose link the word goes on
-
 
 @dataclass(eq=False)
 class Parked(Hold):
-    """The peer's: release when it says `released`, or is gone."""
+    """The peer's: release when it says `released` (or `done`, a puller's word that it read all), or
+    is gone. Asked again every so often: a `released` lost with a connection would park it for good."""
+
+    asked: float = 0.0  # when we last asked the peer whether its plane is done with it
 
 
 @dataclass
 class PlaneLedger:
     running: dict[int, int] = field(default_factory=dict)  # xfer -> our operations of it still running
     draining: dict[int, Drain] = field(default_factory=dict)  # ended transfers waiting for their operations
-    parked: dict[tuple[str, int], Parked] = field(default_factory=dict)  # (peer agent, xfer) -> what it may touch
+    # (peer agent, xfer) -> what its plane may touch (more than one only if a peer reused an id)
+    parked: dict[tuple[str, int], list[Parked]] = field(default_factory=dict)
 
     def posted(self, xfer: int) -> None:
         self.running[xfer] = self.running.get(xfer, 0) + 1
@@ -75,16 +79,27 @@ class PlaneLedger:
         return None
 
     def park(self, hold: Parked) -> None:
-        self.parked[(hold.agent, hold.xfer)] = hold
+        self.parked.setdefault((hold.agent, hold.xfer), []).append(hold)
 
-    def released(self, agent: str, xfer: int) -> Parked | None:
+    def released(self, agent: str, xfer: int) -> list[Parked]:
         """The peer's word that its plane is done with what we granted or lent for xfer."""
-        return self.parked.pop((agent, xfer), None)
+        return self.parked.pop((agent, xfer), [])
 
     def peer_gone(self, agent: str) -> list[Parked]:
         """That peer agent is gone for good (it restarted): everything parked for it."""
         gone = [key for key in self.parked if key[0] == agent]
-        return [self.parked.pop(key) for key in gone]
+        return [hold for key in gone for hold in self.parked.pop(key)]
+
+    def idle(self, xfer: int) -> bool:
+        """None of our operations of xfer runs, nor waits to: our plane is done with it."""
+        return xfer not in self.running and xfer not in self.draining
+
+    def to_ask(self, now: float, every: float) -> list[Parked]:
+        """Holds parked for `every` seconds since they were parked or last asked about (marked asked)."""
+        due = [hold for holds in self.parked.values() for hold in holds if max(hold.since, hold.asked) <= now - every]
+        for hold in due:
+            hold.asked = now
+        return due
 
     def stuck(self, older_than: float) -> list[Drain]:
         """Drains still waiting on our operations since before `older_than` (a frozen peer's plane
@@ -93,11 +108,11 @@ class PlaneLedger:
 
     def summary(self) -> dict:
         by_peer: dict[str, dict] = {}
-        for hold in self.parked.values():
+        holds = [hold for each in self.parked.values() for hold in each]
+        for hold in holds:
             peer = by_peer.setdefault(hold.agent, {"parked": 0, "parked_bytes": 0, "oldest": hold.since})
             peer["parked"] += 1
             peer["parked_bytes"] += hold.nbytes
             peer["oldest"] = min(peer["oldest"], hold.since)
         return {"ops_running": sum(self.running.values()), "draining": len(self.draining),
-                "parked": len(self.parked), "parked_bytes": sum(h.nbytes for h in self.parked.values()),
-                "parked_by_peer": by_peer}
+                "parked": len(holds), "parked_bytes": sum(h.nbytes for h in holds), "parked_by_peer": by_peer}

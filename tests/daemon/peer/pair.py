@@ -113,7 +113,10 @@ class Side:
                             slice_bytes=slice_bytes or SLICE, plane_in_flight=plane_in_flight)
         self.machine = Machine(name, limits, self.store, HostPoolIO(memoryview(self.pool)), clock)
         self.ops = MemoryPlane(self)
-        self.plane = PlaneIO(self.ops, self.store, Metrics(), self.handle, self.send, TIMEOUT, clock)
+        # `released` goes on our own link to the peer, as transfers.py sends it (set by pair())
+        self.link: Channel | None = None
+        self.plane = PlaneIO(self.ops, self.store, Metrics(), self.handle, self.send, lambda peer: self.link, TIMEOUT,
+                             clock)
         self.inboxes: dict[tuple, collections.deque] = {}  # connection key -> what the peer sent on it
         self.events: list = []  # what the I/O layer would hand to the watch and the futures
         self.sent: list[p.Message] = []
@@ -177,19 +180,11 @@ class Side:
 
     def _finished(self, transfer, error) -> None:
         """As the I/O layer: a transfer on a plane that failed leaves its blocks to the plane's ledger
-        (drained after our operations, parked until the peer's `released`), a receiver's as a sender's,
-        as PlaneIO.failed expects (transfers.py hands it senders only: test_transfer_endings' xfail);
+        (drained after our operations, parked until the peer's `released`), a receiver's as a sender's;
         an ended sender's lease is released once ZeroMQ let go of its frames (at once here, unless
         `unpin` is off)."""
         if error is not None and on_plane(transfer):
-            parked = self.plane.ledger.parked
-            key = (transfer.channel.plane_agent or "", transfer.xfer)
-            before = parked.get(key)
             self.plane.failed(transfer)
-            if before is not None and parked.get(key) is not before:
-                # a peer that used one transfer id twice (a replayed offer or pull), both parked: the
-                # ledger keeps the last, and the first's blocks are nobody's to release (reported)
-                self.overwritten.append(before)
         elif self.unpin and isinstance(transfer, Outbound) and transfer.entry is not None:
             self.store.release(transfer.lease_token, success=False)
 
@@ -199,9 +194,7 @@ class Side:
     def on_message(self, key: tuple, msg: p.Message) -> None:
         """A message from the peer on connection key, routed as the I/O layer routes it: `released`
         to the plane's ledger, the rest to the machine."""
-        if isinstance(msg, p.Released):
-            self.plane.released(self.channels[key], msg)
-        else:
+        if not self.plane.on_message(self.channels[key], msg, self.machine.transfers):
             self.run(self.machine.handle(msg, self.channels[key]))
 
     def receive(self, key: tuple) -> p.Message:
@@ -284,6 +277,7 @@ def pair(features: tuple[str, ...] = (), *, plane: bool = False, validate: bool 
             channel.features = frozenset(features)
             if plane:
                 channel.plane, channel.plane_agent = PLANE, side.agent
+    a.link, b.link = b.channel, a.back  # each side's own link to the other
     a.channels = {FIRST: b.channel, SECOND: b.back}  # where A's messages from B come on, by connection
     b.channels = {FIRST: a.channel, SECOND: a.back}
     for side in (a, b):

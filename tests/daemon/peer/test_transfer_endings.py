@@ -115,8 +115,6 @@ def test_what_ended_is_counted_from_the_machines_word_and_nothing_is_kept_of_it(
     asyncio.run(scenario())
 
 
-@pytest.mark.xfail(strict=True, reason="reported: Transfers._finished hands only senders to PlaneIO.failed, so a "
-                   "receiver on a plane that failed is neither parked nor drained: its entry stays writer-pinned")
 def test_a_granted_entry_whose_push_failed_is_freed_by_the_senders_released():
     async def scenario() -> None:
         transfers, peers, store = _transfers()

@@ -302,7 +302,7 @@ class TransferPair(RuleBasedStateMachine):
             # plane, one that failed once its plane can no longer touch its blocks: the ledger holds it)
             held = {t.lease_token for t in side.machine.transfers.values() if isinstance(t, Outbound)}
             ledger = side.plane.ledger
-            holds = [*ledger.draining.values(), *ledger.parked.values()]
+            holds = [*ledger.draining.values(), *[hold for each in ledger.parked.values() for hold in each]]
             held |= {hold.lease_token for hold in [*holds, *side.overwritten] if hold.lease_token}
             assert {token for e in side.store.entries.values() for token in e.leases} <= held, \
                 f"a lease on {side.name} that no transfer holds"
@@ -334,7 +334,7 @@ class TransferPair(RuleBasedStateMachine):
             assert ours == theirs, f"{side.name}: {transfer.xfer:x} counts {ours} operations, its plane runs {theirs}"
         for xfer in ledger.draining:
             assert running.get(xfer), f"{side.name} drains {xfer:x}, which runs nothing"
-        for hold in ledger.parked.values():
+        for hold in [hold for each in ledger.parked.values() for hold in each]:
             if hold.entry is not None:
                 assert hold.entry.removed and hold.entry.writer and hold.entry.extents, "a parked entry let go"
             else:
