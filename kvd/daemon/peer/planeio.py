@@ -68,19 +68,20 @@ class PlaneIO:
         entry = transfer.entry
         nbytes = entry.total_bytes if entry is not None else 0
         now = self.clock()
-        where = {"since": now, "peer": transfer.channel.peer_name, "channel": transfer.channel}
+        xfer, request_id, peer, channel = transfer.xfer, transfer.request_id, transfer.channel.peer_name, transfer.channel
         if isinstance(transfer, Outbound):
             if transfer.kind is Kind.PUSH:  # our writes from its blocks
-                self._drain(Drain(transfer.xfer, agent, transfer.request_id, nbytes, lease_token=transfer.lease_token,
-                                  **where))
+                self._drain(Drain(xfer, agent, request_id, nbytes, lease_token=transfer.lease_token, since=now,
+                                  peer=peer, channel=channel))
             elif entry is not None:  # a pull we lent to: the puller's reads of its blocks
-                self.ledger.park(Parked(transfer.xfer, agent, transfer.request_id, nbytes,
-                                        lease_token=transfer.lease_token, **where))
+                self.ledger.park(Parked(xfer, agent, request_id, nbytes, lease_token=transfer.lease_token, since=now,
+                                        peer=peer, channel=channel))
             return
         if transfer.kind is Kind.PULL:  # our reads into its entry (or none yet): then say released
-            self._drain(Drain(transfer.xfer, agent, transfer.request_id, nbytes, entry=entry, **where))
+            self._drain(Drain(xfer, agent, request_id, nbytes, entry=entry, since=now, peer=peer, channel=channel))
         elif entry is not None:  # granted to the pusher: its writes into the entry
-            self.ledger.park(Parked(transfer.xfer, agent, transfer.request_id, nbytes, entry=entry, **where))
+            self.ledger.park(Parked(xfer, agent, request_id, nbytes, entry=entry, since=now, peer=peer,
+                                    channel=channel))
 
     def _drain(self, hold: Drain) -> None:
         ready = self.ledger.drain(hold)
@@ -124,7 +125,7 @@ class PlaneIO:
             self._say_released(peer)
         for hold in self.ledger.to_ask(now, self.transfer_timeout):  # (its `released` may have been lost)
             channel = self._link_up(hold.peer) or hold.channel
-            if channel is not None:
+            if isinstance(channel, Channel):
                 self._send(channel, p.Abort(xfer=hold.xfer, code=PeerUnavailable.code,
                                             message="ended here: say released once your plane is done with it"))
         for agent in {hold.agent for hold in self.ledger.stuck(now - self.transfer_timeout)}:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 
 from kvd.daemon.config import Config
 from kvd.daemon.metrics import Metrics
