@@ -25,9 +25,10 @@ from kvd.memory import check_fits_in_ram, open_staging_memory
 from kvd.memory.faults import with_fault_injection
 from kvd.memory.heap import keep_receive_buffers
 from kvd.units import format_size
-from kvd.wire.endpoints import is_loopback_endpoint, unix_path
+from kvd.wire.endpoints import unix_path
 
 from .config import Config
+from .exposure import check_exposure, warn_exposure
 from .registry import Directory, RegistrySettings
 from .handlers import HelloInfo, LocalHandlers, LocalSettings
 from .http import HttpEndpoint
@@ -86,8 +87,7 @@ class Daemon:
             cfg.max_peer_connections)
         # the cheap checks before the pool's prefault (seconds for a big pool)
         curve = self.curve = self._load_curve(cfg) if cfg.curve_secret_key else None
-        if curve is None and not is_loopback_endpoint(cfg.listen) and not cfg.insecure:
-            raise BadRequest(insecure_refusal(cfg.listen))
+        check_exposure(cfg, curve is not None)  # a listener beyond loopback that nothing authenticates
         if cfg.device == "cpu":
             check_fits_in_ram(cfg.pool_size, cfg.pool_path, cfg.pool_overcommit)
         claim_socket_path(cfg.socket, self._made_dirs)  # before anything binds: a second daemon stops here
@@ -106,10 +106,7 @@ class Daemon:
         self.ctx = zmq.Context(io_threads=cfg.io_threads)
         if curve is not None:
             self.authenticator = start_authenticator(self.ctx, curve)
-        if curve is None and not is_loopback_endpoint(cfg.listen):
-            log.warning("--insecure: peers are not authenticated: %s is reachable beyond this host and CURVE is "
-                        "off, so any host that reaches it can read and consume every entry (set up a cluster CA: "
-                        "kvd keygen --help)", cfg.listen)
+        warn_exposure(cfg, curve is not None)
         self.local = LocalServer(max_clients)
         watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
         self.peers = PeerSet(PeerSettings.of(cfg), self.ctx, life.incarnation, curve, self.metrics,
@@ -409,14 +406,3 @@ def curve_summary(curve) -> str:
     ways += [f"{len(curve.allowed)} allowed keys"] if curve.allowed else []
     ways += [f"{len(curve.denied)} denied"] if curve.denied else []
     return f", CURVE on ({', '.join(ways)})"
-
-
-def insecure_refusal(listen: str) -> str:
-    """Why a daemon with a --listen beyond loopback and no peer authentication does not start (as
-    Redis' protected mode refuses), and the ways out."""
-    return (f"refusing to listen for peers on {listen} without peer authentication: any host that reaches it "
-            "could read, consume and inject KV caches. Set up a cluster CA (three commands):\n"
-            "  kvd keygen --ca --dir /etc/kvd\n"
-            "  kvd keygen NODE --dir /etc/kvd --ca-secret /etc/kvd/ca.key_secret\n"
-            "  kvd serve --curve-secret-key /etc/kvd/NODE.key_secret --curve-ca /etc/kvd/ca.key ...\n"
-            "or listen on loopback only, or pass --insecure if the network is trusted (and firewalled).")
