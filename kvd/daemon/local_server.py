@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from kvd.errors import BadRequest, ProtocolError
+from kvd.memory.heap import give_back_heap
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import tcp_address, unix_path
 from kvd.wire.framing import MessageReader, encode_message
@@ -41,9 +42,15 @@ log = logging.getLogger(__name__)
 # is at most a few MiB: a client accepts 4 MiB messages)
 MAX_UNREAD_REPLIES_BYTES = 8 << 20
 # a message begun must be finished within this; a client that sends part of one and stops holds
-# up to 4 MiB of buffer, so both this and a budget over all connections bound what clients can pin
+# up to 4 MiB of buffer (MAX_MESSAGE_BYTES), so both this and a budget over all connections bound
+# what clients can pin: the budget is kept as bytes arrive (past it, the connections holding the
+# most are cut before anything more is read), the deadline by the housekeeping
 PARTIAL_DEADLINE = 10.0  # seconds
 PARTIAL_BUDGET = 64 << 20  # bytes of unfinished messages over all connections
+# once this much of cut connections' buffers is freed, the heap is given back to the kernel (the
+# daemon keeps freed heap for ZeroMQ's receive buffers: kvd.memory.heap), so that a flood that
+# was cut leaves no RSS behind
+TRIM_AFTER = 16 << 20  # bytes
 # messages of one connection handled per turn of the event loop: one read can hold thousands of
 # pipelined requests, and other clients (and the peers) are served between batches
 BATCH = 64
@@ -63,6 +70,9 @@ class LocalServer:
         self.max_clients = max_clients
         self.refused = 0  # connections turned away at the cap
         self.evicted = 0  # idle connections closed at the cap, to make room for a new one
+        self.partial_bytes = 0  # bytes of unfinished messages buffered, over all connections
+        self.partial_cuts = {"budget": 0, "deadline": 0}  # connections cut for an unfinished message
+        self._freed = 0  # bytes of cut connections' buffers freed since the heap was last given back
         # whether a connection holds or waits for something (set by the handlers): never evicted then
         self.in_use: Callable[[bytes], bool] = lambda conn_id: False
         self._on_message: Callable[[list], None] = lambda frames: None
@@ -118,18 +128,43 @@ class LocalServer:
         return True
 
     def enforce(self, now: float) -> None:
-        """Housekeeping: cut connections that began a message and did not finish it in time, and,
-        past the budget of unfinished bytes over all connections, the ones holding the most."""
-        partial = [c for c in self._connections.values() if c.partial_since is not None]
-        for conn in partial:
+        """Housekeeping: cut connections that began a message and did not finish it in time; give
+        the heap back once cut connections freed enough of it."""
+        for conn in [c for c in self._connections.values() if c.partial_since is not None]:
             if now - conn.partial_since > PARTIAL_DEADLINE:
-                conn.cut(f"it began a message and did not finish it within {PARTIAL_DEADLINE:g}s")
-        held = sum(c.reader.buffered for c in partial)
-        for conn in sorted(partial, key=lambda c: c.reader.buffered, reverse=True):
-            if held <= PARTIAL_BUDGET:
+                self.cut_partial(conn, "deadline",
+                                 f"it began a message and did not finish it within {PARTIAL_DEADLINE:g}s")
+        if self._freed >= TRIM_AFTER and self.partial_bytes < TRIM_AFTER:
+            self._freed = 0
+            give_back_heap()
+
+    def buffered(self, conn: _ClientConnection, grown: int) -> None:
+        """A connection's unfinished message grew (or shrank) by `grown` bytes; past the budget over
+        all connections, the ones holding the most are cut now, before anything more is read."""
+        self.partial_bytes += grown
+        if self.partial_bytes <= PARTIAL_BUDGET:
+            return
+        for victim in sorted((c for c in self._connections.values() if c.reader.buffered),
+                             key=lambda c: c.reader.buffered, reverse=True):
+            if self.partial_bytes <= PARTIAL_BUDGET:
                 break
-            held -= conn.reader.buffered
-            conn.cut(f"unfinished messages of all clients passed {PARTIAL_BUDGET >> 20} MiB")
+            self.cut_partial(victim, "budget", f"unfinished messages of all clients passed {PARTIAL_BUDGET >> 20} MiB")
+
+    def cut_partial(self, conn: _ClientConnection, kind: str, why: str) -> None:
+        cuts = self.partial_cuts[kind] = self.partial_cuts[kind] + 1
+        if cuts & (cuts - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
+            log.warning("client %s: closing its connection: %s (%d cut so far for this)", conn.conn_id.decode(), why,
+                        cuts)
+        conn.transport.abort()
+        self.drop_partial(conn)
+
+    def drop_partial(self, conn: _ClientConnection) -> None:
+        """Free what a connection that is going away had of an unfinished message, now."""
+        if conn.reader.buffered:
+            self.partial_bytes -= conn.reader.buffered
+            self._freed += conn.reader.buffered
+            conn.reader = MessageReader()
+            conn.partial_since = None
 
     @property
     def connections(self) -> int:
@@ -179,10 +214,6 @@ class _ClientConnection(asyncio.Protocol):
         self.connected_at = time.monotonic()
         self.last_message: float | None = None  # when the last whole message came (None: none yet)
 
-    def cut(self, why: str) -> None:
-        log.warning("client %s: closing its connection: %s", self.conn_id.decode(), why)
-        self.transport.abort()
-
     def idle_since(self, now: float) -> float | None:
         """Since when this connection is idle enough to be evicted at the cap; None if it is not."""
         if (self.transport is None or self.transport.is_closing() or self._backlog or self.reader.buffered
@@ -222,6 +253,7 @@ class _ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
             return
+        held = self.reader.buffered
         try:
             messages = self.reader.feed(data)
         except ProtocolError as exc:
@@ -229,7 +261,12 @@ class _ClientConnection(asyncio.Protocol):
             log.warning("client %s broke the framing: %s; closing its connection", self.conn_id.decode(), exc)
             self.send(p.encode(p.error_reply(0, exc, None)))
             self.transport.close()
+            self.server.drop_partial(self)
             return
+        if self.reader.buffered != held and not self.full:
+            self.server.buffered(self, self.reader.buffered - held)
+            if self.transport.is_closing():  # (cut: over the budget)
+                return
         self._backlog.extend(messages)
         if messages:
             self.last_message = time.monotonic()
@@ -265,4 +302,5 @@ class _ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.full:
+            self.server.drop_partial(self)
             self.server._gone(self.conn_id)
