@@ -285,6 +285,7 @@ class Daemon:
         curve = self.curve
         added, removed = fresh.allowed - curve.allowed, curve.allowed - fresh.allowed
         newly_denied = fresh.denied - curve.denied
+        revoked = curve.take_out(fresh)  # (with a CA, which would still admit them)
         curve.allowed.update(fresh.allowed)
         curve.denied = fresh.denied
         if curve.authority is not None:
@@ -304,12 +305,17 @@ class Daemon:
         if added or removed or rekeyed or newly_denied:
             log.info("SIGHUP: CURVE keys reloaded: %d key(s) added, %d removed, %d newly denied; peer keys changed "
                      "for %s", len(added), len(removed), len(newly_denied), ", ".join(sorted(rekeyed)) or "none")
-        if removed or newly_denied:
+        if revoked:
+            log.warning("SIGHUP: %d key(s) taken out of --curve-allow are refused from now on, and their connections "
+                        "cut, though the cluster CA still vouches for them: until they are put back or kvd restarts "
+                        "(to keep them out after a restart, add them to --curve-deny): %s", len(revoked),
+                        ", ".join(sorted(k.decode(errors="replace") for k in revoked)))
+        if removed or newly_denied or revoked:
             if self.router is not None:
                 self.router.readmit()  # cut whoever is connected to us and no longer admitted
-            if self.peers is not None:  # and our links whose peer's key is now denied
-                rekeyed |= self.peers.names_with_keys(newly_denied)
-        return rekeyed | ({"*"} if added or removed or newly_denied else set())
+            if self.peers is not None:  # and our links whose peer's key is now refused
+                rekeyed |= self.peers.names_with_keys(newly_denied | revoked)
+        return rekeyed | ({"*"} if added or removed or newly_denied or revoked else set())
 
     # --- housekeeping ------------------------------------------------------------------------------
 
