@@ -81,8 +81,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         help="revoked CURVE public keys (Z85, one a line, # comments), re-read on SIGHUP: their connections "
              "are cut at once")
     add("--insecure", action="store_const", const=True,
-        help="allow a --listen beyond loopback without peer authentication (any host that reaches it can "
-             "read and inject caches)")
+        help="allow a --listen or a tcp:// --socket beyond loopback without authentication (any host that "
+             "reaches it can read and inject caches)")
     add("--max-clients", type=int, help="local client connections served at once")
     add("--max-peer-connections", type=int, help="peer connections to --listen at once")
     add("--max-entries", type=int, help="entries held at once; past it a put gets PoolFull")

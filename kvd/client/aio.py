@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvd.errors import KvdError, ProtocolError, Timeout
+from kvd.errors import KvdError, ProtocolError, Timeout, error_from_code
 from kvd.wire import protocol as p
 
 from .connection import StreamConnection, peer_port_error
@@ -140,6 +140,8 @@ class AsyncClient(_ClientCore):
             self._streams[req].put_nowait(msg)
         elif self._stream_notice(msg):
             pass
+        elif isinstance(msg, p.Error) and req == 0:  # the daemon says why it closes this connection
+            self._on_lost(error_from_code(msg.code, msg.message, remote=msg.origin))
         elif isinstance(msg, p.Error):
             self._abandoned.pop(req, None)
             log.warning("daemon reported: %s", msg.message)

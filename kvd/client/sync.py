@@ -112,6 +112,9 @@ class Client(_ClientCore):
                 continue
             if getattr(reply, "req", None) == req:
                 return self._raise_if_error(reply)
+            if type(reply) is p.Error and reply.req == 0:  # the daemon says why it closes this connection
+                self._close_transport()  # (the next call connects again)
+                self._raise_if_error(reply)
             self._route(reply)
 
     def _route(self, reply: p.Message) -> None:

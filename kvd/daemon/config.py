@@ -60,7 +60,7 @@ class Config:
     curve_ca: str = ""  # the cluster CA's public key (ca.key): admits any peer whose cert it signed
     curve_cert: str = ""  # this node's cert (NODE.cert); empty: beside curve_secret_key, same name
     curve_deny: str = ""  # a file of revoked CURVE public keys (Z85, one a line), re-read on SIGHUP
-    insecure: bool = False  # allow a non-loopback --listen without peer authentication
+    insecure: bool = False  # allow a non-loopback --listen (or tcp:// --socket) without authentication
     # bounds: what one client, peer or scraper can make the daemon hold
     max_clients: int = 1024  # local client connections; past it, a new one is answered with an error
     max_peer_connections: int = 1024  # peer connections to our --listen; the newest past it are cut

@@ -25,9 +25,10 @@ from kvd.memory import check_fits_in_ram, open_staging_memory
 from kvd.memory.faults import with_fault_injection
 from kvd.memory.heap import keep_receive_buffers
 from kvd.units import format_size
-from kvd.wire.endpoints import is_loopback_endpoint, tcp_address, unix_path
+from kvd.wire.endpoints import tcp_address, unix_path
 
 from .config import Config
+from .exposure import check_exposure, warn_exposure
 from .registry import Directory, RegistrySettings
 from .handlers import HelloInfo, LocalHandlers, LocalSettings
 from .http import HttpEndpoint
@@ -89,8 +90,7 @@ class Daemon:
             cfg.max_peer_connections)
         # the cheap checks before the pool's prefault (seconds for a big pool)
         curve = self.curve = self._load_curve(cfg) if cfg.curve_secret_key else None
-        if curve is None and not is_loopback_endpoint(cfg.listen) and not cfg.insecure:
-            raise BadRequest(insecure_refusal(cfg.listen))
+        check_exposure(cfg, curve is not None)  # a listener beyond loopback that nothing authenticates
         if cfg.device == "cpu":
             check_fits_in_ram(cfg.pool_size, cfg.pool_path, cfg.pool_overcommit)
         claim_socket_path(cfg.socket, self._made_dirs)  # before anything binds: a second daemon stops here
@@ -109,10 +109,7 @@ class Daemon:
         self.ctx = zmq.Context(io_threads=cfg.io_threads)
         if curve is not None:
             self.authenticator = start_authenticator(self.ctx, curve)
-        if curve is None and not is_loopback_endpoint(cfg.listen):
-            log.warning("--insecure: peers are not authenticated: %s is reachable beyond this host and CURVE is "
-                        "off, so any host that reaches it can read and consume every entry (set up a cluster CA: "
-                        "kvd keygen --help)", cfg.listen)
+        warn_exposure(cfg, curve is not None)
         self.local = LocalServer(max_clients)
         watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
         # a one-sided data plane (--data-plane): the pool registered, offered in our hellos
@@ -299,6 +296,7 @@ class Daemon:
         curve = self.curve
         added, removed = fresh.allowed - curve.allowed, curve.allowed - fresh.allowed
         newly_denied = fresh.denied - curve.denied
+        revoked = curve.take_out(fresh)  # (with a CA, which would still admit them)
         curve.allowed.update(fresh.allowed)
         curve.denied = fresh.denied
         if curve.authority is not None:
@@ -319,12 +317,17 @@ class Daemon:
         if added or removed or rekeyed or newly_denied:
             log.info("SIGHUP: CURVE keys reloaded: %d key(s) added, %d removed, %d newly denied; peer keys changed "
                      "for %s", len(added), len(removed), len(newly_denied), ", ".join(sorted(rekeyed)) or "none")
-        if removed or newly_denied:
+        if revoked:
+            log.warning("SIGHUP: %d key(s) taken out of --curve-allow are refused from now on, and their connections "
+                        "cut, though the cluster CA still vouches for them: until they are put back or kvd restarts "
+                        "(to keep them out after a restart, add them to --curve-deny): %s", len(revoked),
+                        ", ".join(sorted(k.decode(errors="replace") for k in revoked)))
+        if removed or newly_denied or revoked:
             if self.router is not None:
                 self.router.readmit()  # cut whoever is connected to us and no longer admitted
-            if self.peers is not None:  # and our links whose peer's key is now denied
-                rekeyed |= self.peers.names_with_keys(newly_denied)
-        return rekeyed | ({"*"} if added or removed or newly_denied else set())
+            if self.peers is not None:  # and our links whose peer's key is now refused
+                rekeyed |= self.peers.names_with_keys(newly_denied | revoked)
+        return rekeyed | ({"*"} if added or removed or newly_denied or revoked else set())
 
     # --- housekeeping ------------------------------------------------------------------------------
 
@@ -431,15 +434,3 @@ def bind_failure(what: str, exc: Exception, option: str, hint: str = "") -> str:
         return (f"cannot {what}: the port is in use (by another kvd or another program): choose another "
                 f"port for {option}{hint}")
     return f"cannot {what}: {getattr(exc, 'strerror', None) or exc}"
-
-
-def insecure_refusal(listen: str) -> str:
-    """Why a daemon with a --listen beyond loopback and no peer authentication does not start (as
-    Redis' protected mode refuses), and the ways out."""
-    return (f"refusing to listen for peers on {listen} without peer authentication: any host that reaches it "
-            "could read, consume and inject KV caches. Set up a cluster CA (three commands):\n"
-            "  kvd keygen --ca --dir /etc/kvd\n"
-            "  kvd keygen NODE --dir /etc/kvd --ca-secret /etc/kvd/ca.key_secret\n"
-            "  kvd serve --curve-secret-key /etc/kvd/NODE.key_secret --curve-ca /etc/kvd/ca.key ...\n"
-            "(across hosts, each node's /etc/kvd also holds the others' NODE.cert, to dial its --peer nodes by)\n"
-            "or listen on loopback only, or pass --insecure if the network is trusted (and firewalled).")

@@ -20,7 +20,7 @@ from kvd.wire import protocol as p
 from .registry import Directory
 from .holds import Hold, Holds
 from .lifecycle import Lifecycle
-from .local_server import LocalServer
+from .local_server import LocalServer, Use
 from .metrics import Metrics
 from .peer.transfers import Transfers
 from .pulls import SharedPulls
@@ -89,7 +89,7 @@ class LocalHandlers:
                               self._reply, self._error)
         self._tasks: set[asyncio.Task] = set()
         self.waits = ConnectionWaits(watch, metrics)  # each connection's gets still waiting
-        clients.in_use = self._in_use  # (an idle connection may be evicted at --max-clients)
+        clients.uses = self._uses  # (an idle connection may be evicted at --max-clients)
         self.cache = None  # the KV tier's requests (daemon/cache.py), set by the daemon
 
     async def close(self) -> None:
@@ -200,10 +200,11 @@ class LocalHandlers:
             reply = self._error(parked.msg, exc)
         self._reply(parked.rid, reply)
 
-    def _in_use(self, rid: bytes) -> bool:
-        """The connection holds or waits for something (it is not idle, whatever its silence)."""
-        return (self.holds.owed(rid) or self.waits.holds_any(rid) or self.holds.holds_any(rid)
-                or (self.cache is not None and self.cache.in_use(rid)))
+    def _uses(self, rid: bytes) -> Use:
+        """What the connection holds or waits for (it is not idle then, whatever its silence)."""
+        if self.holds.owed(rid) or self.holds.holds_any(rid) or (self.cache is not None and self.cache.in_use(rid)):
+            return Use.HOLDS
+        return Use.WAITS if self.waits.holds_any(rid) else Use.NOTHING
 
     def _handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
         if isinstance(msg, p.CACHE_REQUESTS) and self.cache is not None:

@@ -10,17 +10,21 @@ Each connection gets a connection id; messages are handed on as [connection id, 
 replies addressed the same way (the shape of a ZeroMQ ROUTER's, so the handlers do not care).
 A closed connection is reported, so what a dead client held can be given back at once.
 
-At --max-clients, a new connection takes the place of the one idle longest, when one is: it holds
-nothing and waits for nothing (the handlers say, `in_use`), has nothing half-sent or unanswered
-and has been silent a while. Idle connections (a leaked one, a worker parked between requests)
-cannot lock a new client out, and what is evicted loses nothing: it is told why, and a client
-reconnects at its next call. Connections that hold or wait for something are never evicted: when
-every one does, a new client is refused, as before.
+At --max-clients, a new connection takes the place of another, so that a client always gets in
+while some connection holds nothing: first one that never said a word (SILENT_GRACE after it
+connected: a client says hello at once), then the one idle longest (nothing held or waited for,
+the handlers say, `uses`; nothing half-sent or unanswered; silent IDLE_GRACE), and only then one
+whose only business is gets waiting (those end, and it is told why). Idle connections (a leaked
+one, a worker parked between requests) and parked waits cannot lock a new client out; what is
+evicted is told why, and a client reconnects at its next call. Connections that hold something
+(blocks, a lease, a reply owed) are never evicted: when every one does, a new client is refused,
+and the refusal is read by the client before the connection closes (not lost to a reset).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import itertools
 import logging
 import os
@@ -28,7 +32,8 @@ import socket
 import time
 from collections.abc import Callable
 
-from kvd.errors import BadRequest, ProtocolError
+from kvd.errors import BadRequest, KvdError, ProtocolError
+from kvd.memory.heap import give_back_heap
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import tcp_address, unix_path
 from kvd.wire.framing import MessageReader, encode_message
@@ -41,9 +46,15 @@ log = logging.getLogger(__name__)
 # is at most a few MiB: a client accepts 4 MiB messages)
 MAX_UNREAD_REPLIES_BYTES = 8 << 20
 # a message begun must be finished within this; a client that sends part of one and stops holds
-# up to 4 MiB of buffer, so both this and a budget over all connections bound what clients can pin
+# up to 4 MiB of buffer (MAX_MESSAGE_BYTES), so both this and a budget over all connections bound
+# what clients can pin: the budget is kept as bytes arrive (past it, the connections holding the
+# most are cut before anything more is read), the deadline by the housekeeping
 PARTIAL_DEADLINE = 10.0  # seconds
 PARTIAL_BUDGET = 64 << 20  # bytes of unfinished messages over all connections
+# once this much of cut connections' buffers is freed, the heap is given back to the kernel (the
+# daemon keeps freed heap for ZeroMQ's receive buffers: kvd.memory.heap), so that a flood that
+# was cut leaves no RSS behind
+TRIM_AFTER = 16 << 20  # bytes
 # messages of one connection handled per turn of the event loop: one read can hold thousands of
 # pipelined requests, and other clients (and the peers) are served between batches
 BATCH = 64
@@ -51,7 +62,19 @@ BATCH = 64
 # (a client between its hello and its first request is not idle) or since it connected, when it never sent
 # one (a client says hello at once: after this long, it is not about to)
 IDLE_GRACE = 1.0  # seconds
-SILENT_GRACE = PARTIAL_DEADLINE
+SILENT_GRACE = 1.0  # seconds
+# a refused connection is kept open this long (at most REFUSED_KEPT of them), its input discarded, so
+# that the client reads why before the close: closing on its unread hello would reset the connection
+REFUSED_LINGER = 1.0  # seconds
+REFUSED_KEPT = 256
+
+
+class Use(enum.IntEnum):
+    """What a connection has with the handlers, for eviction at the cap."""
+
+    NOTHING = 0  # idle: may be evicted
+    WAITS = 1  # gets waiting, nothing held: evicted only when no connection is idle (its waits end)
+    HOLDS = 2  # blocks, a lease, a reply owed: never evicted
 
 
 class LocalServer:
@@ -63,8 +86,12 @@ class LocalServer:
         self.max_clients = max_clients
         self.refused = 0  # connections turned away at the cap
         self.evicted = 0  # idle connections closed at the cap, to make room for a new one
-        # whether a connection holds or waits for something (set by the handlers): never evicted then
-        self.in_use: Callable[[bytes], bool] = lambda conn_id: False
+        self.partial_bytes = 0  # bytes of unfinished messages buffered, over all connections
+        self.partial_cuts = {"budget": 0, "deadline": 0}  # connections cut for an unfinished message
+        self._freed = 0  # bytes of cut connections' buffers freed since the heap was last given back
+        # what a connection holds or waits for (set by the handlers): how it may be evicted
+        self.uses: Callable[[bytes], Use] = lambda conn_id: Use.NOTHING
+        self.lingering = 0  # refused connections kept open until their client read why
         self._on_message: Callable[[list], None] = lambda frames: None
         self._on_disconnect: Callable[[bytes], None] = lambda conn_id: None
         self._connections: dict[bytes, _ClientConnection] = {}
@@ -95,22 +122,24 @@ class LocalServer:
         return conn
 
     def admit_at_cap(self, conn: _ClientConnection) -> bool:
-        """A connection that came at the cap: let it in if there is room now, or once the
-        connection idle longest has been evicted to make some."""
+        """A connection that came at the cap: let it in if there is room now, or once another has
+        been evicted to make some (the first of: never spoke, idle longest, only waiting longest)."""
         if len(self._connections) >= self.max_clients:
             now = time.monotonic()
-            idle = [(since, c) for c in self._connections.values() if (since := c.idle_since(now)) is not None]
-            if not idle:
+            ranked = [(rank, c) for c in self._connections.values() if (rank := c.eviction_rank(now)) is not None]
+            if not ranked:
                 return False
-            since, victim = min(idle, key=lambda pair: pair[0])
+            (kind, since), victim = min(ranked, key=lambda pair: pair[0])
             self.evicted += 1
+            what = ("never sent a message" if kind == 0 else "holding nothing" if kind == 1
+                    else "holding nothing but gets waiting, which end now")
             if self.evicted & (self.evicted - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
-                log.warning("%d clients are connected (--max-clients): closed client %s, idle for %.0fs, to make "
-                            "room for a new one; %d evicted so far", self.max_clients, victim.conn_id.decode(),
-                            now - since, self.evicted)
+                log.warning("%d clients are connected (--max-clients): closed client %s, silent for %.0fs and %s, "
+                            "to make room for a new one; %d evicted so far", self.max_clients,
+                            victim.conn_id.decode(), now - since, what, self.evicted)
             victim.send(p.encode(p.error_reply(0, BadRequest(
                 f"the daemon serves at most {self.max_clients} client connections (--max-clients) and a new client "
-                f"came: this connection, idle for {now - since:.0f}s holding nothing, was closed to make room "
+                f"came: this connection, idle for {now - since:.0f}s ({what}), was closed to make room "
                 "(reconnect to go on)"), None)))
             victim.transport.close()
             self._gone(victim.conn_id)  # (now: it is no longer one of ours)
@@ -118,18 +147,43 @@ class LocalServer:
         return True
 
     def enforce(self, now: float) -> None:
-        """Housekeeping: cut connections that began a message and did not finish it in time, and,
-        past the budget of unfinished bytes over all connections, the ones holding the most."""
-        partial = [c for c in self._connections.values() if c.partial_since is not None]
-        for conn in partial:
+        """Housekeeping: cut connections that began a message and did not finish it in time; give
+        the heap back once cut connections freed enough of it."""
+        for conn in [c for c in self._connections.values() if c.partial_since is not None]:
             if now - conn.partial_since > PARTIAL_DEADLINE:
-                conn.cut(f"it began a message and did not finish it within {PARTIAL_DEADLINE:g}s")
-        held = sum(c.reader.buffered for c in partial)
-        for conn in sorted(partial, key=lambda c: c.reader.buffered, reverse=True):
-            if held <= PARTIAL_BUDGET:
+                self.cut_partial(conn, "deadline",
+                                 f"it began a message and did not finish it within {PARTIAL_DEADLINE:g}s")
+        if self._freed >= TRIM_AFTER and self.partial_bytes < TRIM_AFTER:
+            self._freed = 0
+            give_back_heap()
+
+    def buffered(self, conn: _ClientConnection, grown: int) -> None:
+        """A connection's unfinished message grew (or shrank) by `grown` bytes; past the budget over
+        all connections, the ones holding the most are cut now, before anything more is read."""
+        self.partial_bytes += grown
+        if self.partial_bytes <= PARTIAL_BUDGET:
+            return
+        for victim in sorted((c for c in self._connections.values() if c.reader.buffered),
+                             key=lambda c: c.reader.buffered, reverse=True):
+            if self.partial_bytes <= PARTIAL_BUDGET:
                 break
-            held -= conn.reader.buffered
-            conn.cut(f"unfinished messages of all clients passed {PARTIAL_BUDGET >> 20} MiB")
+            self.cut_partial(victim, "budget", f"unfinished messages of all clients passed {PARTIAL_BUDGET >> 20} MiB")
+
+    def cut_partial(self, conn: _ClientConnection, kind: str, why: str) -> None:
+        cuts = self.partial_cuts[kind] = self.partial_cuts[kind] + 1
+        if cuts & (cuts - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
+            log.warning("client %s: closing its connection: %s (%d cut so far for this)", conn.conn_id.decode(), why,
+                        cuts)
+        conn.transport.abort()
+        self.drop_partial(conn)
+
+    def drop_partial(self, conn: _ClientConnection) -> None:
+        """Free what a connection that is going away had of an unfinished message, now."""
+        if conn.reader.buffered:
+            self.partial_bytes -= conn.reader.buffered
+            self._freed += conn.reader.buffered
+            conn.reader = MessageReader()
+            conn.partial_since = None
 
     @property
     def connections(self) -> int:
@@ -178,21 +232,33 @@ class _ClientConnection(asyncio.Protocol):
         self.partial_since: float | None = None  # when the message now buffered began
         self.connected_at = time.monotonic()
         self.last_message: float | None = None  # when the last whole message came (None: none yet)
+        self.refused = False  # told why it is not served; closed once it read that
+        self._lingers = False  # (counted among the refused connections kept open)
 
-    def cut(self, why: str) -> None:
-        log.warning("client %s: closing its connection: %s", self.conn_id.decode(), why)
-        self.transport.abort()
-
-    def idle_since(self, now: float) -> float | None:
-        """Since when this connection is idle enough to be evicted at the cap; None if it is not."""
+    def eviction_rank(self, now: float) -> tuple[int, float] | None:
+        """(kind, since when) if this connection may be evicted at the cap, the lowest first: 0 never
+        spoke, 1 idle, 2 only waiting; None if it may not (mid-message, unanswered, or holding)."""
         if (self.transport is None or self.transport.is_closing() or self._backlog or self.reader.buffered
                 or self.transport.get_write_buffer_size()):
             return None
-        since, grace = ((self.connected_at, SILENT_GRACE) if self.last_message is None
-                        else (self.last_message, IDLE_GRACE))
-        if now - since < grace or self.server.in_use(self.conn_id):
+        if self.last_message is None:
+            return (0, self.connected_at) if now - self.connected_at >= SILENT_GRACE else None
+        if now - self.last_message < IDLE_GRACE:
             return None
-        return since
+        uses = self.server.uses(self.conn_id)
+        return None if uses is Use.HOLDS else (1 + uses, self.last_message)
+
+    def refuse(self, error: KvdError) -> None:
+        """Say why, then close: once the client has read it (it closes, or REFUSED_LINGER passed)."""
+        self.refused = True
+        self.send(p.encode(p.error_reply(0, error, None)))
+        if self.server.lingering >= REFUSED_KEPT or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.server.lingering += 1
+        self._lingers = True
+        self.transport.write_eof()  # (what was said goes out; what comes in is discarded)
+        asyncio.get_running_loop().call_later(REFUSED_LINGER, self.transport.abort)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -204,8 +270,7 @@ class _ClientConnection(asyncio.Protocol):
                                                "run the client as the daemon's user")
                 log.warning("refused a client connection from another user (%s)",
                             "unknown" if uid < 0 else f"uid {uid}")
-                self.send(p.encode(p.error_reply(0, refusal, None)))
-                self.transport.close()
+                self.refuse(refusal)
                 return
         if self.full and self.server.admit_at_cap(self):
             self.full = False
@@ -213,15 +278,16 @@ class _ClientConnection(asyncio.Protocol):
             self.server.refused += 1
             if self.server.refused & (self.server.refused - 1) == 0:  # 1st, 2nd, 4th, ...: a flood logs little
                 log.warning("refused a client connection: %d clients are connected (--max-clients), none of them "
-                            "idle; %d refused so far", self.server.max_clients, self.server.refused)
-            self.send(p.encode(p.error_reply(0, BadRequest(
-                f"the daemon serves at most {self.server.max_clients} client connections (--max-clients), and "
-                "none is idle"), None)))
-            self.transport.close()
+                            "able to make room (each holds something, or was active lately); %d refused so far",
+                            self.server.max_clients, self.server.refused)
+            self.refuse(BadRequest(f"the daemon serves at most {self.server.max_clients} client connections "
+                                   "(--max-clients), and none can make room now: each holds something, or was "
+                                   f"active within the last {IDLE_GRACE:g}s (try again)"))
 
     def data_received(self, data: bytes) -> None:
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self.refused:
             return
+        held = self.reader.buffered
         try:
             messages = self.reader.feed(data)
         except ProtocolError as exc:
@@ -229,7 +295,12 @@ class _ClientConnection(asyncio.Protocol):
             log.warning("client %s broke the framing: %s; closing its connection", self.conn_id.decode(), exc)
             self.send(p.encode(p.error_reply(0, exc, None)))
             self.transport.close()
+            self.server.drop_partial(self)
             return
+        if self.reader.buffered != held and not self.full:
+            self.server.buffered(self, self.reader.buffered - held)
+            if self.transport.is_closing():  # (cut: over the budget)
+                return
         self._backlog.extend(messages)
         if messages:
             self.last_message = time.monotonic()
@@ -263,6 +334,14 @@ class _ClientConnection(asyncio.Protocol):
             log.warning("client %s is not reading its replies; closing its connection", self.conn_id.decode())
             self.transport.abort()
 
+    def eof_received(self) -> bool:
+        if self.refused:
+            self.transport.abort()  # (the client read why, and hung up)
+        return False
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._lingers:
+            self.server.lingering -= 1
         if not self.full:
+            self.server.drop_partial(self)
             self.server._gone(self.conn_id)

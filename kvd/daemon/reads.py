@@ -118,19 +118,18 @@ class Reads:
 
     def _check_not_leaving(self, request_id: str, departed_too: bool) -> None:
         """A stream read does not wait for an entry a push is taking to a peer (committed), nor,
-        unless told where else to look, for one that left lately (pushed, or pulled without keep):
-        it will not be readable here. (One a pull is taking may still come back, if the pull fails.)"""
+        unless told where else to look, for one that left lately (pushed, or pulled without keep)
+        or whose push failed: it will not be readable here. (One a pull is taking may still come
+        back, if the pull fails.)"""
         entry = self.store.entries.get(request_id)
         if entry is not None:
             peer = self.pulls.transfers.pushing(entry) if entry.state is State.CLAIMED else None
-            gone = (peer, True) if peer is not None else None
+            how = (f"was pushed to {peer} and is no longer on {self.settings.node_id}: read it on {peer}"
+                   if peer is not None else None)
         else:
-            gone = self.watch.departed(request_id) if departed_too else None
-        if gone is not None:
-            peer, pushed = gone
-            how = f"was pushed to {peer}" if pushed else f"was pulled by {peer}"
-            raise NotFound(f"request {request_id!r} {how} and is no longer on {self.settings.node_id}: "
-                           f"read it on {peer}")
+            how = self.watch.departed(request_id) if departed_too else None
+        if how is not None:
+            raise NotFound(f"request {request_id!r} {how}")
 
     async def locate(self, msg: p.ClusterLocate) -> p.Message:
         return p.Ok(req=msg.req, value=await self.directory().locate(msg.request_id))

@@ -24,8 +24,9 @@ from kvd.wire import protocol as p
 from .local_server import LocalServer
 from .store.entries import Entry, Lease, State, Store
 
-# entries sent away lately (pushed, or pulled without keep) are remembered by request id, so that a
-# get_stream here that comes for one after it left is told where it went, not left waiting
+# entries sent away lately (pushed, or pulled without keep), or whose push failed, are remembered by
+# request id, so that a get_stream here that comes for one after it left is told where it went (or
+# that it is gone), not left waiting
 DEPARTURES_KEPT = 4096
 DEPARTURE_MEMORY = 300.0  # seconds
 
@@ -69,7 +70,7 @@ class EntryWatch:
         self.stream_leases: set[int] = set()  # read leases held by get_stream readers
         self._parked: dict[str, dict[ParkedGet, None]] = {}  # request id -> its parked gets, oldest first
         self._retrying: set[str] = set()  # request ids whose parked gets are retried in the next turn
-        self._departed: dict[str, tuple[str, bool, float]] = {}  # request id -> (peer, pushed?, when), oldest first
+        self._departed: dict[str, tuple[str, float]] = {}  # request id -> (how it left, when), oldest first
 
     # --- waiting for an entry ------------------------------------------------------------------
 
@@ -219,6 +220,10 @@ class EntryWatch:
 
     def on_dropped(self, entry: Entry, error: KvdError) -> None:
         """An entry failed before completion: its stream readers get the error, their leases go."""
+        self._fail_readers(entry, error)
+        self.wake(entry.request_id)  # (a reader still waiting for the entry to appear looks again)
+
+    def _fail_readers(self, entry: Entry, error: KvdError) -> None:
         for reader in [r for r in self._readers.pop(entry.request_id, []) if r.entry is entry]:
             self.clients.send(reader.rid, p.error_reply(reader.req, error, self.node_id))
             self.stream_leases.discard(reader.lease_token)
@@ -230,23 +235,36 @@ class EntryWatch:
     def on_departed(self, entry: Entry, peer: str, pushed: bool) -> None:
         """A transfer took the entry to peer and it is gone from here: stream readers still waiting
         for it are told (`departed`)."""
-        self._departed.pop(entry.request_id, None)
-        self._departed[entry.request_id] = (peer, pushed, time.monotonic())
+        how = "was pushed to" if pushed else "was pulled by"
+        self._remember(entry.request_id, f"{how} {peer} and is no longer on {self.node_id}: read it on {peer}")
+
+    def on_push_failed(self, entry: Entry, peer: str, error: KvdError) -> None:
+        """A push of the entry to peer failed: the put that made it fails with it, and the entry is
+        dropped here. A stream reader waiting for it, or that comes for it (it may have come after
+        the push was refused: before the first write), is told so, not left waiting for its timeout."""
+        how = f"was being pushed to {peer} and the push failed ({error.message}): it is not on {self.node_id}"
+        self._fail_readers(entry, NotFound(f"request {entry.request_id!r} {how}"))  # (those following it)
+        self._remember(entry.request_id, how)
+
+    def _remember(self, request_id: str, how: str) -> None:
+        self._departed.pop(request_id, None)
+        self._departed[request_id] = (how, time.monotonic())
         if len(self._departed) > DEPARTURES_KEPT:
             del self._departed[next(iter(self._departed))]
-        self.wake(entry.request_id)
+        self.wake(request_id)
 
     def on_returned(self, entry: Entry) -> None:
         """A failed push or pull gave its claim back: whoever waits for the entry may have it now."""
         self.wake(entry.request_id)
 
-    def departed(self, request_id: str) -> tuple[str, bool] | None:
-        """(peer, pushed?) if an entry of request_id left for a peer lately, and none came since."""
+    def departed(self, request_id: str) -> str | None:
+        """How an entry of request_id left for a peer lately ("was pushed to B and ..."), if it did
+        and none came since."""
         found = self._departed.get(request_id)
-        if found is not None and time.monotonic() - found[2] > DEPARTURE_MEMORY:
+        if found is not None and time.monotonic() - found[1] > DEPARTURE_MEMORY:
             del self._departed[request_id]
             found = None
-        return found[:2] if found is not None else None
+        return found[0] if found is not None else None
 
     def lease_expired(self, lease: Lease) -> None:
         """A read lease ran out (or its client hung up): the entry is back, wake its waiters."""

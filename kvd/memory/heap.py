@@ -25,3 +25,14 @@ def keep_receive_buffers() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3  # from malloc.h
     return bool(libc.mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
                 and libc.mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+
+
+def give_back_heap() -> bool:
+    """Hand the heap's free pages back to the kernel now (glibc's malloc_trim): after a burst of
+    buffers was freed (local clients cut for unfinished messages), so that what they held leaves
+    the daemon's RSS instead of staying kept for later. A no-op (False) off glibc."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    import ctypes
+
+    return bool(ctypes.CDLL(None).malloc_trim(0))

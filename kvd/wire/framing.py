@@ -47,36 +47,54 @@ def encode_message(frames: Sequence[Frame]) -> bytes:
 
 
 class MessageReader:
-    """Bytes in (as they arrive, in any pieces), complete messages out."""
+    """Bytes in (as they arrive, in any pieces), complete messages out.
+
+    While a message is known to need more bytes than have come (a frame's length was read), the
+    pieces that come are kept as they are and joined once, when there are enough: a buffer grown
+    piece by piece would be copied to a bigger block at every step, and the holes those copies
+    leave in the heap make an unfinished 4 MiB message cost more than 4 MiB of RSS."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
+        self._pieces: list[bytes] = []  # received after the buffer, not joined to it yet
+        self._pending = 0  # their bytes
+        self._need = 0  # bytes the buffer must hold before parsing can go on
 
     @property
     def buffered(self) -> int:
         """Bytes of a message not yet complete."""
-        return len(self._buffer)
+        return len(self._buffer) + self._pending
 
     def feed(self, data: Frame) -> list[list[bytes]]:
         """Add received bytes; return every message they complete. Raises ProtocolError."""
+        if len(self._buffer) + self._pending + len(data) < self._need:
+            self._pieces.append(bytes(data))  # (a copy only of a view or bytearray: its owner may reuse it)
+            self._pending += len(data)
+            return []
+        if self._pieces:
+            self._buffer += b"".join(self._pieces)
+            self._pieces.clear()
+            self._pending = 0
         self._buffer += data
         messages: list[list[bytes]] = []
         start = 0
         while True:
             parsed = self._parse(start)
-            if parsed is None:
+            if type(parsed) is int:
+                self._need = parsed - start
                 break
-            frames, start = parsed
+            frames, start = parsed  # type: ignore[misc]
             messages.append(frames)
         if start:
             del self._buffer[:start]
         return messages
 
-    def _parse(self, start: int) -> tuple[list[bytes], int] | None:
-        """The message at start and where the next begins, or None if it is not all here yet."""
+    def _parse(self, start: int) -> tuple[list[bytes], int] | int:
+        """The message at start and where the next begins; or, if it is not all here yet, how
+        long the buffer must be before more of it can be parsed."""
         buf = self._buffer
         if len(buf) - start < 4:
-            return None
+            return start + 4
         (count,) = _U32.unpack_from(buf, start)
         if not 1 <= count <= MAX_FRAMES:
             raise ProtocolError(f"message declares {count} frames (1 to {MAX_FRAMES} allowed)")
@@ -85,14 +103,14 @@ class MessageReader:
         size = 0
         for _ in range(count):
             if len(buf) - pos < 4:
-                return None
+                return pos + 4
             (length,) = _U32.unpack_from(buf, pos)
             size += length
             if size > MAX_MESSAGE_BYTES:
                 raise ProtocolError(f"message of more than {MAX_MESSAGE_BYTES} bytes (the local socket's limit)")
             pos += 4
             if len(buf) - pos < length:
-                return None
+                return pos + length
             frames.append(bytes(buf[pos:pos + length]))
             pos += length
         return frames, pos

@@ -105,7 +105,7 @@ def test_an_entry_that_left_is_remembered_until_another_comes():
         entry = put(store, "r")
         store.remove(entry)
         watch.on_departed(entry, "B", pushed=True)
-        assert watch.departed("r") == ("B", True)
+        assert watch.departed("r") == "was pushed to B and is no longer on A: read it on B"
         watch.on_published(put(store, "r"))  # a new one of the same id is here now
         assert watch.departed("r") is None
         assert watch.departed("other") is None

@@ -4,6 +4,7 @@ sockets."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from kvd.daemon.local_server import IDLE_GRACE
 from kvd.daemon.reads import MAX_WAITS_PER_CONNECTION
 from kvd.testing import eventually, raw_connection
 from kvd.wire import protocol as p
+from kvd.wire.endpoints import unix_path
 from kvd.wire.framing import encode_message
 
 
@@ -126,3 +128,51 @@ def test_idle_connections_do_not_lock_a_new_client_out(daemons):
     assert isinstance(slots, p.GetSlots) and slots.req == 2
     for conn in [busy, *idle]:
         conn.close()
+
+
+def test_connections_that_never_speak_or_only_wait_cannot_lock_a_client_out(daemons):
+    # a leaky process fills --max-clients: first with connections that never say a word, then
+    # with connections that each park a get for an hour. A client of the same uid is told why
+    # while none can make room yet, and gets in within a second or so: the silent ones go first,
+    # then the ones that only wait (their gets end, and they are told why). Before, it waited 10 s
+    # for the silent ones and was refused for good by the waiting ones.
+    d = daemons.start("A", extra=["--max-clients", "32"])
+    silent = []
+    for _ in range(32):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(unix_path(d.socket))
+        silent.append(s)
+    with pytest.raises(kvd.BadRequest, match=r"--max-clients.*none can make room now"):
+        d.client().connect()  # (told why, not "connection lost")
+    started = time.monotonic()
+    eventually(lambda: served(d), timeout=5)
+    print(f"a client got in {time.monotonic() - started:.1f}s after 32 silent connections filled the cap")
+    for s in silent:
+        s.close()
+    waiting = []
+    for i in range(32):
+        conn = raw_connection(d.socket)
+        hello(conn)
+        conn.send(p.encode(p.Get(req=2, request_id=f"never-{i}", timeout=3600.0)))
+        waiting.append(conn)
+    started = time.monotonic()
+    eventually(lambda: served(d), timeout=5)
+    print(f"a client got in {time.monotonic() - started:.1f}s after 32 waiting connections filled the cap")
+    evicted = [conn for conn in waiting if not conn.alive()]
+    assert evicted, "no waiting connection made room"
+    error = p.decode(evicted[0].receive(5))
+    assert isinstance(error, p.Error) and "--max-clients" in error.message and "gets waiting" in error.message
+    # the evicted ones' gets ended with them (each ask may evict one more while the last client's
+    # close is still on its way: hence eventually)
+    eventually(lambda: waiting_reads(d) == sum(conn.alive() for conn in waiting), timeout=5)
+    for conn in waiting:
+        conn.close()
+
+
+def served(daemon) -> bool:
+    try:
+        with daemon.client() as c:
+            c.put("still-served", {"x": torch.arange(100)})
+            return torch.equal(c.get("still-served")["x"], torch.arange(100))
+    except kvd.KvdError:  # (refused while none can make room)
+        return False

@@ -142,3 +142,38 @@ def test_a_reader_following_the_pushed_stream_gets_every_tensor_at_the_commit(da
     assert result["outcome"] == "complete", result["outcome"]
     assert_ended_well(result)
     assert result["ended"] - committed < 5
+
+
+@pytest.mark.parametrize("reader_first", [True, False])
+def test_a_reader_of_a_stream_whose_push_is_refused_is_told_at_once(daemons, reader_first):
+    # B has no room for the stream: it refuses the offer, and the put fails on A at once. A reader
+    # on A (waiting for the entry before the put began, or come just after) is told so, not left
+    # waiting for its timeout (it waited its whole 60 s)
+    from kvd.testing import free_port, wait_ready
+
+    pa, pb = free_port(), free_port()
+    a = daemons.start("A", port=pa, peers={"B": f"tcp://127.0.0.1:{pb}"}, wait=False)
+    daemons.start("B", port=pb, peers={"A": f"tcp://127.0.0.1:{pa}"}, pool_size="256KiB")
+    wait_ready(a)
+    with a.client() as producer:
+        if reader_first:
+            reader, result = read_in_thread(a, "refused")
+            eventually(lambda: stats(a)["waiting_reads"] == 1)
+        stream = producer.put_stream("refused", LAYOUT, dest="B")
+        eventually(lambda: stats(a)["entries"] == 0, timeout=10)  # refused by B: the put is over on A
+        if not reader_first:
+            reader, result = read_in_thread(a, "refused")
+        with pytest.raises(kvd.PoolFull):
+            for name, tensor in LAYERS.items():
+                stream.write({name: tensor})
+            stream.commit()
+        failed = time.monotonic()
+        reader.join(10)
+        assert not reader.is_alive(), "the reader on A waits for a stream whose push was refused"
+        error = result["outcome"]
+        assert isinstance(error, kvd.KvdError), error
+        assert isinstance(error, kvd.NotFound) and "pushed to B and the push failed" in str(error), error
+        assert "pool full" in str(error) and "not on A" in str(error), error
+        assert result["ended"] - failed < 5
+        assert stats(a)["entries"] == 0 and stats(a)["waiting_reads"] == 0
+

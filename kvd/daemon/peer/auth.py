@@ -12,8 +12,10 @@ CURVE server without a ZAP handler accepts any client key. Two ways admit a peer
   of them, or Z85 strings (such a key may call itself anything). A file NAME.key also gives the
   key to dial peer NAME; with a CA, so does a peer's NAME.cert (for static peers, no registry).
 
-`--curve-deny FILE` lists revoked keys: refused by either way, and cut at once on SIGHUP. The
-daemon refuses to start when it cannot enforce any of this.
+`--curve-deny FILE` lists revoked keys: refused by either way, and cut at once on SIGHUP. A key
+(or cert) a SIGHUP takes out of `--curve-allow` is cut at once too, and refused from then on even
+where the CA would admit it (`revoked`: until it is put back, or a restart; the deny list is the
+lasting way). The daemon refuses to start when it cannot enforce any of this.
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ class CurveKeys:
     peer_keys: dict[str, bytes] = field(default_factory=dict)  # peer name -> its public key (NAME.key)
     names: dict[bytes, str] = field(default_factory=dict)  # allowed key -> the only node id it may claim
     denied: frozenset[bytes] = frozenset()  # revoked keys (--curve-deny)
+    # with a CA: keys a SIGHUP took out of --curve-allow, refused until put back (the CA would still
+    # admit them; a restart forgets this: --curve-deny is the lasting way)
+    revoked: set[bytes] = field(default_factory=set)
     authority: Authority | None = None  # the cluster CA (--curve-ca)
     signer: NodeSigner | None = None  # our signing key and cert, with a CA
     # a cluster node's key from its registry record, once that record's cert verified (the daemon sets it)
@@ -60,6 +65,8 @@ class CurveKeys:
         if key is not None:
             if key in self.denied:
                 raise BadRequest(f"the CURVE key of peer {peer_name!r} is on the deny list (--curve-deny)")
+            if key in self.revoked:
+                raise BadRequest(f"the CURVE key of peer {peer_name!r} was taken out of --curve-allow")
             return key
         if peer_name.startswith("tcp://"):  # an endpoint that is no configured peer's
             raise BadRequest(
@@ -78,15 +85,31 @@ class CurveKeys:
             "among --curve-allow (then SIGHUP to reload the allow list)"
         )
 
+    def take_out(self, fresh: CurveKeys) -> set[bytes]:
+        """A reload: with a CA, the keys --curve-allow named (as NAME.key, NAME.cert or Z85) and no
+        longer names are refused from now on, and those it names again are not. Returns the keys
+        newly refused. (Without a CA a key not allowed is refused anyway.)"""
+        if self.authority is None:
+            return set()
+        before = self.allowed | set(self.peer_keys.values())
+        after = fresh.allowed | set(fresh.peer_keys.values())
+        taken = before - after - fresh.denied - self.revoked
+        self.revoked -= after
+        self.revoked |= taken
+        return taken
+
     def zap_admits(self, key: bytes) -> bool:
         """ZeroMQ's handshake (the ZAP thread): may this key connect at all? With a CA any key not
         denied may, since the cert it must show comes in its hello (`admits`)."""
-        return key not in self.denied and (key in self.allowed or self.authority is not None)
+        return (key not in self.denied and key not in self.revoked
+                and (key in self.allowed or self.authority is not None))
 
     def admits(self, key: bytes, node_id: str, cert: bytes | None) -> str | None:
         """May the peer that authenticated with `key` call itself `node_id`? None if so, else why not."""
         if key in self.denied:
             return "its CURVE key is on the deny list (--curve-deny)"
+        if key in self.revoked:
+            return "its CURVE key was taken out of --curve-allow (SIGHUP)"
         if key in self.allowed:
             bound = self.names.get(key)
             if bound is None or bound == node_id:

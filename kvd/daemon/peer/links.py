@@ -28,8 +28,9 @@ from .handshake import (
     Action, Answered, Closed, Expired, Fail, Forgotten, Forward, Handshake, Heartbeat, Log, Lost, Redial, Refused,
     Resolve, Retrying, SendHello, SendPing, Silent, StartTimer, State, Wait,
 )
-from .loopsocket import LoopSocket
 from ..plane.handshake import PlaneHandshake
+from .loopsocket import NOT_SENT, LoopSocket
+from .owed import PEER_QUEUE_BYTES, Owed  # noqa: F401  (PEER_QUEUE_BYTES: read here by tests)
 from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
 log = logging.getLogger(__name__)
@@ -41,16 +42,13 @@ COPY_BELOW = (1 << 20) + 1  # bytes; frames up to 1 MiB are copied into ZeroMQ
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 PEER_SNDHWM = 10_000  # messages queued for one peer connection
-# bytes copied into ZeroMQ for one connection to our ROUTER and not yet written to the kernel; a
-# peer past it does not read what it asked for, and is cut (router.Router._channel)
-PEER_QUEUE_BYTES = 64 << 20
 
 
 def tune_peer_socket(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 500)  # let Abort messages out at shutdown, but not forever
     # flow control is the transfer window, not the HWM; the HWM only bounds how many messages a peer
     # that stops reading can make us queue for it (chunks in flight are at most a few windows'
-    # worth), not their bytes: the ROUTER counts those itself (PEER_QUEUE_BYTES)
+    # worth), not their bytes: those are counted per connection (owed.Owed: PEER_QUEUE_BYTES)
     sock.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings keep dead TCP connections from lingering
@@ -73,7 +71,8 @@ class PeerLink:
     def __init__(self, ctx: zmq.Context, name: str, endpoint: str, node_id: str, incarnation: int,
                  on_message: Callable[[PeerLink, p.Message], None], curve: CurveKeys | None = None,
                  on_lost: Callable[[PeerLink, str], None] | None = None, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic, plane: PlaneHandshake | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, owed: Owed | None = None,
+                 plane: PlaneHandshake | None = None) -> None:
         self._metrics = metrics or Metrics()
         self._plane = plane  # our one-sided plane, offered in our hello (None: ZeroMQ's frames only)
         self.name = name
@@ -94,9 +93,14 @@ class PeerLink:
                                    self._on_socket_event)
         sock.connect(endpoint)
         self.socket = LoopSocket(sock, self._on_frames, copy=False)
-        self.channel = Channel(("dealer", endpoint), name,
-                               lambda frames, track: self.socket.send(frames, copy=False, track=track), self.cut)
+        self.channel = Channel(("dealer", endpoint), name, self._send, self.cut)
         self.connection: TcpConnection | None = None  # the TCP connection the last hello answer came on
+        # what ZeroMQ holds for the peer, counted: a peer that sends requests on our link and never
+        # reads the answers is cut as one connected to our ROUTER is (owed.Owed)
+        self._owed = owed or Owed()
+        self._account = self._owed.account(self.channel.key, lambda: self.name, lambda: self.connection, self.cut,
+                                           sock.copy_threshold, self._curve)
+        self.socket.on_taken = self._account.taken
         # what this shell keeps of each waiter, by the handshake's waiter id
         self._waiter_ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
@@ -163,6 +167,8 @@ class PeerLink:
         timeout's message)."""
         event = parse_monitor_message(frames)
         if event["event"] == zmq.EVENT_DISCONNECTED:
+            self._owed.released(self.channel.key)  # (with IMMEDIATE, its queue went with it)
+            self._account.backlog.cut = False  # (a cut one: what is sent now waits for the next connection)
             self._do(self.handshake.handle(Closed()))
             return
         refusal = handshake_refusal(self.name, self.endpoint, event["event"], event["value"], self._curve)
@@ -263,12 +269,19 @@ class PeerLink:
             pass  # already forgotten
         sock.connect(self.endpoint)
 
+    def _send(self, frames: list, track: bool) -> Sending:
+        if self._account.backlog.cut:  # (cut for not reading, and ZeroMQ has not seen it yet)
+            return NOT_SENT
+        return self.socket.send(frames, copy=False, track=track)
+
     def cut(self) -> bool:
         """Cut our TCP connection to the peer: ZeroMQ drops the frames queued on it (with
         IMMEDIATE, a DEALER discards its queue with the connection) and dials again."""
-        return self.connection is not None and self.connection.cut()
+        conn, self.connection = self.connection, None  # (its descriptor may be another's soon)
+        return conn is not None and conn.cut()
 
     def close(self) -> None:
+        self._owed.forget(self.channel.key)
         self.socket.sock.disable_monitor()
         self._monitor.close(linger=0)
         self.socket.close()

@@ -11,19 +11,14 @@ after every send we ask the socket (EVENTS) whether input is waiting, and if so 
 next loop iteration.
 
 ZeroMQ bounds what it queues for a connection by a count of messages (SNDHWM), whatever their
-size; `Backlog` counts the bytes instead, for a socket whose connections are TCP (the peer
-ROUTER caps each connection's with it).
+size; `owed.Backlog` counts the bytes instead (`on_taken` says what ZeroMQ took, on a socket
+whose sends may wait here first).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import fcntl
 import logging
-import os
-import socket
-import struct
-import termios
 from collections.abc import Callable
 
 import zmq
@@ -111,118 +106,6 @@ class NotSent:
 
 NOT_SENT = NotSent()
 
-# struct tcp_info (linux/tcp.h, since 4.1): tcpi_bytes_acked, a u64 at 120
-_TCP_INFO_BYTES_ACKED, _TCP_INFO_LEN = 120, 128
-_OUTQ = struct.Struct("i")
-
-
-def kernel_written(fd: int) -> int | None:
-    """Bytes written into TCP connection fd so far, by whoever holds it (ZeroMQ): those the peer
-    acknowledged plus those still in the send queue (SIOCOUTQ). None if fd is no TCP connection."""
-    try:
-        with socket.socket(fileno=os.dup(fd)) as sock:
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-            queued = _OUTQ.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(_OUTQ.size)))[0]
-    except OSError:
-        return None
-    if len(info) < _TCP_INFO_LEN:
-        return None
-    return struct.unpack_from("=Q", info, _TCP_INFO_BYTES_ACKED)[0] + queued
-
-
-class Backlog:
-    """The bytes handed to ZeroMQ for one TCP connection that it has not written to the kernel
-    yet, for a cap on them: `add` counts each message ZeroMQ takes and says when to look, `settle`
-    is given what the kernel says ZeroMQ wrote so far (`kernel_written`) and returns the bytes
-    still queued in frames ZeroMQ copied.
-
-    ZeroMQ writes a connection's messages in order, framed: a frame of n bytes takes n + 2 bytes
-    on the wire up to 255, n + 9 above (ZMTP 3), and under CURVE n + 35 up to 222, n + 42 above
-    (its MESSAGE command: name, nonce, MAC, flags). What it writes of its own (greeting, handshake,
-    heartbeats) also counts as written; that is at least the largest excess of written over
-    handed ever seen, and taking that off keeps the count from ever being above the truth. It is
-    below it only by what ZeroMQ wrote of its own since its queue was last empty: a heartbeat's
-    few bytes a second, for a peer that reads nothing.
-
-    Frames ZeroMQ borrows instead of copying (`lend_from` bytes and more: chunk payloads sent
-    zero-copy from the pool) are not ours to cap: the transfer window bounds them, and
-    transfer_timeout takes them back. They are remembered, one entry per MiB at least, so that
-    what is still queued of them is told apart from the copied bytes; that list is pruned when
-    it has doubled since the last look."""
-
-    __slots__ = ("cap", "handed", "copied", "own", "written", "check_at", "lent", "lent_queued", "prune_at",
-                 "_lend_from", "_short", "_short_extra", "_long_extra", "conn", "cut")
-
-    PRUNE = 1024  # lent frames remembered before the kernel is asked anyway
-
-    def __init__(self, cap: int, lend_from: int, curve: bool = False) -> None:
-        self.cap = cap
-        self.handed = 0  # bytes handed to ZeroMQ, as they go on the wire
-        self.copied = 0  # the part of them in frames ZeroMQ copied
-        self.own = 0  # bytes ZeroMQ wrote of its own, at least
-        self.written = 0  # what the kernel said last
-        self.check_at = cap  # look again once `copied` passes this: the queue may have passed the cap
-        self.lent: collections.deque = collections.deque()  # (handed at its end, its bytes) per lent frame
-        self.lent_queued = 0  # the bytes of those frames
-        self.prune_at = self.PRUNE
-        self._lend_from = lend_from
-        self._short, self._short_extra, self._long_extra = (223, 35, 42) if curve else (256, 2, 9)
-        self.conn: object = None  # the connection the kernel's counts were of
-        self.cut = False  # the connection was cut: what is sent for it now is dropped
-
-    def add(self, frames: list) -> bool:
-        """Count a message ZeroMQ took; True when it is time to ask the kernel (`settle`)."""
-        handed, copied = self.handed, self.copied
-        for frame in frames:
-            size = len(frame)
-            n = size + (self._short_extra if size < self._short else self._long_extra)
-            handed += n
-            if size < self._lend_from:
-                copied += n
-            else:
-                self.lent.append((handed, n))
-                self.lent_queued += n
-        self.handed, self.copied = handed, copied
-        return copied > self.check_at or len(self.lent) > self.prune_at
-
-    def settle(self, written: int, conn: object = None) -> int:
-        """The kernel says `written` bytes went into the connection so far: the bytes of copied
-        frames still queued in ZeroMQ (never more than there are). `conn` names the connection; on
-        another one than before (or one whose count went back) the counts start again."""
-        if conn != self.conn:
-            if self.conn is not None:
-                self._restart()
-            self.conn = conn
-        elif written < self.written:
-            self._restart()
-        self.written = written
-        own = written - self.handed
-        if own > self.own:
-            self.own = own
-        ours = written - self.own  # of what we handed, at most this much was written
-        lent = self.lent
-        while lent and lent[0][0] <= ours:
-            self.lent_queued -= lent.popleft()[1]
-        queued = self.handed - ours - self.lent_queued
-        if lent:  # the first of them may be partly written
-            end, n = lent[0]
-            queued += max(0, ours - (end - n))
-        self.check_at = self.copied + self.cap - queued
-        self.prune_at = max(self.PRUNE, 2 * len(lent))
-        return queued
-
-    def unknown(self) -> None:
-        """The kernel could not be asked (no TCP connection known, or it is gone): nothing can be
-        told of what was counted so far; count afresh, and look again a cap later."""
-        self._restart()
-        self.check_at = self.cap
-        self.prune_at = self.PRUNE
-
-    def _restart(self) -> None:
-        self.handed = self.copied = self.own = self.written = self.lent_queued = 0
-        self.lent.clear()
-
-
 class LoopSocket:
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list], None], copy: bool = True,
                  fail_when_full: bool = False, max_pending: int = MAX_PENDING) -> None:
@@ -240,6 +123,8 @@ class LoopSocket:
         self._retry_scheduled = False
         self._retry_delay = RETRY_FIRST
         self._closed = False
+        # told of every message ZeroMQ takes (at once, or from the queue here): what it holds is counted
+        self.on_taken: Callable[[list], None] | None = None
         self._loop.add_reader(sock.FD, self._on_fd)
         self._schedule_check()
 
@@ -297,6 +182,8 @@ class LoopSocket:
             else:
                 self._retry_delay = RETRY_FIRST
                 self._check_input()
+                if self.on_taken is not None:
+                    self.on_taken(frames)
                 return Sent(result)
         future = self._loop.create_future()
         if self._closed:
@@ -345,6 +232,8 @@ class LoopSocket:
             future.set_exception(exc)
             return True
         self._retry_delay = RETRY_FIRST
+        if self.on_taken is not None:
+            self.on_taken(frames)
         future.set_result(result)
         return True
 

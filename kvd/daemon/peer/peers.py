@@ -24,6 +24,7 @@ from ..plane.handshake import PlaneHandshake
 from .auth import CurveKeys
 from .channel import Channel
 from .links import PeerLink
+from .owed import Owed
 from .tcpconn import TcpConnection
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class PeerSet:
         self._router_channels: dict[bytes, Channel] = {}  # routing id -> the channel replies go on
         self._router_identities: dict[bytes, tuple[bytes, str, bytes | None]] = {}  # routing id -> key, id, cert
         self._last_ping = 0.0
+        # the bytes ZeroMQ holds for every peer connection (our links and connections to our ROUTER)
+        self.owed = Owed(stall=settings.heartbeat_timeout)
         # a silent peer's connection -> the byte count it had when the silence began (see `_moving`)
         self._silent_since_bytes: dict[object, int] = {}
 
@@ -100,7 +103,7 @@ class PeerSet:
     def _new_link(self, name: str, endpoint: str) -> PeerLink:
         return PeerLink(self.ctx, name, endpoint, self.settings.node_id, self.incarnation,
                         lambda link, msg: self._on_message(link, msg), self.curve, self._on_link_lost, self.metrics,
-                        plane=self.plane)
+                        owed=self.owed, plane=self.plane)
 
     def tear_down_plane(self, agent: str) -> None:
         """End the plane's connection to that agent and cut our connections with it: their handshakes,
@@ -255,6 +258,7 @@ class PeerSet:
         self._router_conns.pop(rid, None)
         self._router_channels.pop(rid, None)
         self._router_identities.pop(rid, None)
+        self.owed.forget(("router", rid))
         return self._router_peers.pop(rid, None) is not None
 
     def router_identities(self) -> dict[bytes, tuple[bytes, str, bytes | None]]:
@@ -304,9 +308,12 @@ class PeerSet:
             if now - seen > cfg.heartbeat_timeout:
                 del self._router_seen[rid]
                 self._silent_since_bytes.pop(rid, None)
-                self._router_conns.pop(rid, None)
+                conn = self._router_conns.pop(rid, None)
+                if conn is not None:  # (ZeroMQ would keep its connection, and what it holds for it)
+                    conn.cut()
+                self.owed.forget(("router", rid))
                 self._router_channels.pop(rid, None)
                 self._router_identities.pop(rid, None)
                 name = self._router_peers.pop(rid, rid.hex())
-                log.warning("peer %s (connected to us) lost: silent for %.1fs", name, now - seen)
+                log.warning("peer %s (connected to us) lost: silent for %.1fs; connection closed", name, now - seen)
                 self._on_lost(("router", rid), f"peer {name} stopped answering")

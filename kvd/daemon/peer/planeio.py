@@ -68,7 +68,8 @@ class PlaneIO:
         entry = transfer.entry
         nbytes = entry.total_bytes if entry is not None else 0
         now = self.clock()
-        xfer, request_id, peer, channel = transfer.xfer, transfer.request_id, transfer.channel.peer_name, transfer.channel
+        xfer, request_id, channel = transfer.xfer, transfer.request_id, transfer.channel
+        peer = channel.peer_name
         if isinstance(transfer, Outbound):
             if transfer.kind is Kind.PUSH:  # our writes from its blocks
                 self._drain(Drain(xfer, agent, request_id, nbytes, lease_token=transfer.lease_token, since=now,

@@ -28,8 +28,9 @@ from ..metrics import Metrics
 from .admission import Admissions
 from .auth import CurveKeys, make_server
 from .channel import Channel
-from .links import PEER_QUEUE_BYTES, tune_peer_socket
-from .loopsocket import NOT_SENT, Backlog, LoopSocket, Sent, kernel_written
+from .links import tune_peer_socket
+from .loopsocket import NOT_SENT, LoopSocket, Sent
+from .owed import Account
 from .peers import PeerSet
 from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
@@ -78,7 +79,6 @@ class Router:
         self.metrics = metrics
         self.incarnation = incarnation
         self.socket: LoopSocket | None = None
-        self.queue_cap = PEER_QUEUE_BYTES  # bytes ZeroMQ may hold copied for one connection (see _channel)
         self.bound_endpoint = ""
         self._on_message: Callable[[Channel, p.Message], None] = lambda channel, msg: None
 
@@ -104,50 +104,35 @@ class Router:
 
     def _channel(self, rid: bytes) -> Channel:
         """The channel to one connection. What ZeroMQ queues for it is capped twice: PEER_SNDHWM
-        messages (ZeroMQ's own count: a send past it fails), and queue_cap bytes copied into
-        ZeroMQ and not yet written to the kernel, counted here (a `Backlog`: the kernel is asked
-        only when what was sent since it last was could have passed the cap). Past either, the
-        peer is not reading what it asked for, and its connection is cut: ZeroMQ drops what it
-        held, the transfers on it fail as for a lost peer, and what is sent to it meanwhile is
-        dropped here."""
+        messages (ZeroMQ's own count: a send past it fails), and the bytes copied into ZeroMQ and
+        not yet written to the kernel (an `owed.Account`: per connection, over all of them, and in
+        time). Past either, the peer is not reading what it asked for, and its connection is cut:
+        ZeroMQ drops what it held, the transfers on it fail as for a lost peer, and what is sent to
+        it meanwhile is dropped here."""
         socket = self.socket
         assert socket is not None  # (a channel is for a connection that came in on it)
-        backlog = Backlog(self.queue_cap, socket.sock.copy_threshold, curve=self.curve is not None)
-        socket_send = socket.send
+        peers = self.peers
+        account = peers.owed.account(("router", rid), lambda: peers.router_name(rid),
+                                     lambda: peers.router_connection(rid), lambda: peers.cut_router(rid),
+                                     socket.sock.copy_threshold, self.curve is not None)
+        backlog, taken, socket_send = account.backlog, account.taken, socket.send
 
         def send(frames: list, track: bool):
             if backlog.cut:
                 return NOT_SENT
             sent = socket_send([rid, *frames], copy=False, track=track)
             if type(sent) is not Sent:  # not taken (yet): a full queue, or a connection gone
-                sent.add_done_callback(lambda f: self._check_sent(rid, f, backlog))
-            elif backlog.add(frames):
-                self._check_backlog(rid, backlog)
+                sent.add_done_callback(lambda f: self._check_sent(f, account))
+            else:
+                taken(frames)
             return sent
 
         return RouterChannel(("router", rid), self.peers.router_name(rid), send,
                              lambda: self.peers.cut_router(rid))
 
-    def _check_sent(self, rid: bytes, sent, backlog: Backlog | None = None) -> None:
+    def _check_sent(self, sent, account: Account) -> None:
         if not sent.cancelled() and isinstance(sent.exception(), zmq.Again):
-            self._cut_deaf(rid, backlog, "its queue is full")
-
-    def _check_backlog(self, rid: bytes, backlog: Backlog) -> None:
-        conn = self.peers.router_connection(rid)
-        written = None if conn is None else kernel_written(conn.fd)
-        if written is None:  # (not said hello yet, or gone: its disconnection is on its way)
-            backlog.unknown()
-            return
-        queued = backlog.settle(written, conn)
-        if queued > backlog.cap:
-            self._cut_deaf(rid, backlog, f"{queued / (1 << 20):.1f} MiB queued for it, more than the "
-                                         f"{backlog.cap / (1 << 20):g} MiB a connection may have")
-
-    def _cut_deaf(self, rid: bytes, backlog: Backlog | None, why: str) -> None:
-        if self.peers.cut_router(rid):
-            if backlog is not None:
-                backlog.cut = True
-            log.warning("peer %s does not read what we send (%s): connection closed", self.peers.router_name(rid), why)
+            self.peers.owed.cut(account, "its queue is full")
 
     # --- connections ------------------------------------------------------------------------------
 
@@ -168,7 +153,8 @@ class Router:
 
     def enforce(self, now: float) -> None:
         """Housekeeping: cut connections that did not say hello within connect_timeout, and, every
-        READMIT_EVERY, peers whose cert has expired meanwhile."""
+        READMIT_EVERY, peers whose cert has expired meanwhile; and peers that stopped reading."""
+        self.peers.owed.enforce(now)
         if self.admissions.readmit_due():
             self.readmit()
         for fd, why in self.admissions.overdue():

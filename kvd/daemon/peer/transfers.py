@@ -77,6 +77,7 @@ class EntryEvents(Protocol):
     def on_published(self, entry: Entry) -> None: ...
     def on_dropped(self, entry: Entry, error: KvdError) -> None: ...  # failed, removed
     def on_departed(self, entry: Entry, peer: str, pushed: bool) -> None: ...  # sent to peer, and gone from here
+    def on_push_failed(self, entry: Entry, peer: str, error: KvdError) -> None: ...  # dropped here too
     def on_returned(self, entry: Entry) -> None: ...  # a failed transfer's claim given back: readable here again
 
 
@@ -354,6 +355,8 @@ class Transfers:
                 self.frames.unpin_when_sent(transfer, sends)
             if error is None and transfer.entry.removed:  # (its lease consumed it: a push, a pull without keep)
                 self.events.on_departed(transfer.entry, transfer.channel.peer_name, transfer.kind is Kind.PUSH)
+            elif error is not None and transfer.kind is Kind.PUSH:  # (its put fails, and drops the entry)
+                self.events.on_push_failed(transfer.entry, transfer.channel.peer_name, error)
             elif error is not None and not transfer.entry.removed:  # (gets parked behind its claim wait on)
                 self.events.on_returned(transfer.entry)
         push = self._pushes.pop(transfer.xfer, None)

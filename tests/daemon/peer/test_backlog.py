@@ -14,7 +14,8 @@ import zmq
 from kvd.daemon.config import Config
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.peer.links import COPY_BELOW, tune_peer_socket
-from kvd.daemon.peer.loopsocket import NOT_SENT, Backlog, Sent, kernel_written
+from kvd.daemon.peer.loopsocket import NOT_SENT, Sent
+from kvd.daemon.peer.owed import Backlog, kernel_written
 from kvd.daemon.peer.peers import PeerSet, PeerSettings
 from kvd.daemon.peer.router import MAX_ABORT_TEXT, Router, RouterChannel, RouterSettings, clip
 from kvd.testing import free_port
@@ -188,7 +189,7 @@ def test_the_router_cuts_a_peer_past_the_byte_cap(caplog):
         gone = []
         router = Router(RouterSettings.of(config), ctx, None, peers, Metrics(), 1,
                         on_gone=lambda key, why: gone.append(why))
-        router.queue_cap = 1 << 20
+        peers.owed.per_connection = 1 << 20
         router.start(lambda channel, msg: None)
         deaf = ctx.socket(zmq.DEALER)
         deaf.setsockopt(zmq.LINGER, 0)
