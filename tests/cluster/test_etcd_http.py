@@ -22,6 +22,7 @@ class EvilServer:
         self.head, self.piece, self.pieces = head, piece, pieces
         self.sent = 0
         self.server: asyncio.Server | None = None
+        self.served = asyncio.Event()  # an answer ended (the client hung up, or it was all sent)
 
     async def __aenter__(self) -> tuple[str, int]:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -42,6 +43,7 @@ class EvilServer:
             pass  # the client hung up: what we want
         finally:
             writer.close()
+            self.served.set()
 
 
 def chunk(data: bytes) -> bytes:
@@ -64,7 +66,7 @@ def _serve_and_call(head: bytes, piece: bytes, pieces: int):
                 assert client._idle == []  # the connection it came on is not reused
             finally:
                 await client.close()
-            await asyncio.sleep(0.05)  # let the server see the hang-up
+            await asyncio.wait_for(evil.served.wait(), 10)  # the server saw the hang-up: sent is final
         return evil.sent
 
     return go()

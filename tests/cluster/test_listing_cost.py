@@ -28,6 +28,15 @@ def real_reg(request):
     h.heal()
 
 
+def script_calls(h: Harness) -> int:
+    """Redis: the scripts run (a watch's poll is one)."""
+    import redis
+
+    with redis.Redis(port=h.server.port) as r:
+        stats = r.info("commandstats")
+    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval", "fcall"))
+
+
 def listing_reads(h: Harness) -> int:
     """Redis: MGET calls (the listing's read; scripts' calls count). etcd: range requests."""
     if h.kind == "redis":
@@ -82,8 +91,11 @@ async def _idle_redis_watch(h: Harness):
             await writer.register_node(await writer.open_session(30), node(f"n{i}", inc=i + 1))
         view = View(h.backend())  # polls every 50 ms
         await view.until(lambda nodes: len(nodes) == 20, "the 20 nodes")
-        before = listing_reads(h)
-        await asyncio.sleep(1.0)  # ~20 polls, nothing changes
+        before, polls = listing_reads(h), script_calls(h)
+        deadline = time.monotonic() + 10
+        while script_calls(h) - polls < 20:  # 20 polls (~1 s at 50 ms, counted: not a guess), nothing changes
+            assert time.monotonic() < deadline, "the watch did not poll 20 times in 10 s"
+            await asyncio.sleep(0.05)
         assert listing_reads(h) - before <= 1, "an idle watch read the whole listing at every poll"
         assert len(view.events) == 1  # the Resync, nothing since
     finally:

@@ -186,10 +186,12 @@ async def _missing_node(reg):
         await a.start()
         assert await a.wait_registered(3)
         await reg.forge_holder(ghost.holder(HolderRecord("r", "ghost", 5, 1, 10, expires_at=EXPIRES)))
-        t0 = time.monotonic()
+        t0, lookups = time.monotonic(), 0
         while time.monotonic() - t0 < 1.0:  # gets waiting on a holder whose node is not registered
             assert await a.locate("r") == []
+            lookups += 1
             await asyncio.sleep(0.05)
+        assert lookups >= 5, f"only {lookups} lookups in 1 s: too few to tell 'per backoff' from 'per lookup'"
         assert a.ops[("get_node", "ok")] <= 2, a.ops  # once per backoff (0.5 s, then 1 s), not per lookup
         assert a.ops[("list_nodes", "ok")] == 0
     finally:

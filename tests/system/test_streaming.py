@@ -219,6 +219,7 @@ def test_pulling_a_stream_still_being_written_streams_too(daemons):
 
         reader = threading.Thread(target=read)
         reader.start()
+        eventually(lambda: arrivals, timeout=10)  # the pull follows the stream: layer.0 came before the others
         for i in range(1, 6):
             time.sleep(0.3)
             stream.write({f"layer.{i}": torch.full((1 << 16,), float(i))})
