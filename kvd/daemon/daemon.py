@@ -297,6 +297,7 @@ class Daemon:
         added, removed = fresh.allowed - curve.allowed, curve.allowed - fresh.allowed
         newly_denied = fresh.denied - curve.denied
         revoked = curve.take_out(fresh)  # (with a CA, which would still admit them)
+        curve.listed = fresh.listed
         curve.allowed.update(fresh.allowed)
         curve.denied = fresh.denied
         if curve.authority is not None:

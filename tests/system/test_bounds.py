@@ -357,7 +357,7 @@ def test_a_second_daemon_on_the_same_ports_says_which_flag_to_change(daemons):
     assert "--metrics-port" in second.log()
     clash = daemons.start("C", port=int(a.listen.rsplit(":", 1)[1]), wait=False)
     assert clash.proc.wait(20) != 0
-    assert "its own --listen port" in clash.log()
+    assert "choose another port for --listen" in clash.log()
 
 
 def _ended(sock: socket.socket) -> bool:

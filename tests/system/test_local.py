@@ -540,7 +540,7 @@ BAD_METAS = [
     {"scale": np.float32(0.5)},      # nor this
     {"n": 1 << 64},                  # OverflowError
     {1: "an int key"},               # encodes, but the daemon decodes with str keys only
-    {"blob": b"x" * 2048},           # encodes, over the daemon's bytes limit
+    {"blob": b"x" * (65 << 10)},     # encodes, over the daemon's bytes limit (64 KiB)
     ["not", "a", "dict"],            # encodes, but meta is a dict
 ]
 

@@ -49,6 +49,7 @@ class CurveKeys:
     # with a CA: keys a SIGHUP took out of --curve-allow, refused until put back (the CA would still
     # admit them; a restart forgets this: --curve-deny is the lasting way)
     revoked: set[bytes] = field(default_factory=set)
+    listed: set[bytes] = field(default_factory=set)  # the keys --curve-allow names (not the certs beside ours)
     authority: Authority | None = None  # the cluster CA (--curve-ca)
     signer: NodeSigner | None = None  # our signing key and cert, with a CA
     # a cluster node's key from its registry record, once that record's cert verified (the daemon sets it)
@@ -91,8 +92,7 @@ class CurveKeys:
         newly refused. (Without a CA a key not allowed is refused anyway.)"""
         if self.authority is None:
             return set()
-        before = self.allowed | set(self.peer_keys.values())
-        after = fresh.allowed | set(fresh.peer_keys.values())
+        before, after = self.listed, fresh.listed  # (a cert beside ours is the CA's word, not the list's)
         taken = before - after - fresh.denied - self.revoked
         self.revoked -= after
         self.revoked |= taken
@@ -154,6 +154,7 @@ def load_keys(secret_key_file: str, allow: list[str], *, ca_file: str = "", cert
             _add_key_file(keys, item)
         elif len(item) == Z85_KEY_LENGTH:
             keys.allowed.add(item.encode())
+            keys.listed.add(item.encode())
             log.warning("--curve-allow %s... names no node: that key may call itself any node id (a key file "
                         "NAME.key binds it to NAME)", item[:8])
         else:
@@ -217,6 +218,7 @@ def _add_key_file(keys: CurveKeys, path: str) -> None:
         except CertError as exc:
             raise BadRequest(f"--curve-allow {path}: {exc.message}") from None
         keys.peer_keys[cert.node_id] = cert.curve_z85
+        keys.listed.add(cert.curve_z85)
         return
     try:
         public, _ = zmq.auth.load_certificate(path)
@@ -224,6 +226,7 @@ def _add_key_file(keys: CurveKeys, path: str) -> None:
         raise BadRequest(f"cannot read public key {path}: {exc}") from None
     name = os.path.basename(path).removesuffix(".key").removesuffix(".key_secret")
     keys.allowed.add(public)
+    keys.listed.add(public)
     keys.peer_keys[name] = public
     keys.names[public] = name
 
