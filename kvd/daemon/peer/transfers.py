@@ -13,13 +13,15 @@ on a link with a one-sided plane, only once the plane can no longer touch them (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 from collections.abc import Callable
 
-from kvd.errors import KvdError, NotFound, PeerUnavailable
+from kvd.errors import BadRequest, KvdError, NotFound, PeerUnavailable
 from kvd.memory.io import PoolIO
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import is_loopback_endpoint
@@ -76,6 +78,25 @@ class EntryEvents(Protocol):
     def on_returned(self, entry: Entry) -> None: ...  # a failed transfer's claim given back: readable here again
 
 
+# bench knobs (`python -m bench --plane-cutover`): a daemon started with any of these in its environment
+# uses that plane limit instead of limits.py's (a whole number of bytes, or of operations); read once, at
+# start; nothing of them runs otherwise
+PLANE_KNOBS = {"plane_min_bytes": "KVD_TEST_PLANE_MIN_BYTES", "slice_bytes": "KVD_TEST_PLANE_SLICE_BYTES",
+               "plane_in_flight": "KVD_TEST_PLANE_IN_FLIGHT"}
+
+
+def _plane_knobs(limits: Limits, env: dict[str, str]) -> Limits:
+    knobs = {}
+    for name, var in PLANE_KNOBS.items():
+        if env.get(var):
+            value = int(env[var]) if env[var].isdigit() else 0
+            most = p.MAX_CHUNK_BYTES if name == "slice_bytes" else 1 << 40
+            if not 0 < value <= most:
+                raise BadRequest(f"{var}={env[var]!r}: a whole number from 1 to {most}")
+            knobs[name] = value
+    return dataclasses.replace(limits, **knobs) if knobs else limits
+
+
 @dataclass(frozen=True, slots=True)
 class TransferSettings:
     """What the transfers read of the daemon's configuration."""
@@ -92,8 +113,9 @@ class TransferSettings:
     def of(cls, config: Config) -> TransferSettings:
         # a plane's bytes beyond loopback cross a fabric kvd does not encrypt: their digest is cryptographic
         plane_checksum = config.checksum if is_loopback_endpoint(config.listen) else "blake3_64"
-        return cls(config.node_id, Limits(config.chunk_size, config.window, config.checksum, config.transfer_timeout,
-                                          plane_checksum=plane_checksum), config.connect_timeout)
+        limits = Limits(config.chunk_size, config.window, config.checksum, config.transfer_timeout,
+                        plane_checksum=plane_checksum)
+        return cls(config.node_id, _plane_knobs(limits, dict(os.environ)), config.connect_timeout)
 
 
 class Transfers:
