@@ -86,15 +86,16 @@ PLANE_KNOBS = {"plane_min_bytes": "KVD_TEST_PLANE_MIN_BYTES", "slice_bytes": "KV
 
 
 def _plane_knobs(limits: Limits, env: dict[str, str]) -> Limits:
-    knobs = {}
+    knobs: dict[str, int] = {}
     for name, var in PLANE_KNOBS.items():
+        knobs[name] = getattr(limits, name)
         if env.get(var):
-            value = int(env[var]) if env[var].isdigit() else 0
             most = p.MAX_CHUNK_BYTES if name == "slice_bytes" else 1 << 40
-            if not 0 < value <= most:
+            knobs[name] = int(env[var]) if env[var].isdigit() else 0
+            if not 0 < knobs[name] <= most:
                 raise BadRequest(f"{var}={env[var]!r}: a whole number from 1 to {most}")
-            knobs[name] = value
-    return dataclasses.replace(limits, **knobs) if knobs else limits
+    return dataclasses.replace(limits, plane_min_bytes=knobs["plane_min_bytes"], slice_bytes=knobs["slice_bytes"],
+                               plane_in_flight=knobs["plane_in_flight"])
 
 
 @dataclass(frozen=True, slots=True)
