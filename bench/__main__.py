@@ -66,7 +66,7 @@ def main() -> int:
                         help="only kvd's push and pull over each data plane (zmq; NIXL on UCX tcp and sm,tcp) beside "
                              "a bare NIXL write and raw TCP, with issue 40's goals (bench/planes.py)")
     parser.add_argument("--plane-cutover", action="store_true",
-                        help="only the NIXL plane against frames at 128 KiB-2 MiB (where to set PLANE_MIN_BYTES), and "
+                        help="only the NIXL plane against frames at 64 KiB-2 MiB (where to set PLANE_MIN_BYTES), and "
                              "its slice size and slices in flight (bench/plane_cutover.py)")
     args = parser.parse_args()
     if args.sglang:

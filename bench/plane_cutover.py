@@ -3,7 +3,7 @@
 Entries under PLANE_MIN_BYTES (kvd/daemon/peer/limits.py) go as chunk frames even on a NIXL link: a
 plane adds a grant's round trip. Here daemons on the NIXL plane are forced onto it at every size
 (KVD_TEST_PLANE_MIN_BYTES=1, a bench knob read at start: kvd/daemon/peer/transfers.py) and push and
-pull 128 KiB to 2 MiB beside a ZeroMQ-plane pair, all three pairs up at once, in alternating rounds
+pull 64 KiB to 2 MiB beside a ZeroMQ-plane pair, all three pairs up at once, in alternating rounds
 (bench/planes.py's way, transfer-only times included). The cut-over is the smallest size from which
 the plane is at least as fast at every size measured.
 
@@ -25,7 +25,7 @@ from .plane_report import NIXL_PLANES, PLANES, Cell, Cells, Check, Row, gbps
 from .planes import ROUNDS, nixl_installed, pull, push, start_pair
 
 KIB, MIB = 1 << 10, 1 << 20
-CUT_SIZES = [128 * KIB, 256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB]
+CUT_SIZES = [64 * KIB, 128 * KIB, 256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB]  # (64 KiB: what a grant costs there)
 CUT_REPEATS = (10, 30)  # per round: quick, full
 FORCED = {"KVD_TEST_PLANE_MIN_BYTES": "1"}
 SLICE_SIZES = [16 * MIB, 256 * MIB]
