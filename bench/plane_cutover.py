@@ -138,7 +138,8 @@ def section(quick: bool) -> tuple[list[Row], list[Check], list[str]]:
             where = (f"from {human(at)} up" if at is not None
                      else f"at none of {human(CUT_SIZES[0])}-{human(CUT_SIZES[-1])}")
             lines.append(f"- {op}, {PLANES[plane][2]}: the plane is at least as fast as frames {where}")
-    lines += ["", f"Slices (kvd's: {slicing_name(SLICINGS[0])}; a pair of daemons each):", ""]
+    lines += ["", f"Slices: the rows \"slices A x B\" in the table, each against kvd's {slicing_name(SLICINGS[0])} "
+                  f"(SLICE_BYTES x PLANE_IN_FLIGHT; a pair of daemons each, started in turn)."]
     for op in ("push", "pull"):
         for plane in NIXL_PLANES:
             cases = [(f"{op} {plane} {slicing_name(s)}", f"kvd {op}, {PLANES[plane][2]}, slices {slicing_name(s)}")
