@@ -3,6 +3,8 @@
     python -m bench            # full run (a few minutes on 2 cores)
     python -m bench --quick    # fewer repeats, for a smoke check
     python -m bench --peers    # also Mooncake and NIXL rows (bench/peers.py; own venv, .venv-peers)
+    python -m bench --planes   # only kvd's data planes side by side (bench/planes.py; part of every full run)
+    python -m bench --plane-cutover   # where the NIXL plane starts to pay, and its slices (bench/plane_cutover.py)
     python -m bench --sglang   # only SGLang's HiCache L3: kvd's backend against its file backend (sglang_tier.py)
     python -m bench --connector [--sizes ... --requests N --rows ...]   # TTFT through vLLM engines
                                # (bench/connector.py: kvd's connector, NixlConnector, one engine alone)
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from kvd.testing import DaemonFactory
 
-from . import baselines, cases, peers
+from . import baselines, cases, peers, planes
 from .measure import human, pooled
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 256 << 20]
@@ -60,11 +62,19 @@ def main() -> int:
     parser.add_argument("--sglang", action="store_true",
                         help="only the SGLang HiCache backends side by side: kvd against SGLang's file backend "
                              "on tmpfs (bench/sglang_tier.py; --quick: fewer pages)")
+    parser.add_argument("--planes", action="store_true",
+                        help="only kvd's push and pull over each data plane (zmq; NIXL on UCX tcp and sm,tcp) beside "
+                             "a bare NIXL write and raw TCP, with issue 40's goals (bench/planes.py)")
+    parser.add_argument("--plane-cutover", action="store_true",
+                        help="only the NIXL plane against frames at 64 KiB-2 MiB (where to set PLANE_MIN_BYTES), and "
+                             "its slice size and slices in flight (bench/plane_cutover.py)")
     args = parser.parse_args()
     if args.sglang:
         from . import sglang_tier
 
         return sglang_tier.main(["--quick"] if args.quick else [])
+    if args.planes or args.plane_cutover:
+        return planes_only(args)
     started = time.time()
     rows: list[tuple[str, str, str, str, str, str]] = []  # kvd's cases, in the order measured
     checks: list[tuple[str, float, str, float, bool]] = []
@@ -223,6 +233,10 @@ def main() -> int:
             failures = factory.stop_all()
             if failures:
                 print("\n".join(failures))
+    # kvd's data planes side by side, after the daemons above are gone (their own three pairs)
+    plane_rows, plane_checks, plane_lines = planes.section(args.quick)
+    rows += plane_rows
+    checks += plane_checks
     if args.peers:  # after kvd's daemons are gone, so they share the machine with nothing of ours
         rows += peers.peer_rows({n: repeats_for(n, args.quick) for n in SIZES}, tcp,
                                 {n: sample.median for n, sample in pushed_by_size.items()})
@@ -254,12 +268,41 @@ def main() -> int:
         "| floor | kvd | floor | kvd / floor |",
         "|---|---|---|---|",
         *[f"| {name} | {value:.2f} | {floor:.2f} | {value / floor:.2f} |" for name, value, floor in floors],
+        *plane_lines,
     ]
-    report = "\n".join(lines)
+    return emit("\n".join(lines), args.output)
+
+
+def emit(report: str, output: Path | None) -> int:
     print(report)
-    if args.output:
-        args.output.write_text(report + "\n")
+    if output:
+        output.write_text(report + "\n")
     return 0
+
+
+def planes_only(args: argparse.Namespace) -> int:
+    """`--planes` and `--plane-cutover`: their own table, targets and lines."""
+    started = time.time()
+    if args.plane_cutover:
+        from . import plane_cutover
+
+        rows, checks, extra = plane_cutover.section(args.quick)
+    else:
+        rows, checks, extra = planes.section(args.quick)
+    lines = [
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, run took {time.time() - started:.0f}s, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end",
+        "",
+        "| case | size | GB/s | median ms | CPU-s/GB | vs baseline |",
+        "|---|---|---|---|---|---|",
+        *[f"| {' | '.join(r)} |" for r in rows],
+        *(["", "| target | measured | goal | result |", "|---|---|---|---|"] if checks else []),
+        *[f"| {name} | {value:.2f} | {op} {limit} | {'PASS' if ok else 'FAIL'} |"
+          for name, value, op, limit, ok in checks],
+        *extra,
+    ]
+    return emit("\n".join(lines), args.output)
 
 
 if __name__ == "__main__":

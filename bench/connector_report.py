@@ -13,6 +13,8 @@ ROWS = {
     "none": "one engine alone, no disaggregation (the same requests, whole)",
     "kvd-push": "kvd, push: prefill's daemon streams to decode's",
     "kvd-pull": "kvd, pull: decode's daemon pulls from prefill's",
+    "kvd-nixl": "kvd, push, both daemons on --data-plane nixl (UCX's own choice of transport: shared memory on one "
+                "host)",
     "nixl": "vLLM's NixlConnector, kv_buffer_device cpu, UCX over TCP",
     "split": "the same two kvd engines, no KV handed over: decode recomputes the prompt",
     "kvd-push-background": "kvd push, each step's commits off the engine's thread (KVD_VLLM_COMMIT_IN_BACKGROUND=1)",
@@ -20,7 +22,7 @@ ROWS = {
     "shared-storage": "vLLM's SharedStorageConnector on tmpfs",
     "lmcache": "LMCache's connector",
 }
-DEFAULT_ROWS = ["none", "kvd-push", "kvd-pull", "split", "nixl", "kvd-pp", "shared-storage", "lmcache"]
+DEFAULT_ROWS = ["none", "kvd-push", "kvd-pull", "kvd-nixl", "split", "nixl", "kvd-pp", "shared-storage", "lmcache"]
 # rows that cannot run on this machine: name -> why (printed as one line each, not measured)
 NOT_ON_CPU = {
     "lmcache": "LMCache 0.5.6 (pip lmcache) is a CUDA build: it requires cupy-cuda13x and cuda-python, and its "
@@ -33,7 +35,7 @@ def side_of(row: str) -> str:
     """The engine set a row runs on: kvd's two (the engine alone is its decode engine), NIXL's
     two, the shared-storage pair, or kvd's pipelined prefill with its own decode engine."""
     return {"nixl": "nixl", "shared-storage": "storage", "kvd-push-background": "background",
-            "kvd-pp": "pp"}.get(row, "kvd")
+            "kvd-pp": "pp", "kvd-nixl": "plane"}.get(row, "kvd")
 
 
 def parse_sizes(text: str) -> list[int]:

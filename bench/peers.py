@@ -76,10 +76,12 @@ def ensure_venv(venv: Path = VENV, python3: str = "python3") -> Path:
 
 
 def run_script(python: Path, script: Path, sizes: list[int], repeats: list[int],
-               timeout: float = RUN_TIMEOUT) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of one engine's script; its own session, so a hang is killed whole."""
+               timeout: float = RUN_TIMEOUT, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of one engine's script (env: added to ours); its own session, so a
+    hang is killed whole."""
     # no PYTHONPATH or VIRTUAL_ENV of kvd's environment: the script must see .venv-peers only
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")},
+           **(env or {})}
     command = [str(python), str(script), "--sizes", ",".join(map(str, sizes)),
                "--repeats", ",".join(map(str, repeats))]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -164,6 +164,10 @@ def test_the_proxy_params_of_each_row():
     # the pipelined prefill pushes like kvd-push, from engines of its own
     assert load.first_params("kvd-pp", "tcp://10.0.0.3:7470")["kvd_dest"] == "tcp://10.0.0.3:7470"
     assert side_of("kvd-pp") == "pp" and side_of("kvd-push") == side_of("kvd-pull") == side_of("none") == "kvd"
+    # kvd on the NIXL plane: a push, from a set of its own (its daemons on --data-plane nixl); a side's name has
+    # no "-" (engines are named side-P, side-D)
+    assert load.first_params("kvd-nixl", "tcp://10.0.0.4:7470")["kvd_dest"] == "tcp://10.0.0.4:7470"
+    assert side_of("kvd-nixl") == "plane" and "-" not in side_of("kvd-nixl")
     assert load.first_params("nixl", None)["remote_block_ids"] is None
     with pytest.raises(ValueError, match="no prefill step"):
         load.first_params("none", None)

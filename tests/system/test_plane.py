@@ -96,6 +96,30 @@ def test_a_small_entry_goes_as_frames_even_on_a_plane_link(daemons):
     assert plane(a)["posted"] == 0 and plane(b)["posted"] == 0
 
 
+def test_the_bench_knobs_move_the_cut_over_and_the_slices(daemons):
+    # bench/planes.py's --plane-cutover: a 64 KiB entry forced onto the plane, 16 MiB in 4 MiB slices
+    knobs = {"KVD_TEST_PLANE_MIN_BYTES": str(64 << 10), "KVD_TEST_PLANE_SLICE_BYTES": str(4 * MiB),
+             "KVD_TEST_PLANE_IN_FLIGHT": "4"}
+    a, b = plane_pair(daemons, env_a=knobs, env_b=knobs)
+    small, big = ({"x": torch.randint(0, 256, (n,), dtype=torch.uint8)} for n in (64 << 10, 16 * MiB))
+    with a.client() as ca, b.client() as cb:
+        ca.put("small", small, dest="B")
+        assert same(cb.get("small", timeout=5), small)
+        assert plane(a)["posted"] == 1  # written by A's plane, not sent as a frame
+        ca.put("big", big, dest="B")
+        assert same(cb.get("big", timeout=10), big)
+        assert plane(a)["posted"] == 1 + 4  # 16 MiB in 4 MiB slices
+        ca.put("pulled", small)
+        assert same(cb.get("pulled", source="A", timeout=5), small)
+        assert plane(b)["posted"] == 1  # read by B's plane
+    settled(a, b)
+
+
+def test_a_bad_bench_knob_stops_the_daemon_saying_why(daemons):
+    with pytest.raises(AssertionError, match="KVD_TEST_PLANE_SLICE_BYTES='4MiB': a whole number"):
+        daemons.start("A", extra=NIXL, env={"KVD_TEST_PLANE_SLICE_BYTES": "4MiB"})
+
+
 def test_a_stream_and_paged_blocks_ride_the_plane(daemons):
     a, b = plane_pair(daemons)
     layers = {f"layer.{i}": torch.randn(1 << 18) for i in range(8)}  # 1 MiB a layer

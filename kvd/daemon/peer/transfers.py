@@ -13,6 +13,7 @@ on a link with a one-sided plane, only once the plane can no longer touch them (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from collections.abc import Callable
 
-from kvd.errors import KvdError, NotFound, PeerUnavailable
+from kvd.errors import BadRequest, KvdError, NotFound, PeerUnavailable
 from kvd.memory.io import PoolIO
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import is_loopback_endpoint
@@ -31,7 +32,6 @@ from ..plane.ops import PlaneOps
 from ..store.entries import Entry, Store
 from .channel import Channel, Sending
 from .links import PeerLink
-from .limits import PLANE_MIN_BYTES
 from .machine import Limits, Machine
 from .frameholds import FrameHolds
 from .peers import PeerSet
@@ -43,7 +43,6 @@ from .states import (
 
 log = logging.getLogger(__name__)
 
-PLANE_MIN_ENV = "KVD_TEST_PLANE_MIN_BYTES"  # (tests, the bench: read once at start)
 
 # seconds a pull's handshake may take at least, whatever its get's timeout: a get with timeout 0
 # of an entry complete on a peer still has time to say hello on a link not up yet
@@ -81,6 +80,26 @@ class EntryEvents(Protocol):
     def on_returned(self, entry: Entry) -> None: ...  # a failed transfer's claim given back: readable here again
 
 
+# bench knobs (`python -m bench --plane-cutover`): a daemon started with any of these in its environment
+# uses that plane limit instead of limits.py's (a whole number of bytes, or of operations); read once, at
+# start; nothing of them runs otherwise
+PLANE_KNOBS = {"plane_min_bytes": "KVD_TEST_PLANE_MIN_BYTES", "slice_bytes": "KVD_TEST_PLANE_SLICE_BYTES",
+               "plane_in_flight": "KVD_TEST_PLANE_IN_FLIGHT"}
+
+
+def _plane_knobs(limits: Limits, env: dict[str, str]) -> Limits:
+    knobs: dict[str, int] = {}
+    for name, var in PLANE_KNOBS.items():
+        knobs[name] = getattr(limits, name)
+        if env.get(var):
+            most = p.MAX_CHUNK_BYTES if name == "slice_bytes" else 1 << 40
+            knobs[name] = int(env[var]) if env[var].isdigit() else 0
+            if not 0 < knobs[name] <= most:
+                raise BadRequest(f"{var}={env[var]!r}: a whole number from 1 to {most}")
+    return dataclasses.replace(limits, plane_min_bytes=knobs["plane_min_bytes"], slice_bytes=knobs["slice_bytes"],
+                               plane_in_flight=knobs["plane_in_flight"])
+
+
 @dataclass(frozen=True, slots=True)
 class TransferSettings:
     """What the transfers read of the daemon's configuration."""
@@ -97,11 +116,9 @@ class TransferSettings:
     def of(cls, config: Config) -> TransferSettings:
         # a plane's bytes beyond loopback cross a fabric kvd does not encrypt: their digest is cryptographic
         plane_checksum = config.checksum if is_loopback_endpoint(config.listen) else "blake3_64"
-        # tests and the bench may put smaller entries on a plane (the transfer suite runs on both planes)
-        plane_min = int(os.environ.get(PLANE_MIN_ENV, PLANE_MIN_BYTES))
-        return cls(config.node_id, Limits(config.chunk_size, config.window, config.checksum, config.transfer_timeout,
-                                          plane_min_bytes=plane_min, plane_checksum=plane_checksum),
-                   config.connect_timeout)
+        limits = Limits(config.chunk_size, config.window, config.checksum, config.transfer_timeout,
+                        plane_checksum=plane_checksum)
+        return cls(config.node_id, _plane_knobs(limits, dict(os.environ)), config.connect_timeout)
 
 
 class Transfers:
