@@ -303,3 +303,32 @@ def test_a_slice_changed_after_its_digest_is_refused(daemons):
     settled(a, b)
     with b.client() as cb:
         assert cb.stats()["pool"]["used_bytes"] == 0
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The addresses of the TCP sockets a process listens on (its fds' inodes in /proc/net/tcp{,6})."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address = fields[1].split(":")[0]
+                found.add(address)
+    return found
+
+
+def test_the_plane_listens_on_the_listen_address_only(daemons):
+    a, b = plane_pair(daemons)
+    with a.client() as ca, b.client() as cb:  # (UCX's listeners are up once a transfer went)
+        ca.put("x", {"x": torch.ones(2 * MiB, dtype=torch.uint8)}, dest="B")
+        cb.get("x", timeout=10)
+    for daemon in (a, b):
+        assert listening_addresses(daemon.pid) == {"0100007F"}, "a listener beyond 127.0.0.1"  # (little-endian)
