@@ -4,7 +4,8 @@
 # each step has its own time limit and a failing step does not stop the next.
 #
 # Needs a Python with CUDA-enabled torch and cupy (cupy-cuda12x or -cuda13x; PYTHON=..., default
-# python3) and kvd importable: pip install -e '.[cuda,test]', or its dependencies installed and
+# python3), NIXL for the plane step (nixl-cu12/-cu13), and kvd importable: pip install -e
+# '.[cuda,nixl,test]', or its dependencies installed and
 # the checkout on PYTHONPATH. Results land in $OUT (default ./gpu-results).
 #   CPU_BENCH=0    skip the CPU benchmark
 set -uo pipefail
@@ -37,6 +38,9 @@ step cuda-tests "${CUDA_TESTS_S:-180}" "$PY" -m pytest tests/system/test_cuda.py
 # the tests' daemon logs, for a failure that the pytest output alone does not explain
 find /tmp/kvd-cuda-tests -name '*.log' -print0 2>/dev/null | tar czf "$OUT/cuda-test-daemons.tgz" --null -T - 2>/dev/null
 step gpu-bench "${GPU_BENCH_S:-180}" "$PY" -m bench.gpu --output "$OUT/gpu-bench.md"
+# the NIXL plane between two VRAM pools (needs NIXL: pip install '.[nixl]'): GB/s against a d2d copy,
+# and which UCX transports its protocol tables name (cuda_ipc, cuda_copy: GPU to GPU)
+step gpu-plane "${GPU_PLANE_S:-120}" "$PY" -m bench.gpu_plane --output "$OUT/gpu-plane.md"
 if [[ ${CPU_BENCH:-1} == 1 ]]; then
     step cpu-bench "${CPU_BENCH_S:-180}" "$PY" -m bench --output "$OUT/cpu-bench.md"
 fi
