@@ -332,3 +332,19 @@ def test_the_plane_listens_on_the_listen_address_only(daemons):
         cb.get("x", timeout=10)
     for daemon in (a, b):
         assert listening_addresses(daemon.pid) == {"0100007F"}, "a listener beyond 127.0.0.1"  # (little-endian)
+
+
+def test_without_nixl_installed_nixl_says_how_to_install_it_and_auto_runs_on_zeromq(daemons, tmp_path):
+    # every NIXL build shadowed by a module that cannot be imported, as on a machine without the extra
+    shadow = tmp_path / "shadow"
+    for build in ("nixl_cu12", "nixl_cu13", "nixl_rocm"):
+        (shadow / build).mkdir(parents=True)
+        (shadow / build / "__init__.py").write_text("raise ImportError('not installed here')\n")
+    env = {"PYTHONPATH": f"{shadow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    strict = daemons.start("S", extra=["--data-plane", "nixl"], env=env, wait=False)
+    assert strict.proc.wait(30) != 0
+    assert "pip install '.[nixl]'" in strict.log() and "Traceback" not in strict.log()
+    lenient = daemons.start("L", extra=["--data-plane", "auto"], env=env)
+    with lenient.client() as c:
+        assert c.stats()["plane"] is None
+    assert "NIXL" in lenient.log()
