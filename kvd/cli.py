@@ -286,6 +286,17 @@ def client_command(args: argparse.Namespace) -> int:
                       f"{format_size(cache['used_bytes'])} of {format_size(cache['budget'])} budget; "
                       f"{cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions, "
                       f"{cache['refused']} refused, {cache['namespaces']} namespaces")
+            plane = stats.get("plane")
+            if plane:
+                peers = ", ".join(plane["peers"]) or "none yet"
+                print(f"data plane {plane['plane']} ({plane['mode']}), agent {plane['agent']}, {plane['memory']} pool "
+                      f"registered; peers {peers}; operations {plane['posted']} posted, {plane['done']} done, "
+                      f"{plane['failed']} failed, {plane['ops_running']} running")
+                if plane["parked"] or plane["draining"]:
+                    held = ", ".join(f"{agent} {format_size(p['parked_bytes'])} in {p['parked']}"
+                                     for agent, p in plane["parked_by_peer"].items())
+                    print(f"           held for peers' planes: {held or 'none'}; {plane['draining']} waiting for "
+                          "our own operations to end")
             print(f"counters   {_pairs(stats['counters'])}")
             for error in stats["recent_errors"][-5:]:
                 when = time.strftime("%H:%M:%S", time.localtime(error["time"]))

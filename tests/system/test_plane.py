@@ -348,3 +348,17 @@ def test_without_nixl_installed_nixl_says_how_to_install_it_and_auto_runs_on_zer
     with lenient.client() as c:
         assert c.stats()["plane"] is None
     assert "NIXL" in lenient.log()
+
+
+def test_kvd_status_shows_the_plane(daemons):
+    import subprocess
+    import sys
+
+    a, b = plane_pair(daemons)
+    with a.client() as ca:
+        ca.put("x", {"x": torch.ones(2 * MiB, dtype=torch.uint8)}, dest="B")
+    out = subprocess.run([sys.executable, "-m", "kvd", "status", "--socket", a.socket], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    line = next(line for line in out.stdout.splitlines() if line.startswith("data plane"))
+    assert "nixl (nixl)" in line and "DRAM pool registered" in line and "kvd/B/" in line and "1 posted" in line
