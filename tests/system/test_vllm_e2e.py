@@ -42,6 +42,7 @@ LAYOUTS = {
     "swa-tp1-tp2": ("swa", (1, 1), (2, 1), True),
     "swa-one-group-tp2-tp1": ("swa", (2, 1), (1, 1), False),
     "mamba-tp1-tp1": ("mamba", (1, 1), (1, 1), True),
+    "llama-tp1-tp1-nixl": ("llama", (1, 1), (1, 1), True),  # the daemons on the NIXL data plane
 }
 # 90 s of engine start-up each on 2 cores: the hybrid model TP 2 -> 1 by default (both paths,
 # several KV cache groups, resharding); the rest, the Llama TP 1 -> 2 included, with -m slow
@@ -93,8 +94,16 @@ def run(request, tmp_path_factory):
     import vllm_disagg as example
 
     arch, prefill, decode, hma = LAYOUTS[request.param]
+    plane = "nixl" if request.param.endswith("-nixl") else "zmq"
+    if plane == "nixl":
+        from kvd.daemon.plane.nixl import available
+
+        if not available():
+            pytest.skip("NIXL is not installed (./dev setup installs it)")
     outcome = example.run(SCENARIOS, prompts=4, max_tokens=8, workdir=tmp_path_factory.mktemp(request.param),
-                          prefill=prefill, decode=decode, arch=arch, hma=hma)
+                          prefill=prefill, decode=decode, arch=arch, hma=hma, data_plane=plane)
+    if plane == "nixl":  # (the plane, not frames, moved the shards)
+        assert sum(outcome["plane_ops"].values()) > 0, outcome["plane_ops"]
     return request.param, outcome
 
 
