@@ -48,7 +48,7 @@ class PlaneHandlers:
         ranges to write them into; they go as slices, one plane write each."""
         entry, window = out.sending()
         out.plane = out.channel.plane
-        out.window = window.recut(self.limits.slice_bytes, 0)
+        out.window = window.recut(self.limits.slice_bytes, 0, coalesce=True)
         offer = self._offer_message(out, sealed)
         offer.chunk_size, offer.checksum, offer.plane = self.limits.slice_bytes, self.limits.plane_checksum, out.plane
         return [Send(out.channel, offer)]

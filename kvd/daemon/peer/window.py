@@ -25,6 +25,9 @@ class SendWindow:
     next_seq: int = 0
     in_flight: set[int] = field(default_factory=set)
     acked: int = 0
+    # a range written next to the last chunk not yet sent grows that chunk, up to chunk_size (a one-sided
+    # plane's: a stream's layers are small, and each chunk is one plane operation of its own)
+    coalesce: bool = False
 
     @classmethod
     def whole(cls, total_bytes: int, chunk_size: int, max_in_flight: int) -> SendWindow:
@@ -33,11 +36,11 @@ class SendWindow:
         sender.add_range(0, total_bytes)
         return sender
 
-    def recut(self, chunk_size: int, max_in_flight: int) -> SendWindow:
+    def recut(self, chunk_size: int, max_in_flight: int, coalesce: bool = False) -> SendWindow:
         """The same queued bytes cut into chunks of another size (before any was sent)."""
         if self.next_seq:
             raise ProtocolError("a window is cut again only before its first chunk goes")
-        again = SendWindow(self.total_bytes, chunk_size, max_in_flight)
+        again = SendWindow(self.total_bytes, chunk_size, max_in_flight, coalesce=coalesce)
         spans: list[tuple[int, int]] = []
         for offset, length in self.chunks:
             if spans and spans[-1][0] + spans[-1][1] == offset:
@@ -54,6 +57,13 @@ class SendWindow:
             raise ProtocolError(f"range [{offset}, +{length}) is not inside the {self.total_bytes}-byte entry")
         if self.queued_bytes + length > self.total_bytes:
             raise ProtocolError("more bytes queued than the entry holds")
+        if self.coalesce and len(self.chunks) > self.next_seq and length:
+            last, size = self.chunks[-1]
+            if last + size == offset and size < self.chunk_size:
+                grow = min(length, self.chunk_size - size)
+                self.chunks[-1] = (last, size + grow)
+                self.queued_bytes += grow
+                offset, length = offset + grow, length - grow
         for start in range(offset, offset + length, self.chunk_size):
             self.chunks.append((start, min(self.chunk_size, offset + length - start)))
         self.queued_bytes += length

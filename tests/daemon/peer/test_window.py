@@ -277,3 +277,23 @@ def test_all_sent_is_every_byte_queued_and_out():
     assert not w.all_sent
     assert w.ready_to_send() == [2]
     assert w.all_sent and not w.all_acked  # `done` may now end it; no ack was needed
+
+
+def test_a_plane_window_grows_its_last_unsent_chunk_with_the_next_range():
+    window = SendWindow(100, 40, 1, coalesce=True)
+    window.add_range(0, 10)
+    window.add_range(10, 10)  # next to the unsent last chunk: it grows
+    assert window.chunks == [(0, 20)]
+    assert window.ready_to_send() == [0]
+    window.add_range(20, 30)  # the last chunk has gone: a new one, which grows up to chunk_size only
+    window.add_range(50, 25)
+    assert window.chunks == [(0, 20), (20, 40), (60, 15)] and window.queued_bytes == 75
+    window.add_range(80, 5)  # not next to it: its own chunk
+    assert window.chunks[-1] == (80, 5) and window.queued_bytes == 80
+
+
+def test_a_frames_window_never_coalesces():
+    window = SendWindow(100, 40, 1)
+    window.add_range(0, 10)
+    window.add_range(10, 10)
+    assert window.chunks == [(0, 10), (10, 10)]
