@@ -63,6 +63,7 @@ class Page:
     readers: int = 0  # leases pinning it
     removed: bool = False
     parked: bool = False  # removed while pinned or written: its blocks wait for the reader or writer
+    on_disk: bool = False  # the disk level (disk/tier.py) holds it too: evicting it loses nothing
 
 
 @dataclass(slots=True)
@@ -131,6 +132,11 @@ class CacheStore:
         self.total = Counts()
         self._by_ns: dict[str, Counts] = {}
         pool.reclaim = self.reclaim
+        # the disk level's hooks (disk/tier.py): a page published; one about to be evicted (its blocks
+        # still hold its bytes); one unlisted, for any reason
+        self.on_published: Callable[[Page], None] | None = None
+        self.on_evicted: Callable[[Page], None] | None = None
+        self.on_unlisted: Callable[[Page], None] | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -146,8 +152,8 @@ class CacheStore:
 
     # --- writing -------------------------------------------------------------------------------
 
-    def reserve(self, namespace: str, keys: list[str], pages: list,
-                over_budget: bool = False) -> tuple[int, list[Page | bool]]:
+    def reserve(self, namespace: str, keys: list[str], pages: list, over_budget: bool = False,
+                count: bool = True) -> tuple[int, list[Page | bool]]:
         """Room for a batch of pages ([dtype, shape] each): per key a Page to write (then `commit`
         the token), True (already held or being written: nothing to do) or False (refused:
         over the budget, the pool full of what cannot be evicted). BadRequest for bad input,
@@ -171,8 +177,8 @@ class CacheStore:
             blocks = max(1, -(-nbytes // self.block_size))  # (an empty page too: it costs a block, as any)
             extents = self._take(blocks, over_budget) if over_budget or self._room_for_page(namespace) else None
             if extents is None:
-                counts.refused += 1
-                self.total.refused += 1
+                counts.refused += count
+                self.total.refused += count
                 results.append(False)
                 continue
             page = Page(namespace, key, dtype, tuple(shape), nbytes, extents, blocks, writing=token)
@@ -229,6 +235,8 @@ class CacheStore:
                     c.stored += 1
                     c.entries += 1
                     c.bytes += page.nbytes
+                if self.on_published is not None:
+                    self.on_published(page)
             else:
                 self._unlist(page, visible=False)
                 self._free_if_unused(page)
@@ -305,6 +313,16 @@ class CacheStore:
             count += 1
         return count
 
+    def find(self, namespace: str, key: str) -> Page | None:
+        """The visible page under a key, or None."""
+        page = self._pages.get((namespace, key))
+        return None if page is None or page.writing else page
+
+    def pin(self, page: Page, by: int = 1) -> None:
+        """Keep (by=1) or let go of (-1) a page's blocks for a reader without a lease (the disk level)."""
+        page.readers += by
+        self._free_if_unused(page)
+
     def held_size(self, namespace: str, key: str) -> int | None:
         """The byte size of the visible page under a key, or None (absent, or still being written)."""
         page = self._pages.get((namespace, key))
@@ -345,6 +363,8 @@ class CacheStore:
                 counts = self._counts(page.namespace)
                 counts.evictions += 1
                 self.total.evictions += 1
+                if self.on_evicted is not None:
+                    self.on_evicted(page)
                 self._remove(page)
                 return True
         return False
@@ -374,6 +394,8 @@ class CacheStore:
             for c in (counts, self.total):
                 c.entries -= 1
                 c.bytes -= page.nbytes
+            if self.on_unlisted is not None:
+                self.on_unlisted(page)
         if page.readers or page.writing:  # someone may still copy: the blocks wait for them
             page.parked = True
             self.parked_blocks += page.blocks
