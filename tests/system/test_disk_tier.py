@@ -250,6 +250,7 @@ def test_cache_clear_clears_the_disk_for_good_even_with_writes_in_flight(daemons
         assert put(client, keys, pages, namespace="gone")
         assert disk_of(client)["writes_in_flight"] > 0
         assert client.cache_clear("gone") == 30
+        eventually(lambda: disk_of(client)["writes_in_flight"] == 0)  # (the writes it waited for, done)
     b.kill()  # no shutdown flush: what is on disk is what the clear left
     c = daemons.start("A", pool_size="16MiB", extra=flags(tier))
     with c.client() as client:
