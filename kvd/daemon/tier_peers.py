@@ -124,10 +124,11 @@ class TierPeers:
                 refused = set(self.keep(msg.namespace, msg.keys, msg.pages, msg.payload))
                 channel.send(p.TierHeld(xfer=msg.xfer, held=[i not in refused for i in range(len(msg.keys))]))
             case p.TierFetch():
-                on_disk = self._on_disk(msg)
+                pinned, on_disk = self._on_disk(msg)
                 if on_disk:
-                    self.disk.spawn(self._pages_from_disk(channel, msg, on_disk))
+                    self.disk.spawn(self._pages_from_disk(channel, msg, on_disk, pinned))
                 else:
+                    self.cache.release(pinned)
                     self._send_pages(channel, msg)
             case p.TierAsk():
                 held = [self.cache.exists(msg.namespace, [key]) == 1
@@ -166,23 +167,25 @@ class TierPeers:
 
     # --- a home's disk (with --cache-dir) -------------------------------------------------------------
 
-    def _on_disk(self, msg: p.TierFetch) -> list[int]:
-        """The keys asked that this home's RAM misses and its disk holds (at the size asked)."""
-        if self.disk is None:
-            return []
+    def _on_disk(self, msg: p.TierFetch) -> tuple[int, list[int]]:
+        """The keys asked that this home's RAM misses and its disk holds (at the size asked), and a
+        lease pinning RAM's hits meanwhile (what is read back must not evict them)."""
         token, found = self.cache.lease(msg.namespace, msg.keys, msg.sizes, count=False)  # (checks the batch)
-        self.cache.release(token)
-        return self.disk.wanted(msg.namespace, msg.keys, msg.sizes,
-                                [i for i, page in enumerate(found) if page is None], strict=False)
+        if self.disk is None:
+            return token, []
+        return token, self.disk.wanted(msg.namespace, msg.keys, msg.sizes,
+                                       [i for i, page in enumerate(found) if page is None], strict=False)
 
-    async def _pages_from_disk(self, channel, msg: p.TierFetch, on_disk: list[int]) -> None:
-        read_back = await self.disk.load(msg.namespace, msg.keys, msg.sizes, on_disk)
+    async def _pages_from_disk(self, channel, msg: p.TierFetch, on_disk: list[int], pinned: int) -> None:
+        read_back = []
         try:
+            read_back = await self.disk.load(msg.namespace, msg.keys, msg.sizes, on_disk)
             self._send_pages(channel, msg)
         except Exception as exc:  # (the asker may be gone by now: it counts a miss)
             log.debug("tier: answering %s from disk failed: %s", channel.peer_name, exc)
         finally:
             self.disk.release(read_back)
+            self.cache.release(pinned)
 
     async def _cleared(self, channel, xfer: int, dropped: int, cleared: asyncio.Task) -> None:
         """A clear is confirmed once the disk's files are gone for good (else never: the asker names us)."""

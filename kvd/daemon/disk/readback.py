@@ -70,6 +70,7 @@ class ReadBack:
     _writes: dict[Ident, asyncio.Future]
     _loading: dict[Ident, asyncio.Task]
     _reads: int
+    _read_blocks: int  # pool blocks of the pages read back within the budget, not yet let go of by their get
     staged_bytes: int
     _read_pause: float
     _closing: bool
@@ -140,7 +141,14 @@ class ReadBack:
         for page, transit in loaded:
             if transit:
                 self.store.drop(page)
+            else:
+                self._read_blocks -= page.blocks
             self.store.pin(page, -1)
+
+    def _abandon(self, page: Page, token: int, transit: bool) -> None:
+        """A read that failed: its blocks go (once its thread is done with them)."""
+        self.store.commit(token, ok=False)
+        self._read_blocks -= 0 if transit else page.blocks
 
     def _release_late(self, task: asyncio.Task) -> None:
         if (result := _result(task)) is not None:
@@ -176,16 +184,17 @@ class ReadBack:
         try:
             header, seconds = await asyncio.shield(job)
         except asyncio.CancelledError:  # (the blocks go only once the thread is done with them)
-            job.add_done_callback(lambda _: self.store.commit(token, ok=False))
+            job.add_done_callback(lambda _: self._abandon(page, token, transit))
             raise
         except Exception as exc:
-            self.store.commit(token, ok=False)
+            self._abandon(page, token, transit)
             self._read_failed(held, exc)
             return None
         finally:
             self._reads -= 1
         page.dtype, page.shape, page.on_disk = header.dtype, header.shape, True
         if not self.store.commit(token)[0]:  # (cleared meanwhile)
+            self._read_blocks -= 0 if transit else page.blocks
             return None
         self.store.pin(page)  # (for the get that asked: `release`)
         self.read_latency.observe(seconds, size)
@@ -194,11 +203,15 @@ class ReadBack:
         return page, transit
 
     def _room(self, namespace: str, key: str, size: int) -> tuple[Page, int, bool] | None:
-        """Pool room for a page read back: within the RAM budget (evicting), else past it for one reader."""
-        for transit in (False, True):
+        """Pool room for a page read back: within the RAM budget (evicting), else past it for one
+        reader. The pages read back and not yet let go of by their get hold at most half the RAM
+        budget (past it, past the budget): a slow disk must not take all of RAM's room from puts."""
+        keep = self._read_blocks * 2 < self.store.budget_blocks
+        for transit in (False, True) if keep else (True,):
             token, (result,) = self.store.reserve(namespace, [key], [["uint8", [size]]], over_budget=transit,
                                                   count=False)
             if isinstance(result, Page):
+                self._read_blocks += 0 if transit else result.blocks
                 return result, token, transit
             if result is True:  # (in RAM now, or being put there)
                 return None
@@ -219,7 +232,9 @@ class ReadBack:
             del self._staged[ident]
             self.staged_bytes -= staged.nbytes
         page.dtype, page.shape = staged.dtype, staged.shape
-        self.store.commit(token)
+        if not self.store.commit(token)[0]:
+            self._read_blocks -= 0 if transit else page.blocks
+            return None
         self.store.pin(page)
         self.index.counts.hits += 1
         return page, transit

@@ -78,6 +78,7 @@ class DiskTier(ReadBack):
         self.staged_bytes = 0
         self._writes: dict[Ident, asyncio.Future] = {}  # page writes in flight
         self._reads = 0  # page reads in flight
+        self._read_blocks = 0
         self._loading: dict[Ident, asyncio.Task] = {}
         self._clearing: dict[str, int] = {}  # namespaces being cleared: none of their pages is written
         self._cleared_writes: dict[str, list[DiskPage]] = {}  # written while their namespace was cleared

@@ -64,6 +64,7 @@ class Page:
     removed: bool = False
     parked: bool = False  # removed while pinned or written: its blocks wait for the reader or writer
     on_disk: bool = False  # the disk level (disk/tier.py) holds it too: evicting it loses nothing
+    over: bool = False  # reserved past the budget (in transit, for one reader): its blocks take no room from it
 
 
 @dataclass(slots=True)
@@ -123,6 +124,7 @@ class CacheStore:
         self._ns_lru: dict[str, collections.OrderedDict[str, Page]] = {}  # namespace -> its visible pages, LRU first
         self.blocks = 0  # held by pages: visible, being written, or parked under a reader
         self.parked_blocks = 0  # of those: removed pages a reader still pins
+        self.over_blocks = 0  # of those: pages reserved past the budget (the budget is checked without them)
         self._pages: dict[tuple[str, str], Page] = {}  # visible and being written
         self._lru: collections.OrderedDict[tuple[str, str], Page] = collections.OrderedDict()  # visible, oldest first
         self._writes: dict[int, list[Page]] = {}
@@ -181,7 +183,8 @@ class CacheStore:
                 self.total.refused += count
                 results.append(False)
                 continue
-            page = Page(namespace, key, dtype, tuple(shape), nbytes, extents, blocks, writing=token)
+            page = Page(namespace, key, dtype, tuple(shape), nbytes, extents, blocks, writing=token, over=over_budget)
+            self.over_blocks += blocks if over_budget else 0
             self._pages[(namespace, key)] = page
             self._listed[namespace] = self._listed.get(namespace, 0) + 1
             self.blocks += blocks
@@ -207,7 +210,7 @@ class CacheStore:
         over_budget: a page in transit (fetched for one reader, dropped once read) may pass it."""
         if blocks > self.budget_blocks and not over_budget:
             return None
-        while self.blocks + blocks > self.budget_blocks and not over_budget:
+        while self.blocks - self.over_blocks + blocks > self.budget_blocks and not over_budget:
             if not self._evict_one():
                 return None
         while True:
@@ -313,11 +316,6 @@ class CacheStore:
             count += 1
         return count
 
-    def find(self, namespace: str, key: str) -> Page | None:
-        """The visible page under a key, or None."""
-        page = self._pages.get((namespace, key))
-        return None if page is None or page.writing else page
-
     def pin(self, page: Page, by: int = 1) -> None:
         """Keep (by=1) or let go of (-1) a page's blocks for a reader without a lease (the disk level)."""
         page.readers += by
@@ -408,6 +406,7 @@ class CacheStore:
             self.pool.free(page.extents)
             page.extents = None
             self.blocks -= page.blocks
+            self.over_blocks -= page.blocks if page.over else 0
 
     # --- reading the state -------------------------------------------------------------------------
 
