@@ -32,7 +32,8 @@ class Latency:
         return BUCKETS[-1]
 
     def as_dict(self) -> dict:
-        return {"count": self.count, "mean_ms": round(self.sum / self.count * 1e3, 3) if self.count else 0.0,
+        return {"count": self.count, "sum_s": round(self.sum, 6),
+                "mean_ms": round(self.sum / self.count * 1e3, 3) if self.count else 0.0,
                 "p99_ms": round(self.quantile(0.99) * 1e3, 3), "bytes": self.bytes,
                 "gbps": round(self.bytes / self.sum / 1e9, 3) if self.sum else 0.0}
 

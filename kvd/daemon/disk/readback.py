@@ -5,13 +5,14 @@ A hit on disk reserves pool room (evicting as a put would; past the RAM budget, 
 when RAM has no room), reads the file straight into those blocks in a worker thread, checks it
 (`files.read_page`) and publishes it; the get is then served from RAM as any hit. A read that
 fails a check is a miss: counted, logged (at most once a minute), its file dropped. A get waits
-READ_TIMEOUT for the disk; past READS_IN_FLIGHT reads, a page on disk is a miss at once.
+READ_TIMEOUT for the disk; past READS_IN_FLIGHT reads in flight, the others wait their turn within it.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-READS_IN_FLIGHT = 64  # page reads queued or running; past it a page on disk is a miss
+READS_IN_FLIGHT = 64  # page reads queued or running; past it they wait (until their get's deadline: then a miss)
 READ_TIMEOUT = 1.0  # seconds a get waits for the disk; a read later than that still lands in RAM
 
 Ident = tuple[str, str]
@@ -70,6 +71,7 @@ class ReadBack:
     _writes: dict[Ident, asyncio.Future]
     _loading: dict[Ident, asyncio.Task]
     _reads: int
+    _read_waiters: collections.deque[asyncio.Future]
     _read_blocks: int  # pool blocks of the pages read back within the budget, not yet let go of by their get
     staged_bytes: int
     _read_pause: float
@@ -114,13 +116,14 @@ class ReadBack:
         first (a batch bigger than RAM would evict its own pages otherwise). A page another call is
         reading back already is waited for, and found in RAM (not returned)."""
         own, others = [], []
+        deadline = time.monotonic() + READ_TIMEOUT
         for i in indices:
             ident = (namespace, keys[i])
             task = self._loading.get(ident)
             if task is not None:
                 others.append(task)
                 continue
-            task = self._loading[ident] = self.spawn(self._load_one(namespace, keys[i], sizes[i]))
+            task = self._loading[ident] = self.spawn(self._load_one(namespace, keys[i], sizes[i], deadline))
             task.add_done_callback(self._loaded(ident))
             own.append(task)
         if not own and not others:
@@ -160,7 +163,29 @@ class ReadBack:
                 del self._loading[ident]
         return done
 
-    async def _load_one(self, namespace: str, key: str, size: int) -> Loaded | None:
+    async def _read_slot(self, deadline: float) -> bool:
+        """One of READS_IN_FLIGHT reads, first come first served, if one frees up before the deadline."""
+        if self._reads < READS_IN_FLIGHT and not self._read_waiters:
+            self._reads += 1
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._read_waiters.append(waiter)
+        try:
+            await asyncio.wait([waiter], timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+        return not waiter.cancelled()
+
+    def _free_slot(self) -> None:
+        while self._read_waiters:  # (handed to the next waiter: the count stays)
+            waiter = self._read_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(True)
+                return
+        self._reads -= 1
+
+    async def _load_one(self, namespace: str, key: str, size: int, deadline: float) -> Loaded | None:
         ident = (namespace, key)
         if (writing := self._writes.get(ident)) is not None:
             await asyncio.wait([writing])  # its file is in place once the write is over
@@ -170,16 +195,19 @@ class ReadBack:
         if held is None or held.nbytes != size or self._closing:
             self.index.counts.misses += 1
             return None
-        if self._reads >= READS_IN_FLIGHT:
-            self.index.counts.busy += 1
+        if not await self._read_slot(deadline):  # (a queue past its get's deadline: a miss)
+            self.index.counts.misses += 1
+            return None
+        if self.index.lookup(namespace, key) is not held or self._closing:  # (dropped or cleared meanwhile)
+            self._free_slot()
             self.index.counts.misses += 1
             return None
         room = self._room(namespace, key, size)
         if room is None:
+            self._free_slot()
             return None
         page, token, transit = room
         dest = [self.pool[off:off + n] for off, n in self._segments(page)]
-        self._reads += 1
         job = self._job(self._read_pool, files.read_page, self.root, namespace, key, size, dest, self._read_pause)
         try:
             header, seconds = await asyncio.shield(job)
@@ -191,7 +219,7 @@ class ReadBack:
             self._read_failed(held, exc)
             return None
         finally:
-            self._reads -= 1
+            self._free_slot()
         page.dtype, page.shape, page.on_disk = header.dtype, header.shape, True
         if not self.store.commit(token)[0]:  # (cleared meanwhile)
             self._read_blocks -= 0 if transit else page.blocks

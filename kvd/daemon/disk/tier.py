@@ -11,8 +11,8 @@ it, checks it, and publishes it as any page; the get is then served from RAM.
 
 Never on the event loop: the reads (READ_THREADS), the writes (WRITE_THREADS), the unlinks and
 renames (one thread), the start's scan and the trash (one more). Each queue is bounded: past
-READS_IN_FLIGHT a disk page is a miss; past WRITES_IN_FLIGHT pages wait in RAM; a get waits
-READ_TIMEOUT for the disk at most. A slow or full disk costs misses and refused spills.
+READS_IN_FLIGHT reads wait their turn on the loop, past WRITES_IN_FLIGHT pages wait in RAM; a get
+waits READ_TIMEOUT for the disk at most. A slow or full disk costs misses and refused spills.
 """
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ class DiskTier(ReadBack):
         self.staged_bytes = 0
         self._writes: dict[Ident, asyncio.Future] = {}  # page writes in flight
         self._reads = 0  # page reads in flight
+        self._read_waiters: collections.deque[asyncio.Future] = collections.deque()  # reads waiting their turn
         self._read_blocks = 0
         self._loading: dict[Ident, asyncio.Task] = {}
         self._clearing: dict[str, int] = {}  # namespaces being cleared: none of their pages is written
