@@ -101,6 +101,9 @@ class CacheService:
                 return None
             case p.CacheExists() if (self.peers is not None or self.disk is not None) and self.reply is not None:
                 local = self._exists_here(msg.namespace, msg.keys)
+                if self.disk is not None and local < len(msg.keys) and self.disk.probing(msg.namespace):
+                    self._later(self._exists_probed(rid, msg, local))  # (the disk's scan is not over)
+                    return None
                 if self.peers is None:
                     return p.Ok(req=msg.req, value=local)
                 by_home = self._remote(msg.namespace, msg.keys, range(local, len(msg.keys)))
@@ -243,6 +246,20 @@ class CacheService:
         while count < len(msg.keys) and (count in held or self._exists_here(msg.namespace, [msg.keys[count]])):
             count += 1
         self.reply(rid, p.Ok(req=msg.req, value=count))
+
+    async def _exists_probed(self, rid: bytes, msg: p.CacheExists, local: int) -> None:
+        """exists while the disk's start-up scan runs: the files it has not listed yet are asked by name."""
+        try:
+            count = local + await self.disk.probe(msg.namespace, msg.keys[local:],
+                                                  lambda key: self.store.exists(msg.namespace, [key]) == 1)
+        except Exception:  # (a disk that fails: what is known)
+            log.exception("tier: probing the disk failed")
+            count = local
+        by_home = self._remote(msg.namespace, msg.keys, range(count, len(msg.keys))) if self.peers else {}
+        if count < len(msg.keys) and any(count in idx for idx in by_home.values()):
+            await self._exists_at_homes(rid, msg, count, by_home)
+        else:
+            self.reply(rid, p.Ok(req=msg.req, value=count))
 
     def _exists_here(self, namespace: str, keys: list[str]) -> int:
         """How many keys, from the first, this node holds: in RAM or on its disk."""

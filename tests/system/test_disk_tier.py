@@ -126,6 +126,32 @@ def test_a_restart_keeps_the_pages_sigterm_kill_9_and_another_block_size(daemons
         assert found == [True] * 48 and exact(found, outs, pages + pages_for(more, seed=500))
 
 
+def test_pages_serve_hits_at_once_while_the_start_scan_runs_and_a_clear_then_holds(daemons, tmp_path):
+    tier = tmp_path / "tier"
+    keys = [f"{i:064x}" for i in range(20)]
+    pages, others = pages_for(keys), pages_for(keys, seed=77)
+    a = daemons.start("A", pool_size="16MiB", extra=flags(tier))
+    with a.client() as client:
+        assert put(client, keys, pages, namespace="ns") and put(client, keys, others, namespace="gone")
+        settled(client)
+    assert a.stop() == 0
+    # a directory the scan takes 20 s to list (a second a file): its pages are found by their names meanwhile
+    b = daemons.start("A", pool_size="16MiB", extra=flags(tier), env={"KVD_TEST_DISK_SCAN_PAUSE": "0.5"})
+    with b.client() as client:
+        assert client.cache_exists(keys, namespace="ns") == 20
+        found, outs = get(client, keys, pages, namespace="ns")
+        assert found == [True] * 20 and exact(found, outs, pages)
+        assert client.cache_exists(keys, namespace="gone") == 20
+        assert client.cache_clear("gone") == 20  # (listed by the exists above)
+        assert client.cache_exists(keys, namespace="gone") == 0
+        assert client.cache_get(keys[:2], [torch.empty(ONE_BLOCK)] * 2, namespace="gone") == [False, False]
+        assert not disk_of(client)["ready"]  # (all of it before the scan was over)
+        settled(client, timeout=60)
+        assert client.cache_exists(keys, namespace="gone") == 0  # the scan's late news of them are stale
+        found, outs = get(client, keys, pages, namespace="ns")
+        assert found == [True] * 20 and exact(found, outs, pages)
+
+
 def damage(tier: Path, namespace: str, keys: list[str]) -> None:
     """Five ways a file goes wrong: a flipped byte of the page, a truncated file, a file renamed over
     another key's (both lost), another namespace's file under this one's name, an older format."""

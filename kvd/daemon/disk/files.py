@@ -176,11 +176,13 @@ def write_page(root: str, header: Header, pieces: list, pause: float = 0.0) -> f
     return time.perf_counter() - started
 
 
-def read_page(root: str, namespace: str, key: str, nbytes: int, dest: list, pause: float = 0.0) -> tuple[Header, float]:
+def read_page(root: str, namespace: str, key: str, nbytes: int, dest: list, pause: float = 0.0,
+              probe: bool = False) -> tuple[Header, float]:
     """Read a page's file into `dest` (memoryviews of its pool blocks, nbytes in all) and check it.
-    Returns its header and the seconds it took. Absent: no such file. BadPage: the file is not
-    that page, or not whole, or its bytes fail their digest; it is removed then (nothing else can
-    write under that name while a read of it runs: the index lists the page)."""
+    Returns its header and the seconds it took. Absent: no such file (probe: a file the index does
+    not list yet, of another size than asked: left alone). BadPage: the file is not that page, or
+    not whole, or its bytes fail their digest; it is removed then (nothing else writes under that
+    name while a read of it runs: the index lists the page, or no write starts before the scan ends)."""
     started = time.perf_counter()
     if pause:
         time.sleep(pause)
@@ -191,6 +193,8 @@ def read_page(root: str, namespace: str, key: str, nbytes: int, dest: list, paus
         raise Absent(path) from None
     try:
         size = os.fstat(fd).st_size
+        if size != file_size(nbytes) and probe:
+            raise Absent(path)
         if size != file_size(nbytes):
             raise BadPage(f"{size} bytes, a page of {nbytes} takes {file_size(nbytes)}")
         head = bytearray(HEADER_SIZE)
@@ -211,6 +215,23 @@ def read_page(root: str, namespace: str, key: str, nbytes: int, dest: list, paus
     finally:
         os.close(fd)
     return header, time.perf_counter() - started
+
+
+def probe(root: str, namespace: str, key: str) -> Header | None:
+    """The header of a page's file, if the file is there, whole, and that page's (its bytes are
+    checked when read); None otherwise. Removes nothing: the start's scan does."""
+    try:
+        fd = os.open(os.path.join(root, page_path(namespace, key)), os.O_RDONLY | OPEN_FLAGS)
+    except FileNotFoundError:
+        return None
+    try:
+        header = decode(os.pread(fd, HEADER_SIZE, 0))
+        check_is(header, namespace, key)
+        return header if os.fstat(fd).st_size == file_size(header.nbytes) else None
+    except BadPage:
+        return None
+    finally:
+        os.close(fd)
 
 
 def unlink(root: str, relative: str) -> None:
@@ -258,7 +279,7 @@ class ScanReport:
 
 
 def scan(root: str, post: Callable[[list[Found], int, int], None], stop: threading.Event, batch: int = 1000,
-         progress_every: float = 2.0) -> ScanReport:
+         progress_every: float = 2.0, pause: float = 0.0) -> ScanReport:
     """Find the pages in pages/: each file's header read and checked (not its bytes: those are
     checked when read), its name and size against it. Posts what it finds in batches as it goes
     (with the files dropped so far: corrupt, of another version); removes what is not a whole
@@ -272,6 +293,8 @@ def scan(root: str, post: Callable[[list[Found], int, int], None], stop: threadi
             for entry in _entries(fan.path):
                 if stop.is_set():
                     return report
+                if pause:  # (a test's big directory)
+                    time.sleep(pause)
                 report.files += 1
                 page = _scan_one(root, entry, report)
                 if page is not None:

@@ -21,7 +21,7 @@ from kvd.errors import BadRequest
 
 from ..logs import Throttle
 from ..store.cache import CacheStore, Page
-from ..store.disk_format import BadPage
+from ..store.disk_format import BadPage, disk_bytes
 from ..store.disk_index import DiskIndex, DiskPage
 from . import files
 
@@ -76,6 +76,8 @@ class ReadBack:
     staged_bytes: int
     _read_pause: float
     _closing: bool
+    _clearing: dict[str, int]
+    _cleared_in_scan: set[str]
     _throttle: Throttle
     if TYPE_CHECKING:  # (DiskTier's)
         def spawn(self, coro) -> asyncio.Task: ...
@@ -95,13 +97,46 @@ class ReadBack:
     def held(self, namespace: str, key: str) -> bool:
         return self._held_size(namespace, key) is not None
 
+    def probing(self, namespace: str) -> bool:
+        """The start's scan is not over: a page it has not listed yet may be in its file (a read of it
+        is checked as any); not for a namespace being cleared, or cleared since the start."""
+        return not self.index.ready and namespace not in self._clearing and namespace not in self._cleared_in_scan
+
+    async def probe(self, namespace: str, keys: list[str], held_here: Callable[[str], bool]) -> int:
+        """How many keys, from the first, are held (`held_here`: RAM, the index) or, while the scan
+        runs, in a whole file of theirs (its header read and checked; then listed)."""
+        count = 0
+        while count < len(keys):
+            chunk = keys[count:count + READS_IN_FLIGHT]
+            for found in await asyncio.gather(*(self._probe_one(namespace, key, held_here) for key in chunk)):
+                if not found:
+                    return count
+                count += 1
+        return count
+
+    async def _probe_one(self, namespace: str, key: str, held_here: Callable[[str], bool]) -> bool:
+        if held_here(key) or self.held(namespace, key):
+            return True
+        if not self.probing(namespace):
+            return False
+        try:
+            header = await self._job(self._read_pool, files.probe, self.root, namespace, key)
+        except OSError:
+            return False
+        if header is None or not self.probing(namespace):
+            return False
+        self.index.found(namespace, key, header.nbytes, disk_bytes(header.nbytes))
+        return True
+
     def wanted(self, namespace: str, keys: list[str], sizes: list[int], indices, strict: bool = True) -> list[int]:
         """Of these indices (keys RAM misses), those the disk holds; a page held at another size than
         the get's out is the caller's bug, as it is in RAM (BadRequest; strict=False: a miss)."""
         out = []
         for i in indices:
             held = self._held_size(namespace, keys[i])
-            if held is None or (held != sizes[i] and not strict):
+            if held is None and self.probing(namespace):  # (the scan may not have reached it yet)
+                out.append(i)
+            elif held is None or (held != sizes[i] and not strict):
                 self.index.counts.misses += 1
             elif held != sizes[i]:
                 raise BadRequest(f"cache_get: page {keys[i]!r} of namespace {namespace!r} holds {held} bytes, "
@@ -192,13 +227,17 @@ class ReadBack:
         if (staged := self._staged.get(ident)) is not None:
             return self._unstage(ident, staged)
         held = self.index.lookup(namespace, key)
-        if held is None or held.nbytes != size or self._closing:
+        probe = held is None and self.probing(namespace)  # (found by its name, then listed)
+        if (held is None and not probe) or (held is not None and held.nbytes != size) or self._closing:
             self.index.counts.misses += 1
             return None
         if not await self._read_slot(deadline):  # (a queue past its get's deadline: a miss)
             self.index.counts.misses += 1
             return None
-        if self.index.lookup(namespace, key) is not held or self._closing:  # (dropped or cleared meanwhile)
+        now = self.index.lookup(namespace, key)
+        if probe and now is not None:  # (the scan listed it meanwhile)
+            held, probe = now, False
+        if now is not held or self._closing or (probe and not self.probing(namespace)):
             self._free_slot()
             self.index.counts.misses += 1
             return None
@@ -208,7 +247,8 @@ class ReadBack:
             return None
         page, token, transit = room
         dest = [self.pool[off:off + n] for off, n in self._segments(page)]
-        job = self._job(self._read_pool, files.read_page, self.root, namespace, key, size, dest, self._read_pause)
+        job = self._job(self._read_pool, files.read_page, self.root, namespace, key, size, dest, self._read_pause,
+                        probe)
         try:
             header, seconds = await asyncio.shield(job)
         except asyncio.CancelledError:  # (the blocks go only once the thread is done with them)
@@ -216,7 +256,7 @@ class ReadBack:
             raise
         except Exception as exc:
             self._abandon(page, token, transit)
-            self._read_failed(held, exc)
+            self._read_failed(held, exc, key)
             return None
         finally:
             self._free_slot()
@@ -226,7 +266,10 @@ class ReadBack:
             return None
         self.store.pin(page)  # (for the get that asked: `release`)
         self.read_latency.observe(seconds, size)
-        self.index.touch(held)
+        if held is None and self.probing(namespace):
+            held = self.index.found(namespace, key, size, disk_bytes(size))
+        if held is not None:
+            self.index.touch(held)
         self.index.counts.hits += 1
         return page, transit
 
@@ -267,10 +310,11 @@ class ReadBack:
         self.index.counts.hits += 1
         return page, transit
 
-    def _read_failed(self, held: DiskPage, exc: BaseException) -> None:
+    def _read_failed(self, held: DiskPage | None, exc: BaseException, key: str) -> None:
+        """held None: a file the scan had not listed (a probe)."""
         self.index.counts.misses += 1
         if isinstance(exc, files.Absent):
-            if self.index.drop(held):
+            if held is not None and self.index.drop(held):
                 self.index.deleted(held)
             return
         if isinstance(exc, BadPage):
@@ -278,13 +322,13 @@ class ReadBack:
                 self.index.counts.stale += 1
             else:
                 self.index.counts.corrupt += 1
-            if self.index.drop(held):  # (the read removed the file)
+            if held is not None and self.index.drop(held):  # (the read removed the file)
                 self.index.deleted(held)
         else:  # an I/O error: the file goes too (a disk that fails a read may fail it again)
             self.index.counts.corrupt += 1
-            if self.index.drop(held):
+            if held is not None and self.index.drop(held):
                 self._unlink([held])
         if self._throttle.allow("corrupt"):
-            log.warning("disk tier: page %r of namespace %r dropped: %s (a miss; %d dropped so far, this message "
-                        "at most once a minute)", held.key, held.namespace[:64],
-                        getattr(exc, "reason", None) or exc, self.index.counts.corrupt + self.index.counts.stale)
+            log.warning("disk tier: page %r dropped: %s (a miss; %d dropped so far, this message at most once a "
+                        "minute)", key, getattr(exc, "reason", None) or exc,
+                        self.index.counts.corrupt + self.index.counts.stale)

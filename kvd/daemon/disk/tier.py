@@ -48,6 +48,7 @@ __all__ = ["DiskSettings", "DiskTier", "READ_TIMEOUT", "READS_IN_FLIGHT"]
 FULL_BACKOFF = 1.0  # seconds without writes after the disk said it is full or failing
 WRITE_PAUSE_ENV = "KVD_TEST_DISK_WRITE_PAUSE"  # tests: each write stops this long halfway through its bytes
 READ_PAUSE_ENV = "KVD_TEST_DISK_READ_PAUSE"  # tests: each read waits this long first (a saturated disk)
+SCAN_PAUSE_ENV = "KVD_TEST_DISK_SCAN_PAUSE"  # tests: the start's scan waits this long a file (a big directory)
 
 Ident = tuple[str, str]
 
@@ -114,7 +115,8 @@ class DiskTier(ReadBack):
         def post(found: list, corrupt: int, stale: int) -> None:
             self._loop.call_soon_threadsafe(self._found, found, corrupt, stale)
 
-        self._job(self._background, files.scan, self.root, post, self._stop).add_done_callback(
+        self._job(self._background, files.scan, self.root, post, self._stop, 1000, 2.0,
+                  float(os.environ.get(SCAN_PAUSE_ENV) or 0)).add_done_callback(
             lambda fut: self._scanned(fut, started))
         self._job(self._background, files.empty_trash, self.root, self._stop)
 
