@@ -144,6 +144,8 @@ class DiskTier(ReadBack):
 
     def _scanned(self, fut: asyncio.Future, started: float) -> None:
         self.scan_seconds = time.monotonic() - started
+        if self._closing:  # (cut short by the shutdown: nothing to decide on half a directory)
+            return
         try:
             report = fut.result()
         except BaseException as exc:  # (a disk that fails its scan: what was found serves, the rest is unknown)
