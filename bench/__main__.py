@@ -6,6 +6,9 @@
     python -m bench --planes   # only kvd's data planes side by side (bench/planes.py; part of every full run)
     python -m bench --plane-cutover   # where the NIXL plane starts to pay, and its slices (bench/plane_cutover.py)
     python -m bench --sglang   # only SGLang's HiCache L3: kvd's backend against its file backend (sglang_tier.py)
+    python -m bench --disk-tier   # only the KV tier's disk level: against raw pwrite/pread and SGLang's file
+                               # backend, on this machine's disk and tmpfs, restart to first hit (bench/disk_tier.py;
+                               # part of every full run)
     python -m bench --connector [--sizes ... --requests N --rows ...]   # TTFT through vLLM engines
                                # (bench/connector.py: kvd's connector, NixlConnector, one engine alone)
 """
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from kvd.testing import DaemonFactory
 
-from . import baselines, cases, peers, planes
+from . import baselines, cases, disk_tier, peers, planes
 from .measure import human, pooled
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 256 << 20]
@@ -65,6 +68,10 @@ def main() -> int:
     parser.add_argument("--planes", action="store_true",
                         help="only kvd's push and pull over each data plane (zmq; NIXL on UCX tcp and sm,tcp) beside "
                              "a bare NIXL write and raw TCP, with issue 40's goals (bench/planes.py)")
+    parser.add_argument("--disk-tier", action="store_true",
+                        help="only the KV tier's disk level (issue 43): page write and read against raw pwrite and "
+                             "pread, SGLang's file backend, restart to first hit, on this disk and tmpfs "
+                             "(bench/disk_tier.py)")
     parser.add_argument("--plane-cutover", action="store_true",
                         help="only the NIXL plane against frames at 64 KiB-2 MiB (where to set PLANE_MIN_BYTES), and "
                              "its slice size and slices in flight (bench/plane_cutover.py)")
@@ -73,7 +80,7 @@ def main() -> int:
         from . import sglang_tier
 
         return sglang_tier.main(["--quick"] if args.quick else [])
-    if args.planes or args.plane_cutover:
+    if args.planes or args.plane_cutover or args.disk_tier:
         return planes_only(args)
     started = time.time()
     rows: list[tuple[str, str, str, str, str, str]] = []  # kvd's cases, in the order measured
@@ -237,6 +244,10 @@ def main() -> int:
     plane_rows, plane_checks, plane_lines = planes.section(args.quick)
     rows += plane_rows
     checks += plane_checks
+    disk_rows, disk_checks, disk_lines = disk_tier.section(args.quick)  # (its own daemons, after the planes')
+    rows += disk_rows
+    checks += disk_checks
+    plane_lines += disk_lines
     if args.peers:  # after kvd's daemons are gone, so they share the machine with nothing of ours
         rows += peers.peer_rows({n: repeats_for(n, args.quick) for n in SIZES}, tcp,
                                 {n: sample.median for n, sample in pushed_by_size.items()})
@@ -281,12 +292,14 @@ def emit(report: str, output: Path | None) -> int:
 
 
 def planes_only(args: argparse.Namespace) -> int:
-    """`--planes` and `--plane-cutover`: their own table, targets and lines."""
+    """`--planes`, `--plane-cutover` and `--disk-tier`: their own table, targets and lines."""
     started = time.time()
     if args.plane_cutover:
         from . import plane_cutover
 
         rows, checks, extra = plane_cutover.section(args.quick)
+    elif args.disk_tier:
+        rows, checks, extra = disk_tier.section(args.quick)
     else:
         rows, checks, extra = planes.section(args.quick)
     lines = [

@@ -93,6 +93,11 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         help="pages the KV tier holds at most (each costs ~1 KB of daemon memory beside its blocks)")
     add("--cache-namespace-pages", type=int, metavar="N",
         help="pages one namespace may hold; past it, its own least recently used go first (0: no cap of its own)")
+    add("--cache-dir", metavar="DIR",
+        help="the KV tier's disk level: pages go there from RAM, come back checked, and survive a restart (a "
+             "directory of this user's alone, empty or a kvd tier's; needs --cache-disk-size)")
+    add("--cache-disk-size", metavar="SIZE",
+        help="the disk level's budget, a hard cap on its files (e.g. 100GiB); the least recently used go past it")
     add("--registry", metavar="URL",
         help="cluster registry: etcd[s]://[USER:PASS@]HOST:PORT[,HOST:PORT...] or "
              "redis[s]://[USER:PASS@]HOST:PORT[/DB] (default: none, static peers only)")
@@ -286,6 +291,14 @@ def client_command(args: argparse.Namespace) -> int:
                       f"{format_size(cache['used_bytes'])} of {format_size(cache['budget'])} budget; "
                       f"{cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions, "
                       f"{cache['refused']} refused, {cache['namespaces']} namespaces")
+                for medium, m in (cache.get("media") or {}).items():
+                    print(f"  {medium:<8} {m['pages']} pages, {format_size(m['bytes'])} in "
+                          f"{format_size(m['used_bytes'])} of {format_size(m['budget'])}; {m['hits']} hits, "
+                          f"{m['misses']} misses, "
+                          f"{m['evictions']} evictions, {m['corrupt']} corrupt dropped" + (
+                              f"; read {m['read']['mean_ms']} ms (p99 {m['read']['p99_ms']}), write "
+                              f"{m['write']['mean_ms']} ms (p99 {m['write']['p99_ms']}) a page; {m['refused']} "
+                              f"refused; {m['dir']}" if medium == "disk" else ""))
             plane = stats.get("plane")
             if plane:
                 peers = ", ".join(plane["peers"]) or "none yet"

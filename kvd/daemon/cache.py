@@ -28,7 +28,7 @@ from kvd.wire import protocol as p
 from kvd.wire.layout import physical_segments
 
 from .logs import Throttle
-from .store.cache import TOP_NAMESPACES, CacheStore, Page
+from .store.cache import TOP_NAMESPACES, CacheStore, Page, check_batch
 from .tier_peers import TIMEOUT as TIER_TIMEOUT
 from .writes import LocalWrite, WriteAction, WriteEvent
 
@@ -52,6 +52,8 @@ class CacheService:
         self.peers = None  # TierPeers
         self.reply: Callable[[bytes, p.Message], bool] | None = None  # a late answer to a client
         self._tasks: set[asyncio.Task] = set()
+        self.disk = None  # DiskTier (disk/tier.py), with --cache-dir: what RAM misses may be on disk
+        self.media: Callable[[], dict] | None = None  # the figures by medium (disk/media.py)
 
     def handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
         store = self.store
@@ -81,17 +83,29 @@ class CacheService:
                         self._later(self._commit_at_homes(rid, msg.req, published, by_home))
                         return None
                 return p.Ok(req=msg.req, value=published)
-            case p.CacheGet() if self.peers is not None and self.reply is not None:
-                token, found = store.lease(msg.namespace, msg.keys, msg.sizes, count=False)
+            case p.CacheGet() if (self.peers is not None or self.disk is not None) and self.reply is not None:
+                # (the hits stay pinned meanwhile: what the misses bring into RAM must not evict them)
+                pinned, found = store.lease(msg.namespace, msg.keys, msg.sizes, count=False)
                 misses = [i for i, page in enumerate(found) if page is None]
-                by_home = self._remote(msg.namespace, msg.keys, misses)
-                store.release(token)
-                if not by_home:
+                try:
+                    on_disk = self.disk.wanted(msg.namespace, msg.keys, msg.sizes, misses) if self.disk else []
+                    by_home = (self._remote(msg.namespace, msg.keys, sorted(set(misses) - set(on_disk)))
+                               if self.peers is not None else {})
+                except Exception:
+                    store.release(pinned)
+                    raise
+                if not by_home and not on_disk:
+                    store.release(pinned)
                     return self._get(rid, msg)
-                self._later(self._get_from_homes(rid, msg, by_home))
+                self._later(self._get_from_homes(rid, msg, by_home, on_disk, pinned))
                 return None
-            case p.CacheExists() if self.peers is not None and self.reply is not None:
-                local = store.exists(msg.namespace, msg.keys)
+            case p.CacheExists() if (self.peers is not None or self.disk is not None) and self.reply is not None:
+                local = self._exists_here(msg.namespace, msg.keys)
+                if self.disk is not None and local < len(msg.keys) and self.disk.probing(msg.namespace):
+                    self._later(self._exists_probed(rid, msg, local))  # (the disk's scan is not over)
+                    return None
+                if self.peers is None:
+                    return p.Ok(req=msg.req, value=local)
                 by_home = self._remote(msg.namespace, msg.keys, range(local, len(msg.keys)))
                 if local == len(msg.keys) or not any(local in idx for idx in by_home.values()):
                     return p.Ok(req=msg.req, value=local)
@@ -107,9 +121,15 @@ class CacheService:
             case p.CacheExists():
                 return p.Ok(req=msg.req, value=store.exists(msg.namespace, msg.keys))
             case p.CacheClear():
-                dropped = store.clear(msg.namespace)
-                if self.peers is not None and self.reply is not None and self.peers.others():
-                    self._later(self._clear_everywhere(rid, msg, dropped))  # answered once every node did
+                check_batch(msg.namespace, [])
+                on_disk, cleared = 0, None
+                if self.disk is not None:  # (first: it counts the pages only the disk holds)
+                    on_disk, cleared = self.disk.clear(msg.namespace,
+                                                       lambda key: store.held_size(msg.namespace, key) is not None)
+                dropped = store.clear(msg.namespace) + on_disk
+                cluster = self.peers is not None and self.reply is not None and bool(self.peers.others())
+                if cluster or cleared is not None:  # answered once every node did, the disk's files gone for good
+                    self._later(self._clear_everywhere(rid, msg, dropped, cleared, cluster))
                     return None
                 return p.Ok(req=msg.req, value=dropped)
             case p.CacheStats():
@@ -118,6 +138,10 @@ class CacheService:
                     stats["expired_writes"] = self.expired
                     if self.peers is not None:  # the exchanges with other homes
                         stats["cluster"] = dict(self.peers.counts)
+                    if self.media is not None:
+                        stats["media"] = self.media()
+                elif self.disk is not None:
+                    stats["disk"] = self.disk.namespace_stats(msg.namespace)
                 return p.Ok(req=msg.req, value=stats)
         raise BadRequest(f"{msg.TYPE} is not a cache request")
 
@@ -169,15 +193,19 @@ class CacheService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _clear_everywhere(self, rid: bytes, msg: p.CacheClear, dropped: int) -> None:
+    async def _clear_everywhere(self, rid: bytes, msg: p.CacheClear, dropped: int, disk=None,
+                                cluster: bool = True) -> None:
         """cache_clear means the cluster: every node of the tier drops the namespace (near copies
         and the pages it is home to) before the client hears that it is done. A node that does not
         confirm within the tier's deadline may still serve old pages: the client gets an error
-        naming it, and a retry clears whatever is left."""
+        naming it, and a retry clears whatever is left. The disk level's files of the namespace are
+        gone for good (a restart does not bring them back) before the answer, too."""
         try:
-            elsewhere, missing = await self.peers.clear(msg.namespace)
-        except Exception as exc:  # (never: clear says who did not answer, it does not raise)
-            elsewhere, missing = 0, [f"the other nodes ({exc})"]
+            if disk is not None:
+                await asyncio.shield(disk)
+            elsewhere, missing = await self.peers.clear(msg.namespace) if cluster else (0, [])
+        except Exception as exc:  # (never from peers.clear: it says who did not answer; the disk may fail)
+            elsewhere, missing = 0, [f"{'the disk level' if disk is not None else 'the other nodes'} ({exc})"]
         if missing:
             reply: p.Message = p.error_reply(msg.req, PeerUnavailable(
                 f"cache_clear({msg.namespace!r}): cleared here and on the nodes that answered, but "
@@ -187,15 +215,23 @@ class CacheService:
             reply = p.Ok(req=msg.req, value=dropped + elsewhere)
         self.reply(rid, reply)
 
-    async def _get_from_homes(self, rid: bytes, msg: p.CacheGet, by_home: dict[str, list[int]]) -> None:
+    async def _get_from_homes(self, rid: bytes, msg: p.CacheGet, by_home: dict[str, list[int]],
+                              on_disk: list[int] | None = None, pinned: int | None = None) -> None:
+        read_back: list = []
         try:
-            transit = set(await self.peers.fetch(msg.namespace, msg.keys, msg.sizes, by_home))
+            read_back = await self.disk.load(msg.namespace, msg.keys, msg.sizes, on_disk) if on_disk else []
+            transit = set(await self.peers.fetch(msg.namespace, msg.keys, msg.sizes, by_home)) if by_home else set()
             reply = self._get(rid, msg)
             if transit:  # read once: they go as soon as this reader lets go of them
                 for page in [page for page in self.store.leased(reply.token) if page.key in transit]:
                     self.store.drop(page)
         except Exception as exc:
             reply = p.error_reply(msg.req, exc, None)
+        finally:  # (the reader's lease holds what it found now)
+            if read_back:
+                self.disk.release(read_back)
+            if pinned is not None:
+                self.store.release(pinned)
         if not self.reply(rid, reply) and isinstance(reply, p.CacheSlots) and self._owner.get(reply.token) == rid:
             self._disown(rid, reply.token, "lease")  # its reader left meanwhile
             self.store.release(reply.token)
@@ -207,9 +243,31 @@ class CacheService:
             log.exception("tier: asking the homes failed")
             held = set()
         count = local
-        while count < len(msg.keys) and (count in held or self.store.exists(msg.namespace, [msg.keys[count]])):
+        while count < len(msg.keys) and (count in held or self._exists_here(msg.namespace, [msg.keys[count]])):
             count += 1
         self.reply(rid, p.Ok(req=msg.req, value=count))
+
+    async def _exists_probed(self, rid: bytes, msg: p.CacheExists, local: int) -> None:
+        """exists while the disk's start-up scan runs: the files it has not listed yet are asked by name."""
+        try:
+            count = local + await self.disk.probe(msg.namespace, msg.keys[local:],
+                                                  lambda key: self.store.exists(msg.namespace, [key]) == 1)
+        except Exception:  # (a disk that fails: what is known)
+            log.exception("tier: probing the disk failed")
+            count = local
+        by_home = self._remote(msg.namespace, msg.keys, range(count, len(msg.keys))) if self.peers else {}
+        if count < len(msg.keys) and any(count in idx for idx in by_home.values()):
+            await self._exists_at_homes(rid, msg, count, by_home)
+        else:
+            self.reply(rid, p.Ok(req=msg.req, value=count))
+
+    def _exists_here(self, namespace: str, keys: list[str]) -> int:
+        """How many keys, from the first, this node holds: in RAM or on its disk."""
+        count = self.store.exists(namespace, keys)
+        while self.disk is not None and count < len(keys) and (
+                self.disk.held(namespace, keys[count]) or self.store.exists(namespace, [keys[count]])):
+            count += 1
+        return count
 
     def _slot(self, result: Page | bool) -> list | bool | None:
         if result is True:

@@ -72,6 +72,10 @@ class Config:
     # of daemon memory beside its pool blocks, so a flood of tiny pages is bounded by count too
     cache_max_pages: int = 1 << 20
     cache_namespace_pages: int = 0
+    # the tier's disk level (docs/kv-tier.md): a directory of this user's alone, and its budget (a hard cap
+    # on its files); empty: none. Pages go there from RAM and survive a restart
+    cache_dir: str = ""
+    cache_disk_size: int = 0
     # the cluster registry (kvd.cluster); empty registry: no registry, static peers only
     registry: str = ""  # etcd[s]://[USER:PASS@]HOST:PORT[,HOST:PORT...] | redis[s]://[USER:PASS@]HOST:PORT[/DB]
     registry_password_file: str = ""  # the registry password (first line), instead of one in the URL
@@ -145,6 +149,14 @@ class Config:
                 problems.append(f"{name} must be at least 1")
         if self.cache_namespace_pages < 0:
             problems.append("cache_namespace_pages must not be negative (0: as many as cache_max_pages)")
+        if self.cache_dir and not os.path.isabs(self.cache_dir):
+            problems.append(f"cache_dir must be an absolute path, got {self.cache_dir!r}")
+        if self.cache_dir and self.cache_disk_size < 1 << 20:
+            problems.append("cache_dir needs cache_disk_size, the disk level's budget: at least 1MiB (e.g. 100GiB)")
+        if self.cache_disk_size and not self.cache_dir:
+            problems.append("cache_disk_size needs cache_dir (the directory it budgets)")
+        if self.cache_dir and self.device != "cpu":
+            problems.append("cache_dir needs a host pool (device cpu): a CUDA pool's tier has no disk level")
         problems += self._cluster_problems()
         if problems:
             raise ValueError("invalid configuration: " + "; ".join(problems))
@@ -204,7 +216,7 @@ class Config:
         return values
 
 
-_SIZES = {"pool_size", "block_size", "chunk_size", "scratch_max"}
+_SIZES = {"pool_size", "block_size", "chunk_size", "scratch_max", "cache_disk_size"}
 _DURATIONS = {"default_ttl", "lease_timeout", "transfer_timeout", "connect_timeout", "heartbeat_interval",
               "heartbeat_timeout", "drain_timeout", "registry_ttl"}
 _INTS = {"window", "metrics_port", "io_threads", "max_clients", "max_peer_connections", "max_entries",

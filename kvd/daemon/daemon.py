@@ -45,6 +45,8 @@ from .peer.transfers import Transfers, TransferSettings
 from .socket_path import claim_socket_path
 from .status import Status, StatusSettings
 from .cache import CacheCollector, CacheService
+from .disk.media import Media
+from .disk.tier import claim_disk, disk_tier_for
 from .store.cache import CacheStore, SharedPool
 from .tier_peers import tier_peers_for
 from .store.entries import Entry, Store
@@ -67,7 +69,7 @@ class Daemon:
         self.notifier = Notifier()
         self._stop_requested = asyncio.Event()
         # built by start(), in this order; stop() closes whatever was built
-        self.memory = self.store = self.cache = self.ctx = self.authenticator = self.plane = None
+        self.memory = self.store = self.cache = self.disk = self.ctx = self.authenticator = self.plane = None
         self.directory: Directory | None = None
         self.curve = None  # our CURVE keys and allow list, when CURVE is on
         self.local: LocalServer | None = None
@@ -94,6 +96,7 @@ class Daemon:
         if cfg.device == "cpu":
             check_fits_in_ram(cfg.pool_size, cfg.pool_path, cfg.pool_overcommit)
         claim_socket_path(cfg.socket, self._made_dirs)  # before anything binds: a second daemon stops here
+        disk_dir = claim_disk(cfg)  # --cache-dir ours alone, and not another daemon's
         self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
         if cfg.registry:  # the holder directory hears of every entry the store publishes or removes
             self.directory = Directory(RegistrySettings.of(cfg), life.incarnation, curve)
@@ -102,6 +105,7 @@ class Daemon:
         num_blocks = cfg.pool_size // cfg.block_size
         pool = SharedPool(num_blocks)  # handoffs and the KV tier share it; a handoff may evict tier pages
         self.cache = CacheStore(pool, cfg.block_size, cfg.cache_budget, cfg.cache_max_pages, cfg.cache_namespace_pages)
+        self.disk = disk_tier_for(cfg, disk_dir, self.cache, self.memory)
         self.store = Store(pool, cfg.block_size, cfg.default_ttl or None,
                            on_published=self.directory.entry_published if self.directory else None,
                            on_removed=self.directory.entry_removed if self.directory else None,
@@ -146,6 +150,12 @@ class Daemon:
         self.handlers.cache = self._cache_service = CacheService(self.cache, cfg.block_size, cfg.lease_timeout)
         self._cache_service.peers = tier
         self._cache_service.reply = lambda rid, msg: self.local.send(rid, msg)
+        self._cache_service.disk = self.disk
+        media = Media(self.cache, self.disk, (lambda: tier.counts) if tier is not None else None)
+        self.metrics.registry.register(media)
+        status.media = self._cache_service.media = media.as_dict
+        if self.disk is not None:
+            self.disk.start(tier)
         self._sweeper = Sweeper(self.store, watch, self.handlers.puts.write_expired, self.metrics)
         if cfg.metrics_port:  # before the client socket: once a client is answered, /healthz answers too
             self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: life.ready,
@@ -219,6 +229,8 @@ class Daemon:
             await self.handlers.close()
         if self._cache_service is not None:
             await self._cache_service.close()
+        if self.disk is not None:  # (RAM's pages not on disk yet written out; before the pool goes)
+            await self.disk.close(self.config.drain_timeout)
         if self._housekeeping is not None:
             self._housekeeping.cancel()
             await asyncio.gather(self._housekeeping, return_exceptions=True)

@@ -54,6 +54,7 @@ class Status(Collector):
         self.listen = listen  # the peer endpoint as bound
         self.version = version
         self.cache = None  # the KV tier's store (store/cache.py), set by the daemon
+        self.media = None  # its figures by medium, RAM and disk (disk/media.py), set by the daemon
 
     def pool(self) -> dict:
         store, block_size = self.store, self.config.block_size
@@ -67,6 +68,11 @@ class Status(Collector):
             "free_blocks": store.allocator.free_blocks,
             "largest_free_extent_blocks": store.allocator.largest_free_extent(),
         }
+
+    def _cache(self) -> dict | None:
+        if self.cache is None:
+            return None
+        return {**self.cache.stats(), **({"media": self.media()} if self.media is not None else {})}
 
     def snapshot(self) -> dict:
         cfg, life = self.config, self.lifecycle
@@ -91,7 +97,7 @@ class Status(Collector):
             "listen": self.listen,
             "metrics": f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None,
             "registry": self.directory.status() if self.directory is not None else None,
-            "cache": self.cache.stats() if self.cache is not None else None,
+            "cache": self._cache(),
             "plane": self.plane(),
         }
 

@@ -23,7 +23,7 @@ from kvd.wire import protocol as p
 from kvd.wire.checksum import digest
 from kvd.wire.layout import physical_segments
 
-from .store.cache import CacheStore, Page, page_size
+from .store.cache import CacheStore, Page, check_batch, page_size
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class TierPeers:
         self._xfers = itertools.count(random.getrandbits(48) << 8)
         self._waiting: dict[int, tuple[str, type, asyncio.Future]] = {}  # xfer -> (home asked, answer type, its answer)
         self.counts = {"stored_sent": 0, "fetched": 0, "asked": 0, "timeouts": 0, "bad": 0}
+        self.disk = None  # DiskTier (disk/tier.py), with --cache-dir: a home answers from its disk too
 
     # --- where pages live -----------------------------------------------------------------------------
 
@@ -123,19 +124,22 @@ class TierPeers:
                 refused = set(self.keep(msg.namespace, msg.keys, msg.pages, msg.payload))
                 channel.send(p.TierHeld(xfer=msg.xfer, held=[i not in refused for i in range(len(msg.keys))]))
             case p.TierFetch():
-                token, found = self.cache.lease(msg.namespace, msg.keys, msg.sizes)
-                try:
-                    hits = [(i, page) for i, page in enumerate(found) if page is not None]
-                    payload = [self.read(page) for _, page in hits]  # (copied out: the pin can end now)
-                finally:
-                    self.cache.release(token)
-                channel.send(p.TierPages(
-                    xfer=msg.xfer, seq=0, offset=0, lengths=[len(d) for d in payload],
-                    digest=digest(self.checksum, payload), payload=payload, checksum=self.checksum,
-                    found=[i for i, _ in hits], pages=[[page.dtype, list(page.shape)] for _, page in hits]))
+                pinned, on_disk = self._on_disk(msg)
+                if on_disk:
+                    self.disk.spawn(self._pages_from_disk(channel, msg, on_disk, pinned))
+                else:
+                    self.cache.release(pinned)
+                    self._send_pages(channel, msg)
             case p.TierAsk():
-                held = [self.cache.exists(msg.namespace, [key]) == 1 for key in msg.keys]
+                held = [self.cache.exists(msg.namespace, [key]) == 1
+                        or (self.disk is not None and self.disk.held(msg.namespace, key)) for key in msg.keys]
                 channel.send(p.TierHeld(xfer=msg.xfer, held=held))
+            case p.TierClear() if self.disk is not None:
+                check_batch(msg.namespace, [])
+                on_disk, cleared = self.disk.clear(msg.namespace,
+                                                   lambda key: self.cache.held_size(msg.namespace, key) is not None)
+                dropped = self.cache.clear(msg.namespace) + on_disk
+                self.disk.spawn(self._cleared(channel, msg.xfer, dropped, cleared))
             case p.TierClear():
                 channel.send(p.TierCleared(xfer=msg.xfer, dropped=self.cache.clear(msg.namespace)))
             case p.TierPages() | p.TierHeld() | p.TierCleared():
@@ -148,6 +152,48 @@ class TierPeers:
                 del self._waiting[msg.xfer]
                 if not waiter.done():
                     waiter.set_result(msg)
+
+    def _send_pages(self, channel, msg: p.TierFetch) -> None:
+        token, found = self.cache.lease(msg.namespace, msg.keys, msg.sizes)
+        try:
+            hits = [(i, page) for i, page in enumerate(found) if page is not None]
+            payload = [self.read(page) for _, page in hits]  # (copied out: the pin can end now)
+        finally:
+            self.cache.release(token)
+        channel.send(p.TierPages(
+            xfer=msg.xfer, seq=0, offset=0, lengths=[len(d) for d in payload],
+            digest=digest(self.checksum, payload), payload=payload, checksum=self.checksum,
+            found=[i for i, _ in hits], pages=[[page.dtype, list(page.shape)] for _, page in hits]))
+
+    # --- a home's disk (with --cache-dir) -------------------------------------------------------------
+
+    def _on_disk(self, msg: p.TierFetch) -> tuple[int, list[int]]:
+        """The keys asked that this home's RAM misses and its disk holds (at the size asked), and a
+        lease pinning RAM's hits meanwhile (what is read back must not evict them)."""
+        token, found = self.cache.lease(msg.namespace, msg.keys, msg.sizes, count=False)  # (checks the batch)
+        if self.disk is None:
+            return token, []
+        return token, self.disk.wanted(msg.namespace, msg.keys, msg.sizes,
+                                       [i for i, page in enumerate(found) if page is None], strict=False)
+
+    async def _pages_from_disk(self, channel, msg: p.TierFetch, on_disk: list[int], pinned: int) -> None:
+        read_back = []
+        try:
+            read_back = await self.disk.load(msg.namespace, msg.keys, msg.sizes, on_disk)
+            self._send_pages(channel, msg)
+        except Exception as exc:  # (the asker may be gone by now: it counts a miss)
+            log.debug("tier: answering %s from disk failed: %s", channel.peer_name, exc)
+        finally:
+            self.disk.release(read_back)
+            self.cache.release(pinned)
+
+    async def _cleared(self, channel, xfer: int, dropped: int, cleared: asyncio.Task) -> None:
+        """A clear is confirmed once the disk's files are gone for good (else never: the asker names us)."""
+        try:
+            await asyncio.shield(cleared)
+            channel.send(p.TierCleared(xfer=xfer, dropped=dropped))
+        except Exception as exc:
+            log.warning("tier: clearing a namespace for %s failed on disk: %s", channel.peer_name, exc)
 
     # --- what we ask -------------------------------------------------------------------------------------
 

@@ -63,6 +63,8 @@ class Page:
     readers: int = 0  # leases pinning it
     removed: bool = False
     parked: bool = False  # removed while pinned or written: its blocks wait for the reader or writer
+    on_disk: bool = False  # the disk level (disk/tier.py) holds it too: evicting it loses nothing
+    over: bool = False  # reserved past the budget (in transit, for one reader): its blocks take no room from it
 
 
 @dataclass(slots=True)
@@ -122,6 +124,7 @@ class CacheStore:
         self._ns_lru: dict[str, collections.OrderedDict[str, Page]] = {}  # namespace -> its visible pages, LRU first
         self.blocks = 0  # held by pages: visible, being written, or parked under a reader
         self.parked_blocks = 0  # of those: removed pages a reader still pins
+        self.over_blocks = 0  # of those: pages reserved past the budget (the budget is checked without them)
         self._pages: dict[tuple[str, str], Page] = {}  # visible and being written
         self._lru: collections.OrderedDict[tuple[str, str], Page] = collections.OrderedDict()  # visible, oldest first
         self._writes: dict[int, list[Page]] = {}
@@ -131,6 +134,11 @@ class CacheStore:
         self.total = Counts()
         self._by_ns: dict[str, Counts] = {}
         pool.reclaim = self.reclaim
+        # the disk level's hooks (disk/tier.py): a page published; one about to be evicted (its blocks
+        # still hold its bytes); one unlisted, for any reason
+        self.on_published: Callable[[Page], None] | None = None
+        self.on_evicted: Callable[[Page], None] | None = None
+        self.on_unlisted: Callable[[Page], None] | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -146,8 +154,8 @@ class CacheStore:
 
     # --- writing -------------------------------------------------------------------------------
 
-    def reserve(self, namespace: str, keys: list[str], pages: list,
-                over_budget: bool = False) -> tuple[int, list[Page | bool]]:
+    def reserve(self, namespace: str, keys: list[str], pages: list, over_budget: bool = False,
+                count: bool = True) -> tuple[int, list[Page | bool]]:
         """Room for a batch of pages ([dtype, shape] each): per key a Page to write (then `commit`
         the token), True (already held or being written: nothing to do) or False (refused:
         over the budget, the pool full of what cannot be evicted). BadRequest for bad input,
@@ -171,11 +179,12 @@ class CacheStore:
             blocks = max(1, -(-nbytes // self.block_size))  # (an empty page too: it costs a block, as any)
             extents = self._take(blocks, over_budget) if over_budget or self._room_for_page(namespace) else None
             if extents is None:
-                counts.refused += 1
-                self.total.refused += 1
+                counts.refused += count
+                self.total.refused += count
                 results.append(False)
                 continue
-            page = Page(namespace, key, dtype, tuple(shape), nbytes, extents, blocks, writing=token)
+            page = Page(namespace, key, dtype, tuple(shape), nbytes, extents, blocks, writing=token, over=over_budget)
+            self.over_blocks += blocks if over_budget else 0
             self._pages[(namespace, key)] = page
             self._listed[namespace] = self._listed.get(namespace, 0) + 1
             self.blocks += blocks
@@ -201,7 +210,7 @@ class CacheStore:
         over_budget: a page in transit (fetched for one reader, dropped once read) may pass it."""
         if blocks > self.budget_blocks and not over_budget:
             return None
-        while self.blocks + blocks > self.budget_blocks and not over_budget:
+        while self.blocks - self.over_blocks + blocks > self.budget_blocks and not over_budget:
             if not self._evict_one():
                 return None
         while True:
@@ -229,6 +238,8 @@ class CacheStore:
                     c.stored += 1
                     c.entries += 1
                     c.bytes += page.nbytes
+                if self.on_published is not None:
+                    self.on_published(page)
             else:
                 self._unlist(page, visible=False)
                 self._free_if_unused(page)
@@ -305,6 +316,11 @@ class CacheStore:
             count += 1
         return count
 
+    def pin(self, page: Page, by: int = 1) -> None:
+        """Keep (by=1) or let go of (-1) a page's blocks for a reader without a lease (the disk level)."""
+        page.readers += by
+        self._free_if_unused(page)
+
     def held_size(self, namespace: str, key: str) -> int | None:
         """The byte size of the visible page under a key, or None (absent, or still being written)."""
         page = self._pages.get((namespace, key))
@@ -345,6 +361,8 @@ class CacheStore:
                 counts = self._counts(page.namespace)
                 counts.evictions += 1
                 self.total.evictions += 1
+                if self.on_evicted is not None:
+                    self.on_evicted(page)
                 self._remove(page)
                 return True
         return False
@@ -374,6 +392,8 @@ class CacheStore:
             for c in (counts, self.total):
                 c.entries -= 1
                 c.bytes -= page.nbytes
+            if self.on_unlisted is not None:
+                self.on_unlisted(page)
         if page.readers or page.writing:  # someone may still copy: the blocks wait for them
             page.parked = True
             self.parked_blocks += page.blocks
@@ -386,6 +406,7 @@ class CacheStore:
             self.pool.free(page.extents)
             page.extents = None
             self.blocks -= page.blocks
+            self.over_blocks -= page.blocks if page.over else 0
 
     # --- reading the state -------------------------------------------------------------------------
 
