@@ -8,6 +8,7 @@
     python -m bench --sglang   # only SGLang's HiCache L3: kvd's backend against its file backend (sglang_tier.py)
     python -m bench --connector [--sizes ... --requests N --rows ...]   # TTFT through vLLM engines
                                # (bench/connector.py: kvd's connector, NixlConnector, one engine alone)
+    python -m bench --connector --prefix   # prefix reuse through kvd's tier (bench/connector_prefix.py)
 """
 from __future__ import annotations
 

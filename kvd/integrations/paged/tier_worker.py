@@ -57,6 +57,9 @@ class TierWorker:
         self._executor = ThreadPoolExecutor(max_workers=load_threads, thread_name_prefix="kvd-tier-load")
         self._loads: dict[str, tuple[TierLoad, Future]] = {}
         self.stats = TransferStats()
+        # a client maps the whole pool when it connects (~0.1 s a GiB): done now, off the first steps
+        self._save_client: Future | None = self._executor.submit(self._connect)
+        warm_threads(self._executor, load_threads, self._load_client)
 
     def _page(self, group: int, block: int) -> Parts | None:
         """One block of every layer of the group this rank holds (None: it holds none)."""
@@ -83,7 +86,7 @@ class TierWorker:
         started = time.monotonic()
         try:
             if self._client is None:
-                self._client = self._connect()
+                self._client = self._take_save_client()
             stored = self._client.cache_put(keys, pages, namespace=self.namespace)
         except Exception as exc:
             self._client = _discard(self._client)
@@ -100,6 +103,16 @@ class TierWorker:
                     self.stats.tier_saved_bytes += page.nbytes
                 else:  # refused: the tier or the pool is full of what it cannot evict
                     self.stats.tier_save_failures += 1
+
+    def _take_save_client(self) -> Client:
+        """The client connected at start (once), else a new one."""
+        future, self._save_client = self._save_client, None
+        if future is not None:
+            try:
+                return future.result()
+            except Exception:
+                pass  # (the daemon was not there at start)
+        return self._connect()
 
     # -- loads (threads of their own) ------------------------------------------------------
     def start_load(self, spec: TierLoad) -> None:
@@ -181,9 +194,26 @@ class TierWorker:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._client = _discard(self._client)
+        if self._save_client is not None and self._save_client.done() and self._save_client.exception() is None:
+            _discard(self._save_client.result())
         for client in self._clients:
             _discard(client)
         self._clients.clear()
+
+
+def warm_threads(executor: ThreadPoolExecutor, threads: int, connect: Callable[[], object]) -> None:
+    """Run `connect` once on each of the executor's threads, in the background (each task waits for
+    the others, so that every thread takes one); a failure is left for the first real call."""
+    barrier = threading.Barrier(threads)
+
+    def warm() -> None:
+        try:
+            barrier.wait(timeout=30)
+            connect()
+        except Exception:
+            pass
+    for _ in range(threads):
+        executor.submit(warm)
 
 
 def _discard(client: Client | None) -> None:

@@ -37,6 +37,7 @@ from ...errors import BadRequest, KvdError
 from ..handshake import ConnectorSettings
 from ..paged.groups import KVGroup
 from ..paged.tier import TierLayout, TierLoad, TierSave, leading_blocks, unusable
+from ..paged.tier_worker import warm_threads
 from .layout import model_kv_layout, tier_namespace
 from .tier_feed import BlockInfo, TierFeed
 
@@ -100,6 +101,7 @@ class PrefixTier:
         self.layout = TierLayout.of(model_kv_layout(vllm_config, "uint8"), groups)
         self.namespace = tier_namespace(vllm_config, kv_cache_config, settings.salt)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvd-lookup")
+        warm_threads(self._executor, 2, self._client)  # (a client maps the pool when it connects)
         events = getattr(vllm_config, "kv_events_config", None)
         publish = bool(events is not None and getattr(events, "enable_kv_cache_events", False))
         self.feed = TierFeed(self._client_for_feed, self.namespace, self.layout, group_ids, publish=publish)
