@@ -290,3 +290,32 @@ def test_kvd_cache_must_be_a_known_mode(model_dir):
 def test_an_empty_step_stores_nothing(model_dir):
     scheduler, prefix, _ = scheduler_with_tier(model_dir)
     assert prefix.saves_for(SchedulerOutput.make_empty()) is None
+
+
+def test_a_prefix_being_loaded_for_one_request_is_not_read_again_for_another(model_dir):
+    """With vLLM's prefix cache on, the second request waits for the first one's load and then
+    hits the engine's own cache: the tier's pages are read once."""
+    scheduler, _, tier = scheduler_with_tier(model_dir, prefix_caching=True)
+    first, second = make_request("a", 100), make_request("b", 100)
+    tier.hold(keys(first, range(6)))
+    scheduler.add_request(first)
+    output = scheduler.schedule()
+    assert [load.req_id for load in output.kv_connector_metadata.tier_loads] == ["a"]
+    scheduler.add_request(second)
+    output = scheduler.schedule()  # a's load is in flight: b waits (not asked of the tier, not loaded)
+    assert not output.num_scheduled_tokens and output.kv_connector_metadata.tier_loads == []
+    assert len(tier.asked) == 1
+    scheduler.update_from_output(output, runner_output([], recving={"a"}))
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"a": 100 - 96, "b": 100 - 96}  # b found the blocks a loaded
+    assert output.kv_connector_metadata.tier_loads == [] and len(tier.asked) == 1
+
+
+def test_without_vllms_prefix_cache_each_request_loads_its_own(model_dir):
+    scheduler, _, tier = scheduler_with_tier(model_dir)
+    first, second = make_request("a", 100), make_request("b", 100)
+    tier.hold(keys(first, range(6)))
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    output = scheduler.schedule()
+    assert sorted(load.req_id for load in output.kv_connector_metadata.tier_loads) == ["a", "b"]

@@ -88,6 +88,11 @@ class PrefixTier:
         self._loads: list[TierLoad] = []
         self._written: dict[str, tuple[int, ...]] = {}  # vLLM's ids of the groups a hit's load writes
         self._hits: set[str] = set()  # requests whose external tokens are the tier's (not P/D's)
+        self._loading: dict[str, set[str]] = {}  # request -> the block hashes its load writes
+        self._in_flight: dict[str, int] = {}  # block hash -> loads writing it now
+        # with vLLM's prefix cache on, a request whose prefix another request is loading waits for
+        # that load and hits the engine's own cache, rather than reading the same pages again
+        self._share_loads = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
         self._local = threading.local()
         self._clients: list[Client] = []
         self._down_until = 0.0
@@ -155,6 +160,9 @@ class PrefixTier:
             return 0, False
         look = self._lookups.get(rid)
         if look is None or look.first != first or look.limit != limit:
+            ahead = self.hashes(request, first + 1)[first:]
+            if self._share_loads and rid not in self._loading and ahead and ahead[0] in self._in_flight:
+                return None, False  # being loaded for another request: this one then hits the engine's cache
             look = self._ask(request, first, limit)
         if look.found is None:
             if look.future is not None and look.future.done():
@@ -217,6 +225,9 @@ class PrefixTier:
         self._loads.append(TierLoad(rid, pages, total))
         self._written[rid] = tuple(written)
         self._hits.add(rid)
+        self._loading[rid] = {h for h, _, _ in pages}
+        for block_hash in self._loading[rid]:
+            self._in_flight[block_hash] = self._in_flight.get(block_hash, 0) + 1
         self._next[rid] = max(self._next.get(rid, 0), stop)  # (loaded blocks are the tier's already)
         if self.feed is not None:
             self.feed.found(sorted({(h, g) for h, g, _ in pages}), self._describe(request, range(stop), hashes))
@@ -230,6 +241,10 @@ class PrefixTier:
 
     def load_done(self, req_id: str) -> None:
         self._written.pop(req_id, None)
+        for block_hash in self._loading.pop(req_id, ()):
+            left = self._in_flight.pop(block_hash) - 1
+            if left:
+                self._in_flight[block_hash] = left
 
     # -- saves -----------------------------------------------------------------------------
     def track(self, request: Request) -> None:
@@ -309,6 +324,7 @@ class PrefixTier:
                 for i in blocks if i < len(hashes)}
 
     def finished(self, req_id: str) -> None:
+        self.load_done(req_id)  # (an aborted load)
         for table in (self._lookups, self._requests, self._tables, self._next, self._written):
             table.pop(req_id, None)
         self._hits.discard(req_id)
