@@ -46,8 +46,9 @@ def hit_and_exact(outcome: dict) -> None:
 def test_a_prefix_computed_by_one_engine_is_loaded_by_another_on_the_node(same_node):
     same = same_node["same"]
     hit_and_exact(same)
-    # kvd served them: 16 blocks a prompt, each one page (one group, TP 1)
-    assert same["tier_a"]["hits"] >= 4 * PREFIX // 32
+    # kvd served them: the prefix's 16 blocks, one page each (one group, TP 1), read once for the
+    # four prompts (the others wait for that load and hit the engine's own prefix cache)
+    assert PREFIX // 32 <= same["tier_a"]["hits"] < 4 * PREFIX // 32
     assert "kvd-prefix/1;e=vllm" in same_node["namespace"]
 
 
@@ -86,4 +87,4 @@ def test_across_nodes_the_tiers_placement_finds_the_prefix(tmp_path):
         stop_server(etcd)
     across = result["across"]
     hit_and_exact(across)
-    assert across["tier_c"]["hits"] >= 4 * PREFIX // 32  # engine C's daemon served every page
+    assert across["tier_c"]["hits"] >= PREFIX // 32  # engine C's daemon served every page
