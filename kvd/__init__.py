@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncClient", "Client", "KvdError", "NotFound", "PoolFull", "Timeout", "PeerUnavailable",
     "ProtocolError", "BadRequest", "AlreadyExists", "ChecksumMismatch", "ShuttingDown",
-    "VersionMismatch", "LayoutMismatch", "Unauthorized", "InternalError", "Rows", "__version__",
+    "VersionMismatch", "LayoutMismatch", "Unauthorized", "InternalError", "Rows", "Parts", "__version__",
 ]
 
 
@@ -34,4 +34,8 @@ def __getattr__(name: str):
         from .client import Rows
 
         return Rows
+    if name == "Parts":
+        from .client import Parts
+
+        return Parts
     raise AttributeError(f"module 'kvd' has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """The client library, imported by inference workers (worker process): `Client` (blocking),
-`AsyncClient` (asyncio), their put streams, and `Rows` for paged caches.
+`AsyncClient` (asyncio), their put streams, `Rows` for paged caches, and `Parts` (a KV tier page
+given as several tensors).
 
     from kvd.client import Client      # also kvd.Client
 
@@ -8,7 +9,7 @@ to a daemon that `kvd status` uses, does not.
 """
 from __future__ import annotations
 
-__all__ = ["AsyncClient", "AsyncPutStream", "Client", "PutStream", "Rows"]
+__all__ = ["AsyncClient", "AsyncPutStream", "Client", "Parts", "PutStream", "Rows"]
 
 
 def __getattr__(name: str):
@@ -24,4 +25,8 @@ def __getattr__(name: str):
         from .blocks import Rows
 
         return Rows
+    if name == "Parts":
+        from .cache import Parts
+
+        return Parts
     raise AttributeError(f"module 'kvd.client' has no attribute {name!r}")

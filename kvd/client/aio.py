@@ -20,7 +20,7 @@ from .connection import StreamConnection, peer_port_error
 from .core import CONNECT_TIMEOUT, REPLY_GRACE, _ClientCore
 from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed
 from .blocks import get_blocks, put_blocks
-from .cache import cache_exists, cache_get, cache_put
+from .cache import Parts, cache_exists, cache_get, cache_put
 from .streaming import StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream
 
 log = logging.getLogger(__name__)
@@ -236,12 +236,14 @@ class AsyncClient(_ClientCore):
         await self.connect()
         return bool(await self._drive(self._simple(p.Delete(req=next(self._reqs), request_id=request_id))))
 
-    async def cache_put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, namespace: str = "") -> list[bool]:
+    async def cache_put(self, keys: Sequence[str], pages: Sequence[torch.Tensor | Parts], *,
+                        namespace: str = "") -> list[bool]:
         """Store pages in the daemon's KV tier under (namespace, keys[i]): see `Client.cache_put`."""
         await self.connect()
         return await self._drive(cache_put(self, keys, pages, namespace))
 
-    async def cache_get(self, keys: Sequence[str], outs: Sequence[torch.Tensor], *, namespace: str = "") -> list[bool]:
+    async def cache_get(self, keys: Sequence[str], outs: Sequence[torch.Tensor | Parts], *,
+                        namespace: str = "") -> list[bool]:
         """Fill outs[i] from the KV tier: see `Client.cache_get`."""
         await self.connect()
         return await self._drive(cache_get(self, keys, outs, namespace))
@@ -255,6 +257,12 @@ class AsyncClient(_ClientCore):
         """Drop a namespace's pages; returns how many went."""
         await self.connect()
         return await self._drive(self._simple(p.CacheClear(req=next(self._reqs), namespace=namespace)))
+
+    async def cache_events(self, namespace: str, *, epoch: int = 0, since: int = 0) -> dict:
+        """The namespace's pages stored and removed since (epoch, since): see `Client.cache_events`."""
+        await self.connect()
+        return await self._drive(self._simple(p.CacheEvents(req=next(self._reqs), namespace=namespace, epoch=epoch,
+                                                            since=since)))
 
     async def cache_stats(self, namespace: str | None = None) -> dict:
         """The KV tier's counters (hits, misses, evictions, entries, bytes, budget, ...)."""

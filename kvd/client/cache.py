@@ -6,9 +6,14 @@ straight into the pool, and commits (cache_commit); a get asks where the hits ar
 copies each once, straight out of the pool into the caller's tensor, and releases them
 (cache_release, no reply). Batches over the daemon's cap (MAX_BATCH keys) go as several.
 A full tier answers False, never an exception; transport errors raise as in any call.
+
+A page may also be given as `Parts`: several tensors laid end to end (an engine's block of every
+layer, each layer its own tensor), stored as one page of their bytes and read back into the same
+kind of parts: each part is copied once each way, with no staging tensor.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 from collections.abc import Sequence
 
@@ -49,9 +54,28 @@ def _checked_slot(core: Any, slot, nbytes: int) -> list[tuple[int, int]]:
     return segments
 
 
-def _page(tensor: object, what: str) -> torch.Tensor:
+@dataclass(frozen=True)
+class Parts:
+    """One page given as several tensors, its bytes theirs laid end to end in order (e.g. one block
+    of each layer of a paged cache). Stored as a flat uint8 page of their total size; a get fills
+    parts of the same sizes. Each part may be a non-contiguous view."""
+
+    tensors: tuple[torch.Tensor, ...]
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        object.__setattr__(self, "tensors", tuple(tensors))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+Page = torch.Tensor | Parts
+
+
+def _tensor(tensor: object, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
-        raise BadRequest(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+        raise BadRequest(f"{what} must be a torch.Tensor or kvd.Parts, got {type(tensor).__name__}")
     if (problem := memory_problem(tensor)) is not None:
         raise BadRequest(f"{what} is {problem}")
     if tensor.dtype not in DTYPE_NAMES:
@@ -59,9 +83,56 @@ def _page(tensor: object, what: str) -> torch.Tensor:
     return tensor.detach()
 
 
-def _batches(keys: Sequence[str], tensors: Sequence[torch.Tensor], namespace: str,
-             what: str) -> list[tuple[list[str], list[torch.Tensor]]]:
-    """Checked keys and their tensors (one each: pages to put, outs to get into), MAX_BATCH a batch."""
+def _page(page: object, what: str) -> Page:
+    if isinstance(page, Parts):
+        if not page.tensors:
+            raise BadRequest(f"{what}: Parts of no tensor")
+        return Parts([_tensor(t, f"{what}.tensors[{i}]") for i, t in enumerate(page.tensors)])
+    return _tensor(page, what)
+
+
+def _nbytes(page: Page) -> int:
+    return page.nbytes if isinstance(page, Parts) else page.numel() * page.element_size()
+
+
+def _declared(page: Page) -> list:
+    """[dtype, shape] of a page as the daemon keeps it (Parts: their bytes, flat)."""
+    if isinstance(page, Parts):
+        return ["uint8", [page.nbytes]]
+    return [DTYPE_NAMES[page.dtype], list(page.shape)]
+
+
+def _split(segments: list[tuple[int, int]], sizes: list[int]) -> list[list[tuple[int, int]]]:
+    """Consecutive byte runs of `sizes` over the pool segments that hold them end to end."""
+    out: list[list[tuple[int, int]]] = []
+    seg, used = 0, 0  # the segment under way, and how much of it earlier parts took
+    for size in sizes:
+        mine: list[tuple[int, int]] = []
+        while size:
+            off, n = segments[seg]
+            take = min(n - used, size)
+            mine.append((off + used, take))
+            size -= take
+            used += take
+            if used == n:
+                seg, used = seg + 1, 0
+        out.append(mine)
+    return out
+
+
+def _into_pool(pool: torch.Tensor, page: Page, segments: list[tuple[int, int]]) -> None:
+    if not isinstance(page, Parts):
+        copy_in(pool, page, segments)
+        return
+    for part, mine in zip(page.tensors, _split(segments, [t.numel() * t.element_size() for t in page.tensors]),
+                          strict=True):
+        if mine:
+            copy_in(pool, part, mine)
+
+
+def _batches(keys: Sequence[str], tensors: Sequence[Page], namespace: str,
+             what: str) -> list[tuple[list[str], list[Page]]]:
+    """Checked keys and their pages (one each: pages to put, outs to get into), MAX_BATCH a batch."""
     keys = _keys(keys)
     _check_namespace(namespace)
     checked = [_page(t, f"{what}[{i}]") for i, t in enumerate(tensors)]
@@ -71,12 +142,12 @@ def _batches(keys: Sequence[str], tensors: Sequence[torch.Tensor], namespace: st
             for start in range(0, len(keys), MAX_BATCH)]
 
 
-def cache_put(core: Any, keys: Sequence[str], pages: Sequence[torch.Tensor], namespace: str) -> Operation:
+def cache_put(core: Any, keys: Sequence[str], pages: Sequence[Page], namespace: str) -> Operation:
     results: list[bool] = []
     for batch_keys, batch in _batches(keys, pages, namespace, "pages"):
         generation = core._generation
         reply = yield p.CachePut(req=next(core._reqs), namespace=namespace, keys=batch_keys,
-                                 pages=[[DTYPE_NAMES[t.dtype], list(t.shape)] for t in batch]), 0.0
+                                 pages=[_declared(page) for page in batch]), 0.0
         slots = reply.slots
         if not isinstance(slots, list) or len(slots) != len(batch):
             raise ProtocolError(f"cache_slots has {len(slots)} slots for {len(batch)} pages")
@@ -86,9 +157,9 @@ def cache_put(core: Any, keys: Sequence[str], pages: Sequence[torch.Tensor], nam
                 pool = core._pool_of(generation)
                 for i in writes:
                     page = batch[i]
-                    segments = _checked_slot(core, slots[i], page.numel() * page.element_size())
+                    segments = _checked_slot(core, slots[i], _nbytes(page))
                     if segments:
-                        copy_in(pool, page, segments)
+                        _into_pool(pool, page, segments)
                 core._sync_device()
             except BaseException:
                 yield p.CacheCommit(req=next(core._reqs), token=reply.token, ok=False), NO_REPLY
@@ -133,10 +204,20 @@ def _copy_out(pool: torch.Tensor, segments: list[tuple[int, int]], out: torch.Te
         out.copy_(target)
 
 
-def cache_get(core: Any, keys: Sequence[str], outs: Sequence[torch.Tensor], namespace: str) -> Operation:
+def _out_of_pool(pool: torch.Tensor, segments: list[tuple[int, int]], out: Page) -> None:
+    if not isinstance(out, Parts):
+        _copy_out(pool, segments, out)
+        return
+    for part, mine in zip(out.tensors, _split(segments, [t.numel() * t.element_size() for t in out.tensors]),
+                          strict=True):
+        if mine:
+            _copy_out(pool, mine, part)
+
+
+def cache_get(core: Any, keys: Sequence[str], outs: Sequence[Page], namespace: str) -> Operation:
     results: list[bool] = []
     for batch_keys, batch in _batches(keys, outs, namespace, "outs"):
-        sizes = [t.numel() * t.element_size() for t in batch]
+        sizes = [_nbytes(page) for page in batch]
         generation = core._generation
         reply = yield p.CacheGet(req=next(core._reqs), namespace=namespace, keys=batch_keys, sizes=sizes), 0.0
         slots = reply.slots
@@ -149,7 +230,7 @@ def cache_get(core: Any, keys: Sequence[str], outs: Sequence[torch.Tensor], name
             for i in hits:
                 segments = _checked_slot(core, slots[i], sizes[i])
                 if segments:
-                    _copy_out(pool, segments, batch[i])
+                    _out_of_pool(pool, segments, batch[i])
             core._sync_device()
         finally:
             if hits != []:  # (a lease exists only when something was found)

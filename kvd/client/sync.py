@@ -19,7 +19,7 @@ from .connection import BlockingConnection
 from .core import CONNECT_TIMEOUT, REPLY_GRACE, _ClientCore, log
 from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed
 from .blocks import get_blocks, put_blocks
-from .cache import cache_exists, cache_get, cache_put
+from .cache import Parts, cache_exists, cache_get, cache_put
 from .streaming import StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream
 
 
@@ -230,20 +230,24 @@ class Client(_ClientCore):
         self.connect()
         return bool(self._drive(self._simple(p.Delete(req=next(self._reqs), request_id=request_id))))
 
-    def cache_put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, namespace: str = "") -> list[bool]:
+    def cache_put(self, keys: Sequence[str], pages: Sequence[torch.Tensor | Parts], *,
+                  namespace: str = "") -> list[bool]:
         """Store pages in the daemon's KV tier, page i under (namespace, keys[i]), in one batch.
 
-        Each page (any dtype and shape, a view will do) is copied once, straight into the pool.
+        Each page (any dtype and shape, a view will do; or `Parts`, several tensors laid end to
+        end) is copied once, straight into the pool.
         Per key: True if stored or already held, False if refused (the tier or the pool is
         full of what cannot be evicted, the page is bigger than the budget). The pages belong
         to the daemon, not to this client: they outlive it, until evicted or cleared."""
         self.connect()
         return self._drive(cache_put(self, keys, pages, namespace))
 
-    def cache_get(self, keys: Sequence[str], outs: Sequence[torch.Tensor], *, namespace: str = "") -> list[bool]:
+    def cache_get(self, keys: Sequence[str], outs: Sequence[torch.Tensor | Parts], *,
+                  namespace: str = "") -> list[bool]:
         """Fill outs[i] with the page stored under (namespace, keys[i]), one copy straight from the
         pool; outs[i] must have the page's byte count (its dtype and shape may differ, e.g. a
-        uint8 view). Per key: True if filled, False on a miss (absent, evicted, other size).
+        uint8 view; `Parts` are filled in order).
+        Per key: True if filled, False on a miss (absent, evicted, other size).
         Reads never consume a page."""
         self.connect()
         return self._drive(cache_get(self, keys, outs, namespace))
@@ -257,6 +261,15 @@ class Client(_ClientCore):
         """Drop a namespace's pages; returns how many went."""
         self.connect()
         return self._drive(self._simple(p.CacheClear(req=next(self._reqs), namespace=namespace)))
+
+    def cache_events(self, namespace: str, *, epoch: int = 0, since: int = 0) -> dict:
+        """The namespace's pages stored and removed since `since` of the daemon's log `epoch`, and
+        from now on followed: {"epoch", "next", "events": [[kind, key], ...], "lost"}. Start with
+        (0, 0), then pass the epoch and next of each answer; `lost` says events were missed (the
+        daemon restarted, or this follower fell more than its log holds behind)."""
+        self.connect()
+        return self._drive(self._simple(p.CacheEvents(req=next(self._reqs), namespace=namespace, epoch=epoch,
+                                                      since=since)))
 
     def cache_stats(self, namespace: str | None = None) -> dict:
         """The KV tier's counters: hits, misses, evictions, stored, refused, entries, bytes, budget

@@ -1,5 +1,5 @@
 """The KV tier's requests from local clients (daemon process): cache_put/commit, cache_get/release,
-exists, clear, stats, answered at once from `store/cache.py`; and its Prometheus families.
+exists, clear, stats, events, answered at once from `store/cache.py`; and its Prometheus families.
 
 Each batch is one request and one reply: a put reserves pool room for its new pages and says
 where to write them (the client copies, then commits the token); a get pins its hits and says
@@ -132,6 +132,9 @@ class CacheService:
                     self._later(self._clear_everywhere(rid, msg, dropped, cleared, cluster))
                     return None
                 return p.Ok(req=msg.req, value=dropped)
+            case p.CacheEvents():
+                check_batch(msg.namespace, [])
+                return p.Ok(req=msg.req, value=store.events.read(msg.namespace, msg.epoch, msg.since))
             case p.CacheStats():
                 stats = store.stats(msg.namespace)
                 if msg.namespace is None:

@@ -11,7 +11,9 @@ from ..client import Client
 from .paged.handoff import SaveSpec
 from .paged.layout import SourceDeployment
 
-OPTIONS = {"kvd_socket", "kvd_endpoint", "kvd_push_to", "kvd_ttl", "kvd_load_timeout", "kvd_load_threads"}
+OPTIONS = {"kvd_socket", "kvd_endpoint", "kvd_push_to", "kvd_ttl", "kvd_load_timeout", "kvd_load_threads",
+           "kvd_cache", "kvd_salt", "kvd_lookup_timeout"}
+CACHE_MODES = ("off", "load", "save", "both")  # prefix reuse through the KV tier: what this engine does
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,17 @@ class ConnectorSettings:
     ttl: float = 300.0
     load_timeout: float = 30.0
     load_threads: int = 4
+    cache: str = "off"  # prefix reuse: look prompts up in the tier ("load"), store them ("save"), both
+    salt: str | None = None  # a tenant's own namespace of the tier: engines share pages only with equal salts
+    lookup_timeout: float = 1.0  # seconds a tier lookup may take before it counts as a miss
+
+    @property
+    def cache_loads(self) -> bool:
+        return self.cache in ("load", "both")
+
+    @property
+    def cache_saves(self) -> bool:
+        return self.cache in ("save", "both")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -29,15 +42,21 @@ class ConnectorSettings:
         unknown = sorted(k for k in extra if k.startswith("kvd_") and k not in OPTIONS)
         if unknown:
             raise ValueError(f"unknown kvd options in kv_connector_extra_config: {unknown} (known: {sorted(OPTIONS)})")
-        for name in ("kvd_socket", "kvd_endpoint", "kvd_push_to"):
+        for name in ("kvd_socket", "kvd_endpoint", "kvd_push_to", "kvd_salt"):
             if extra.get(name) is not None and not isinstance(extra[name], str):
                 raise ValueError(f"{name} must be a string, got {extra[name]!r}")
+        cache = extra.get("kvd_cache", "off")
+        if cache not in CACHE_MODES:
+            raise ValueError(f"kvd_cache must be one of {', '.join(map(repr, CACHE_MODES))}, got {cache!r}")
         settings = cls(socket=extra.get("kvd_socket"), endpoint=extra.get("kvd_endpoint"),
                        push_to=extra.get("kvd_push_to"), ttl=float(extra.get("kvd_ttl", 300.0)),
                        load_timeout=float(extra.get("kvd_load_timeout", 30.0)),
-                       load_threads=int(extra.get("kvd_load_threads", 4)))
-        if settings.ttl <= 0 or settings.load_timeout <= 0 or settings.load_threads < 1:
-            raise ValueError(f"kvd_ttl and kvd_load_timeout must be > 0 and kvd_load_threads >= 1: {settings}")
+                       load_threads=int(extra.get("kvd_load_threads", 4)), cache=cache,
+                       salt=extra.get("kvd_salt") or None, lookup_timeout=float(extra.get("kvd_lookup_timeout", 1.0)))
+        if settings.ttl <= 0 or settings.load_timeout <= 0 or settings.load_threads < 1 or settings.lookup_timeout <= 0:
+            raise ValueError("kvd_ttl, kvd_load_timeout and kvd_lookup_timeout must be > 0 and kvd_load_threads "
+                             f">= 1: got {settings.ttl}, {settings.load_timeout}, {settings.lookup_timeout}, "
+                             f"{settings.load_threads}")
         return settings
 
     def client(self) -> Client:

@@ -90,7 +90,19 @@ class CacheStats(Message):
     namespace: str | None = None
 
 
-CACHE_REQUESTS = (CachePut, CacheCommit, CacheGet, CacheRelease, CacheExists, CacheClear, CacheStats)
+@dataclass(slots=True)
+class CacheEvents(Message):
+    """Client -> daemon: the namespace's pages stored and removed since `since` of log `epoch`
+    (0, 0: start following); ok with {"epoch", "next", "events": [[kind, key], ...], "lost"}."""
+
+    TYPE: ClassVar[str] = "cache_events"
+    req: int
+    namespace: str
+    epoch: int = 0
+    since: int = 0
+
+
+CACHE_REQUESTS = (CachePut, CacheCommit, CacheGet, CacheRelease, CacheExists, CacheClear, CacheStats, CacheEvents)
 
 
 # ---- daemon <-> daemon: a page's home in a cluster (kvd.cluster.rendezvous) ------------------
@@ -169,5 +181,6 @@ TIER_PEER = (TierStore, TierFetch, TierPages, TierAsk, TierHeld, TierClear, Tier
 TIER_MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (*CACHE_REQUESTS, CacheSlots, *TIER_PEER)}
 
 __all__ = ['CachePut', 'CacheSlots', 'CacheCommit', 'CacheGet', 'CacheRelease', 'CacheExists', 'CacheClear',
-           'CacheStats', 'CACHE_REQUESTS', 'TIER_MESSAGES', 'TierStore', 'TierFetch', 'TierPages', 'TierAsk',
+           'CacheStats', 'CacheEvents', 'CACHE_REQUESTS',
+           'TIER_MESSAGES', 'TierStore', 'TierFetch', 'TierPages', 'TierAsk',
            'TierHeld', 'TierClear', 'TierCleared', 'TIER_PEER']

@@ -1,8 +1,8 @@
 """Record the connector interface of a vLLM release (run by hand; no vLLM import, no GPU).
 
-    pip download --no-deps vllm==0.33.0 -d /tmp/w      # the official wheel (336 MB)
-    python tests/integrations/record_vllm_api.py /tmp/w/vllm-0.33.0-*.whl \
-        > tests/integrations/vllm_0_33_connector_api.json
+    pip download --no-deps vllm==0.34.0 -d /tmp/w      # the official wheel (239 MB; 0.33.0: 336 MB)
+    python tests/integrations/record_vllm_api.py /tmp/w/vllm-0.34.0-*.whl \
+        > tests/integrations/vllm_0_34_connector_api.json
 
 Reads `vllm/distributed/kv_transfer/kv_connector/v1/base.py` out of the wheel (or a base.py given
 directly) with `ast`, and writes every method of `KVConnectorBase_V1`, and of the `SupportsHMA`

@@ -29,12 +29,12 @@ NUM_BLOCKS = 200
 
 def make_scheduler(model_dir: str, *, extra: dict | None = None, max_batched: int = 512,
                    policy: str = "recompute", prefix_caching: bool = False, tp: int = 1,
-                   specs: list | None = None) -> Scheduler:
+                   specs: list | None = None, dtype: str = "float32") -> Scheduler:
     """vLLM's Scheduler with the connector, and a KV cache of one group per spec of `specs`
     (default: one full-attention group), layer i of the model's two in group i % len(specs)."""
     from vllm.config import ParallelConfig
 
-    model_config = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True)
+    model_config = ModelConfig(model=model_dir, dtype=dtype, seed=0, skip_tokenizer_init=True)
     vllm_config = VllmConfig(
         model_config=model_config,
         parallel_config=ParallelConfig(tensor_parallel_size=tp),

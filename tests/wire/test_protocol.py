@@ -47,6 +47,7 @@ EXAMPLES: dict[str, p.Message] = {
     "cache_exists": p.CacheExists(req=15, namespace="t", keys=["ab12", "cd34"]),
     "cache_clear": p.CacheClear(req=16, namespace="t"),
     "cache_stats": p.CacheStats(req=17, namespace="t"),
+    "cache_events": p.CacheEvents(req=17, namespace="t", epoch=123456789, since=42),
     "tier_store": p.TierStore(xfer=18, seq=0, offset=0, lengths=[4], digest=7, payload=[b"abcd"], checksum="crc32",
                               namespace="t", keys=["ab12"], pages=[["uint8", [4]]]),
     "tier_fetch": p.TierFetch(xfer=19, namespace="t", keys=["ab12", "cd34"], sizes=[4, 8]),

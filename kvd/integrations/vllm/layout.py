@@ -10,6 +10,8 @@
   attention (MLA too, and a sliding-window layer with the hybrid manager off: its blocks are
   all kept), sliding window, chunked local attention, Mamba / linear-attention state. Any other
   kind is refused at start (a ValueError naming it).
+- `tier_namespace`: the KV tier namespace of this deployment's prefix pages (the same on the
+  scheduler and on every worker).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 from ...parallel.kv_layout import KVLayout
 from ..paged.groups import CHUNKED, FULL, MAMBA, SLIDING, KVGroup
 from ..paged.layout import SourceDeployment
+from ..paged.tier import namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,3 +106,36 @@ def _group(spec: KVCacheSpec, index: int, layers: tuple[str, ...]) -> KVGroup:
     raise ValueError(f"kvd: the KVDConnector cannot move KV cache group {index} ({kind.__name__}"
                      f"{', mamba_cache_mode ' + spec.mamba_cache_mode if kind is MambaSpec else ''}): run this model "
                      "without --kv-transfer-config, or with --disable-hybrid-kv-cache-manager where it allows")
+
+
+def quant_mode(kv_cache_config: KVCacheConfig | None) -> str:
+    """The KV quantization modes of the cache's groups ("NONE" unquantized)."""
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
+    modes = {getattr(getattr(g.kv_cache_spec, "kv_quant_mode", None), "name", "NONE") for g in groups}
+    return ",".join(sorted(modes)) or "NONE"
+
+
+def cache_layout(kv_cache_config: KVCacheConfig | None) -> str | None:
+    """The physical layout of the paged caches ("NHD", "HND", ...), where vLLM says."""
+    layout = getattr(kv_cache_config, "kv_cache_layout", None)
+    return str(layout) if layout is not None else None
+
+
+def tier_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, salt: str | None) -> str:
+    """The KV tier namespace of this deployment's prefix pages: the model (its served name, else
+    its path or id: engines that share pages name it alike), its dtype and KV cache dtype,
+    quantization and cache layout, the block size, the KV cache groups (kinds, windows, layers),
+    the TP and PP sizes and layer partition, the block hash algorithm, and the salt."""
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    where = deployment(vllm_config)
+    _, groups = kv_groups(kv_cache_config)
+    fields: dict[str, object] = {
+        "dt": str(model_config.dtype).removeprefix("torch."), "kv": cache_config.cache_dtype,
+        "bs": groups[0].block_size if groups else cache_config.block_size, "tp": where.tp_size, "pp": where.pp_size,
+        "part": where.pp_partition or "", "mla": bool(model_config.use_mla), "q": quant_mode(kv_cache_config),
+        "layout": cache_layout(kv_cache_config) or "", "sig": model_signature(vllm_config),
+        "groups": [(g.kind, g.block_size, g.window, g.layers) for g in groups],
+        "hash": getattr(cache_config, "prefix_caching_hash_algo", "sha256")}
+    served = model_config.served_model_name
+    name = (served[0] if isinstance(served, (list, tuple)) and served else served) or model_config.model
+    return namespace("vllm", str(name), fields, salt)

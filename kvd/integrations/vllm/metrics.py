@@ -14,7 +14,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-COUNTERS = ("saves", "save_failures", "saved_bytes", "loads", "load_failures", "loaded_bytes")
+COUNTERS = ("saves", "save_failures", "saved_bytes", "loads", "load_failures", "loaded_bytes",
+            # prefix reuse through the KV tier: pages stored, prompts' hits loaded
+            "tier_saves", "tier_save_failures", "tier_saved_bytes", "tier_loads", "tier_load_failures",
+            "tier_loaded_bytes")
 BY_KIND = {"saved_bytes_by_kind": "saved_bytes", "loaded_bytes_by_kind": "loaded_bytes"}  # {kind: bytes} each
 TIMES = ("load_seconds", "save_seconds")  # a list of durations each: per load, per forward step that saved
 # seconds a load takes, from 1 ms (a local read) to 30 s (kvd_load_timeout's default); a step's saves too
@@ -75,7 +78,13 @@ class KVDPromMetrics(KVConnectorPromMetrics):
                  "saved_bytes": "KV bytes this engine wrote to kvd",
                  "loads": "Requests whose KV this engine loaded from kvd",
                  "load_failures": "Loads from kvd that failed (the prompt is recomputed)",
-                 "loaded_bytes": "KV bytes this engine scattered into its cache from kvd"}
+                 "loaded_bytes": "KV bytes this engine scattered into its cache from kvd",
+                 "tier_saves": "Prefix pages (a block of a KV cache group) this engine stored in kvd's tier",
+                 "tier_save_failures": "Prefix pages the tier refused or lost (a later miss, nothing worse)",
+                 "tier_saved_bytes": "KV bytes this engine stored in kvd's tier",
+                 "tier_loads": "Prompts whose prefix this engine loaded from kvd's tier",
+                 "tier_load_failures": "Prefix loads that lost pages (those blocks are recomputed)",
+                 "tier_loaded_bytes": "KV bytes this engine loaded from kvd's tier"}
         self.counters = {
             name: create_metric_per_engine(self._counter_cls(
                 name=f"vllm:kvd_{name}" if name.endswith("bytes") else f"vllm:kvd_{name}_total",

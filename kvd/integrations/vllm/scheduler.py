@@ -12,6 +12,9 @@ but its last token, which decode computes (as vLLM's own NIXL connector does for
 the prefill stops one token short (a Mamba state is then the one decode continues from), and
 what decode's manager keeps for the tokens loaded is exactly what the next token reads. A model
 of one full-attention group hands over the whole prompt, and vLLM recomputes its last token.
+
+Every other request is prefix reuse's (`prefix.PrefixTier`, with `kvd_cache` on): its leading
+blocks held in kvd's tier are loaded, the full blocks of its prompt are stored there.
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ from ..handshake import (ConnectorSettings, LocalDaemon, RemoteKV, RequestParams
 from ..paged.groups import FULL, KVGroup
 from ..paged.handoff import LoadSpec, SaveSpec, entry_key
 from ..paged.layout import SourceDeployment, release_keys
+from ..paged.tier import TierLoad, TierSave
 from .layout import deployment, kv_groups, model_kv_layout
+from .prefix import PrefixTier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,6 +54,8 @@ class KVDConnectorMetadata(KVConnectorMetadata):
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    tier_save: TierSave | None = None  # prefix reuse: full blocks this step computes, to store
+    tier_loads: list[TierLoad] = field(default_factory=list)  # prefix reuse: hits to load
 
 
 class KVDScheduler:
@@ -74,18 +81,19 @@ class KVDScheduler:
         self._loading: dict[str, tuple[str, SourceDeployment]] = {}  # decode req id -> its shards
         self._written: dict[str, tuple[int, ...]] = {}  # decode req id -> the groups its load writes
         self._releaser: ThreadPoolExecutor | None = None  # deletes off the engine's loop
+        self.prefix = PrefixTier(vllm_config, kv_cache_config, settings, self.group_ids, groups)
 
     # -- a request arrives -----------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        if not request.kv_transfer_params:
-            return
         try:
             params = RequestParams.parse(request.kv_transfer_params, self.settings.push_to)
         except ValueError as exc:
             log.warning("request %s: %s; computing it as a plain request", request.request_id, exc)
+            params = RequestParams()
+        if not (params.produce or params.load is not None):
+            self.prefix.track(request)  # P/D's requests are P/D's alone
             return
-        if params.produce or params.load is not None:
-            self._params[request.request_id] = params
+        self._params[request.request_id] = params
         if params.produce:
             self._producing[request.request_id] = request
             if self.hybrid:
@@ -102,7 +110,9 @@ class KVDScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         remote = self._remote(request)
         if remote is None:
-            return 0, False
+            if request.request_id in self._params:  # a prefill of P/D's: computed here, whatever the tier holds
+                return 0, False
+            return self.prefix.matched(request, num_computed_tokens)
         count = self._tokens_to_load(request, remote) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -112,6 +122,9 @@ class KVDScheduler:
         written = self._written.get(request.request_id)
         if written is not None:
             return written
+        hit = self.prefix.loaded_groups(request)
+        if hit is not None:
+            return hit
         remote = self._remote(request)
         return self._groups_written(self._tokens_to_load(request, remote)) if remote else self.group_ids
 
@@ -121,7 +134,10 @@ class KVDScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = self._params.get(request.request_id)
-        if params is None or params.load is None:
+        if params is None:
+            self.prefix.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+            return
+        if params.load is None:
             return
         remote = params.load
         self._params[request.request_id] = replace(params, load=None)  # load once, even if scheduled again
@@ -148,6 +164,7 @@ class KVDScheduler:
         # vLLM reports a load finished once every worker (each TP x PP rank) has reported it
         failed = connector_output.failed_recving or set()
         for req_id in connector_output.finished_recving or ():
+            self.prefix.load_done(req_id)
             self._release(req_id, shared_only=req_id not in failed)
 
     def _release(self, req_id: str, shared_only: bool = False) -> None:
@@ -179,7 +196,8 @@ class KVDScheduler:
 
     # -- prefill: hand the prompt's KV to a decoder ----------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDConnectorMetadata:
-        meta = KVDConnectorMetadata(loads=self._loads)
+        meta = KVDConnectorMetadata(loads=self._loads, tier_loads=self.prefix.take_loads(),
+                                    tier_save=self.prefix.saves_for(scheduler_output))
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -221,6 +239,7 @@ class KVDScheduler:
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
+        self.prefix.finished(req_id)
         self._release(req_id)  # a decode request that ends before its load was reported (aborted)
         self._params.pop(req_id, None)
         self._written.pop(req_id, None)
@@ -248,6 +267,7 @@ class KVDScheduler:
         return self._daemon
 
     def shutdown(self) -> None:
+        self.prefix.shutdown()
         if self._releaser is not None:
             self._releaser.shutdown(wait=True)
 
