@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvd.testing import DaemonFactory
+from kvd.testing.daemons import DaemonFactory
 
 from . import baselines, cases, disk_tier, peers, planes
 from .measure import human, pooled

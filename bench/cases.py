@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.testing import DaemonProc
+from kvd.testing.daemons import DaemonProc
 
 from .measure import Sample, busy_between, repeat, rss_beyond_shared, system_cpu
 

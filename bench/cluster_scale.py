@@ -49,7 +49,7 @@ from typing import Any
 from kvd.client.connection import BlockingConnection, ask
 from kvd.cluster import Registry, RegistryUnavailable
 from kvd.errors import KvdError
-from kvd.testing import DaemonProc, _answers_hello, free_port
+from kvd.testing.daemons import DaemonProc, _answers_hello, free_port
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import unix_path
 from tests.cluster.servers import (

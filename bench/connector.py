@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvd.testing import DaemonFactory, free_port
+from kvd.testing.daemons import DaemonFactory, free_port
 
 from . import connector_engines as eng
 from . import connector_load as load

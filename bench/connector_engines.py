@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 
 READY_TIMEOUT = 600.0  # seconds for an engine to answer /health (about 70 on 2 busy cores)
 LOAD_TIMEOUT = 30.0  # kvd_load_timeout: decode waits this long for a pushed entry before recomputing

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvd.testing import DaemonFactory
+from kvd.testing.daemons import DaemonFactory
 
 from . import connector_engines as eng
 from . import connector_load as load

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvd.testing import DaemonFactory, free_port, wait_ready
+from kvd.testing.daemons import DaemonFactory, free_port, wait_ready
 from kvd.trust.keygen import keygen_ca, keygen_node
 
 from .cases import push

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvd.testing import DaemonFactory, eventually, wait_ready
+from kvd.testing.daemons import DaemonFactory, eventually, wait_ready
 
 from .measure import human
 
@@ -86,29 +86,29 @@ def raw_round(directory: Path, nbytes: int, count: int, cold: bool) -> tuple[flo
 
 
 def worker_round(directory: Path, nbytes: int, count: int, cold: bool) -> tuple[float, float]:
-    """The disk level's own page write and read, as its worker threads run them (files.write_page:
-    digest, tmp file, rename; files.read_page: open, read into pool memory, header and digest
+    """The disk level's own page write and read, as its worker threads run them (page_files.write_page:
+    digest, tmp file, rename; page_files.read_page: open, read into pool memory, header and digest
     checks), one thread, here: (write s, read s)."""
     import mmap
 
-    from kvd.daemon.disk import files
-    from kvd.daemon.store.disk_format import Header
+    from kvd.daemon.tier.disk import page_files
+    from kvd.daemon.tier.disk.disk_format import Header
 
     root = directory / "tier"
-    claimed = files.claim(str(root))
+    claimed = page_files.claim(str(root))
     data = os.urandom(nbytes)
     pool = mmap.mmap(-1, nbytes)
     view = memoryview(pool)
     try:
         started = time.perf_counter()
         for i in range(count):
-            files.write_page(str(root), Header("bench", f"{i:064x}", "uint8", (nbytes,), nbytes, 0, 65536), [data])
+            page_files.write_page(str(root), Header("bench", f"{i:064x}", "uint8", (nbytes,), nbytes, 0, 65536), [data])
         write_s = time.perf_counter() - started
         if cold:
             drop_cache(root)
         started = time.perf_counter()
         for i in range(count):
-            files.read_page(str(root), "bench", f"{i:064x}", nbytes, [view])
+            page_files.read_page(str(root), "bench", f"{i:064x}", nbytes, [view])
         read_s = time.perf_counter() - started
         assert bytes(view) == data
     finally:
@@ -209,7 +209,7 @@ def first_hit(factory: DaemonFactory, tier: Path, medium: str, pages: int = 10_0
 
 def sglang_round(factory, sglang, medium: str, directory: Path, pages: int, cold: bool) -> dict[str, float]:
     """kvd's backend over a disk level against SGLang's file backend, both reading from `directory`'s medium."""
-    from kvd.integrations.sglang.hostpool import MHAHostPool
+    from kvd.testing.sglang_pool import MHAHostPool
 
     from . import sglang_tier as st
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvd.testing import DaemonFactory
+from kvd.testing.daemons import DaemonFactory
 
 
 def timed(fn, repeats: int = 5, setup=None) -> float:

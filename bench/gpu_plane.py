@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvd.testing import DaemonFactory, free_port, wait_ready
+from kvd.testing.daemons import DaemonFactory, free_port, wait_ready
 
 
 def main() -> int:

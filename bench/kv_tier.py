@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvd.testing import DaemonFactory
+from kvd.testing.daemons import DaemonFactory
 
 SIZES = [64 << 10, 512 << 10]
 

@@ -1,6 +1,6 @@
 """Where the NIXL plane starts to pay, and how to slice it: `python -m bench --plane-cutover`.
 
-Entries under PLANE_MIN_BYTES (kvd/daemon/peer/limits.py) go as chunk frames even on a NIXL link: a
+Entries under PLANE_MIN_BYTES (kvd/daemon/transfer/limits.py) go as chunk frames even on a NIXL link: a
 plane adds a grant's round trip. Here daemons on the NIXL plane are forced onto it at every size
 (KVD_TEST_PLANE_MIN_BYTES=1, a bench knob read at start: kvd/daemon/peer/transfers.py) and push and
 pull 64 KiB to 2 MiB beside a ZeroMQ-plane pair, all three pairs up at once, in alternating rounds
@@ -17,8 +17,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from kvd.daemon.peer.limits import PLANE_IN_FLIGHT, PLANE_MIN_BYTES, SLICE_BYTES
-from kvd.testing import DaemonFactory
+from kvd.daemon.transfer.limits import PLANE_IN_FLIGHT, PLANE_MIN_BYTES, SLICE_BYTES
+from kvd.testing.daemons import DaemonFactory
 
 from .measure import human
 from .plane_report import NIXL_PLANES, PLANES, Cell, Cells, Check, Row, gbps

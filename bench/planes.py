@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from kvd.testing import DaemonFactory, DaemonProc, free_port, wait_ready
+from kvd.testing.daemons import DaemonFactory, DaemonProc, free_port, wait_ready
 
 from . import baselines, peers
 from .measure import Sample, human, repeat

@@ -12,8 +12,8 @@ set_from_flat_data_page). Every round starts from an empty store, writes all pag
 into the zeroed host pool and checks every byte against a digest taken before.
 
 Also: batch_exists of 10,000 keys that all hit (one call, and SGLang's batches of 128), and one
-page's set and get alone. The host pool is kvd.integrations.sglang.hostpool.MHAHostPool, page_first,
-bf16 (SGLang's own class needs torchvision to import; see hostpool.py).
+page's set and get alone. The host pool is kvd.testing.sglang_pool.MHAHostPool, page_first,
+bf16 (SGLang's own class needs torchvision to import; see kvd/testing/sglang_pool.py).
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from kvd.integrations.sglang.hostpool import MHAHostPool
-from kvd.testing import DaemonFactory
+from kvd.testing.sglang_pool import MHAHostPool
+from kvd.testing.daemons import DaemonFactory
 
 PAGE_TOKENS = 32
 LAYERS, HEADS, HEAD_DIM = 16, 2, 128  # 2 x 16 x 32 x 2 x 128 x 2 B = 512 KiB a page

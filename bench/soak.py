@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
     args = parser.parse_args(argv)
 
-    from kvd.testing import DaemonFactory
+    from kvd.testing.daemons import DaemonFactory
 
     import kvd
 

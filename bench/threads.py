@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvd.testing import DaemonFactory
+from kvd.testing.daemons import DaemonFactory
 
 from . import baselines, cases
 from .measure import thread_cpu

@@ -388,7 +388,7 @@ def run(args) -> dict:
         elif args.socket_a or args.socket_b:
             raise SystemExit("give both --socket-a and --socket-b, or neither")
         else:
-            from kvd.testing import DaemonFactory
+            from kvd.testing.daemons import DaemonFactory
 
             tmp = tempfile.TemporaryDirectory(prefix="kvd-disagg-")
             factory = DaemonFactory(Path(tmp.name), log_level="info")

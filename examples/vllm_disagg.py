@@ -364,7 +364,7 @@ def run(scenarios: list[str], *, prompts: int = 4, max_tokens: int = 8, dtype: s
     `registry` (a URL), the daemons are one cluster on it: no addresses anywhere. `arch` picks
     the model (ARCHS), `hma=False` runs both engines with vLLM's hybrid KV cache manager off,
     `prompt_tokens` makes every prompt that long. vLLM's output goes to the workdir unless verbose."""
-    from kvd.testing import DaemonFactory
+    from kvd.testing.daemons import DaemonFactory
 
     wrong = "pull" if registry else "directory"
     if wrong in scenarios:

@@ -250,7 +250,7 @@ def share(source: Engine, target: Engine, prefix_tokens: int, count: int, max_to
 
 def run(scenarios: list[str], *, prompts: int = 4, prefix_tokens: int = 512, max_tokens: int = 8,
         registry: str | None = None, workdir: Path | None = None, verbose: bool = False) -> dict[str, Any]:
-    from kvd.testing import DaemonFactory, free_port
+    from kvd.testing.daemons import DaemonFactory, free_port
 
     if "across" in scenarios and registry is None:
         raise ValueError("scenario 'across' needs a registry (--registry, or etcd installed)")

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from bench import connector_load as load
-from kvd.testing import eventually
+from kvd.testing.daemons import eventually
 from bench.connector_report import (NOT_ON_CPU, Pass, Sample, count_nixl_failures, engine_deltas, parse_rows,
                                     parse_sizes, own_cpu, percentile, schedule, scrape_totals, side_of, skip_lines,
                                     step_table, summarize, table)

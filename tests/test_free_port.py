@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from kvd import testing
+from kvd.testing import daemons as testing
 
 
 def test_no_port_is_handed_out_twice_and_none_is_from_the_ephemeral_range():

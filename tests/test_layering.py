@@ -8,6 +8,12 @@
 - no two kvd modules import each other in a circle (imports inside functions and under
   TYPE_CHECKING count: they are dependencies at run time);
 - no module is over 450 lines, and at most about 8 plain modules sit directly under kvd/.
+- rooms say what they hold: every module's basename is unique in kvd/ (`__init__.py` aside), no
+  folder holds more than 12 modules, and `kvd/daemon/`'s top level is the process shell only (the
+  local side, the tier, the peers, the transfer machine, the planes and the store have folders).
+- the transfer machine (`kvd.daemon.transfer`) and the tier's and disk level's bookkeeping are pure
+  like the store: no asyncio, no ZeroMQ, no sockets.
+- test doubles live in `kvd.testing`, and nothing in kvd but `kvd.testing` imports it.
 """
 from __future__ import annotations
 
@@ -68,7 +74,7 @@ def top(name: str) -> str:
 
 
 def test_the_modules_are_found():
-    assert {"kvd.wire.protocol", "kvd.daemon.daemon", "kvd.client.sync", "kvd.daemon.peer.machine"} <= set(MODULES)
+    assert {"kvd.wire.protocol", "kvd.daemon.daemon", "kvd.client.sync", "kvd.daemon.transfer.machine"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", [n for n in MODULES if within(n, "kvd.wire")])
@@ -167,3 +173,47 @@ def test_every_module_says_which_process_it_runs_in():
     for name, path in MODULES.items():
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert "process" in doc, f"{name}'s docstring does not say which process it runs in"
+
+
+MAX_MODULES_PER_FOLDER = 12
+DAEMON_SHELL = {"config", "daemon", "exposure", "http", "lifecycle", "logs", "membership", "metrics",
+                "socket_path", "startup", "status", "systemd"}
+PURE = ("kvd.daemon.transfer", "kvd.daemon.tier.page_store", "kvd.daemon.tier.tier_events",
+        "kvd.daemon.tier.disk.disk_format", "kvd.daemon.tier.disk.disk_index")
+PURE_MAY_IMPORT = ("kvd.daemon.transfer", "kvd.daemon.store", "kvd.daemon.tier.page_store",
+                   "kvd.daemon.tier.tier_events", "kvd.daemon.tier.disk.disk_format",
+                   "kvd.daemon.tier.disk.disk_index")
+
+
+def test_every_module_basename_is_unique():
+    by_name: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    clashes = {name: sorted(paths) for name, paths in by_name.items() if len(paths) > 1}
+    assert not clashes, f"module names used twice (name what each holds): {clashes}"
+
+
+@pytest.mark.parametrize("folder", sorted({p.parent for p in PACKAGE.rglob("*.py")}), ids=str)
+def test_no_folder_holds_more_than_twelve_modules(folder):
+    modules = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= MAX_MODULES_PER_FOLDER, f"{folder} holds {len(modules)}: give a concern a folder"
+
+
+def test_the_daemon_top_level_is_the_process_shell():
+    top_level = {p.stem for p in (PACKAGE / "daemon").glob("*.py") if p.name != "__init__.py"}
+    assert top_level <= DAEMON_SHELL, f"not the process shell, put them in a room: {sorted(top_level - DAEMON_SHELL)}"
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if any(within(n, pure) for pure in PURE)])
+def test_the_machines_and_the_bookkeeping_are_pure(name):
+    for imported in IMPORTS[name]:
+        assert top(imported) not in {"asyncio", "zmq", "socket", "torch", "threading"}, (name, imported)
+        if within(imported, "kvd.daemon"):
+            assert any(within(imported, ok) for ok in PURE_MAY_IMPORT), (name, imported)
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if not within(n, "kvd.testing")])
+def test_only_tests_import_the_test_doubles(name):
+    for imported in kvd_imports(name):
+        assert not within(imported, "kvd.testing"), (name, imported)

@@ -2,7 +2,7 @@
 
 `BlockingConnection` is the synchronous `Client`'s, a blocking socket in the caller's thread;
 `StreamConnection` is `AsyncClient`'s, an asyncio protocol. Both carry the messages
-`kvd.wire.framing` frames; the daemon's end is `kvd.daemon.local_server`. `ask` sends one
+`kvd.wire.framing` frames; the daemon's end is `kvd.daemon.local.server`. `ask` sends one
 request that needs no pool (what `kvd status`, `ls` and `rm` send): no torch, no mapping.
 """
 from __future__ import annotations

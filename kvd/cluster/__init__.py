@@ -7,13 +7,13 @@ imports redis-py when it is opened (`pip install redis`); the etcd backend needs
 extra (it speaks etcd's JSON gateway). See proto/REGISTRY.md for the key schema and the semantics.
 
 Modules: records (records, JSON, keys), signing (signed records: who signs, what a reader
-believes), backend (the interface), outbox (what is still to be written), candidates (which
-holder to try), health (breaker, backoff, membership state), inmemory / etcd / redis (backends),
-etcd_http and etcd_auth (the gateway's HTTP client and its login), redis_lua (the Redis scripts),
+believes), outbox (what is still to be written), candidates (which holder to try), health
+(breaker, backoff, membership state), backends/ (backend: the interface; inmemory / etcd / redis;
+etcd_http and etcd_auth: the gateway's HTTP client and its login; redis_lua: the Redis scripts),
 skips (what a backend skips as it reads, counted and logged), url (URLs, credentials, TLS and the
 backend factory), member (the daemon side), registry (the router side).
 """
-from .backend import (
+from .backends.backend import (
     Added, Backend, Conflict, NodeEvent, Publish, Registered, RegistryRefused, RegistryUnavailable, Removed,
     Resync, Session, SessionLost, Unpublish,
 )

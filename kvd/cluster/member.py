@@ -19,7 +19,7 @@ from typing import Any
 
 from kvd.trust import NodeCert
 
-from .backend import (
+from .backends.backend import (
     Added, Backend, Conflict, NodeEvent, RegistryRefused, RegistryUnavailable, Removed, Resync, Session, SessionLost,
 )
 from .candidates import Candidate, order_candidates

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from .backend import Publish, PublishOp, Unpublish
+from .backends.backend import Publish, PublishOp, Unpublish
 from .records import HolderRecord
 
 OUTBOX_LIMIT = 100_000  # pending rids; past this the outbox gives up on deltas and asks for a resync

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .backend import DEFAULT_OP_TIMEOUT, Added, NodeEvent, RegistryUnavailable, Removed, Resync
+from .backends.backend import DEFAULT_OP_TIMEOUT, Added, NodeEvent, RegistryUnavailable, Removed, Resync
 from .candidates import Candidate, order_candidates
 from .health import Breaker
 from .records import ROLES, HolderRecord, NodeRecord

@@ -13,7 +13,7 @@ import ssl
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
-from .backend import DEFAULT_OP_TIMEOUT, Backend
+from .backends.backend import DEFAULT_OP_TIMEOUT, Backend
 from .records import check_cluster
 
 DEFAULT_PORTS = {"etcd": 2379, "redis": 6379}
@@ -187,10 +187,10 @@ def open_backend(url: str | RegistryURL, cluster: str = "kvd", op_timeout: float
     check_cluster(cluster)
     u, tls = with_options(u, password_file=password_file, ca_file=ca_file, cert_file=cert_file, key_file=key_file)
     if u.scheme == "etcd":
-        from .etcd import EtcdBackend
+        from .backends.etcd import EtcdBackend
         return EtcdBackend(list(u.endpoints), cluster=cluster, op_timeout=op_timeout, username=u.username,
                            password=u.password, tls=tls, name=str(u))
-    from .redis import RedisBackend
+    from .backends.redis import RedisBackend
     (host, port), = u.endpoints
     return RedisBackend(host, port, u.db, cluster=cluster, op_timeout=op_timeout, username=u.username,
                         password=u.password, tls=tls, name=str(u), client_cert=bool(cert_file))

@@ -15,9 +15,9 @@ from prometheus_client.registry import Collector
 from dataclasses import dataclass
 
 from .config import Config
-from .registry import Directory
+from .membership import Directory
 from .lifecycle import Lifecycle
-from .local_server import LocalServer
+from .local.server import LocalServer
 from .metrics import OTHER, Metrics
 from .peer.peers import PeerSet
 from .peer.transfers import Transfers
@@ -53,7 +53,7 @@ class Status(Collector):
         self.metrics = metrics
         self.listen = listen  # the peer endpoint as bound
         self.version = version
-        self.cache = None  # the KV tier's store (store/cache.py), set by the daemon
+        self.cache = None  # the KV tier's store (tier/page_store.py), set by the daemon
         self.media = None  # its figures by medium, RAM and disk (disk/media.py), set by the daemon
 
     def pool(self) -> dict:

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from kvd.cluster.inmemory import MemoryBackend, MemoryServer
+from kvd.cluster.backends.inmemory import MemoryBackend, MemoryServer
 
 from .servers import EtcdServer, RedisServer, Server, find_etcd, find_redis, start_server, stop_server
 
@@ -103,10 +103,10 @@ class Harness:
         if self.kind == "memory":
             b = MemoryBackend(self.server, op_timeout=op_timeout)
         elif self.kind == "etcd":
-            from kvd.cluster.etcd import EtcdBackend
+            from kvd.cluster.backends.etcd import EtcdBackend
             b = EtcdBackend([("127.0.0.1", self.server.client_port)], cluster=self.cluster, op_timeout=op_timeout)
         else:
-            from kvd.cluster.redis import RedisBackend
+            from kvd.cluster.backends.redis import RedisBackend
             b = RedisBackend("127.0.0.1", self.server.port, cluster=self.cluster, op_timeout=op_timeout, poll=0.05)
         self._backends.append(b)
         return b
@@ -141,7 +141,7 @@ class Harness:
             lid = next(srv._ids)
             srv.leases[lid] = (60.0, srv.clock() + 60.0)
             srv.nodes[node_id] = (record, lid)
-            from kvd.cluster.backend import Added
+            from kvd.cluster.backends.backend import Added
             srv.node_event(Added(record, srv._bump()))
         elif self.kind == "etcd":
             put = {"key": _b64(EtcdKeys(self.cluster).node(node_id)), "value": _b64(encode_node(record))}

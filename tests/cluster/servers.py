@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 
 START_TIMEOUT = 15.0
 ROOT_PASSWORD = "root-pw"

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from kvd.cluster import ClusterMember, Registry
-from kvd.cluster.backend import Added, Publish, Registered, RegistryRefused, RegistryUnavailable, Resync
+from kvd.cluster.backends.backend import Added, Publish, Registered, RegistryRefused, RegistryUnavailable, Resync
 from kvd.cluster.url import open_backend
 
 from .conftest import _missing, run
@@ -246,7 +246,7 @@ def test_an_expired_or_forgotten_etcd_token_logs_in_again(certs):
 
 
 def test_without_h11_the_etcd_backend_says_what_to_install(monkeypatch):
-    import kvd.cluster.etcd_http as etcd_http
+    import kvd.cluster.backends.etcd_http as etcd_http
 
     monkeypatch.setattr(etcd_http, "h11", None)
     with pytest.raises(RuntimeError, match=r"pip install 'kvd-daemon\[etcd\]'"):

@@ -1,4 +1,4 @@
-"""The backend contract (kvd/cluster/backend.py), one suite run against memory, real etcd and real Redis."""
+"""The backend contract (kvd/cluster/backends/backend.py), one suite run against memory, real etcd and real Redis."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvd.cluster.backend import (
+from kvd.cluster.backends.backend import (
     Added, Conflict, Publish, Registered, RegistryUnavailable, Removed, Resync, SessionLost, Unpublish,
 )
 from kvd.cluster.records import HolderRecord, NodeRecord

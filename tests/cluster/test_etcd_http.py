@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from kvd.cluster.etcd_http import BodyTooLarge, GatewayClient, GatewayError
+from kvd.cluster.backends.etcd_http import BodyTooLarge, GatewayClient, GatewayError
 
 from .conftest import run
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from kvd.cluster.backend import MAX_HOLDERS, Publish, Registered, Removed, Resync
+from kvd.cluster.backends.backend import MAX_HOLDERS, Publish, Registered, Removed, Resync
 from kvd.cluster.records import NodeRecord, encode_holder, encode_node, key_part, rid_key
 
 from .conftest import Harness, run

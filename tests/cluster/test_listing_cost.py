@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from kvd.cluster import Added, Registry, Removed, Resync
-from kvd.cluster.backend import Publish
+from kvd.cluster.backends.backend import Publish
 
 from .conftest import Harness, run
 from .test_contract import holder, node

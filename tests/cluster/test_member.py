@@ -6,7 +6,7 @@ import asyncio
 import random
 import time
 
-from kvd.cluster.backend import RegistryUnavailable
+from kvd.cluster.backends.backend import RegistryUnavailable
 from kvd.cluster.health import Breaker
 from kvd.cluster.member import ClusterMember
 from kvd.cluster.records import HolderRecord, NodeRecord

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.cluster.backend import Publish, Unpublish
+from kvd.cluster.backends.backend import Publish, Unpublish
 from kvd.cluster.candidates import order_candidates
 from kvd.cluster.outbox import Outbox
 from kvd.cluster.health import CONFLICT, REGISTERED, UNREGISTERED, Breaker, Membership

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvd.cluster import Registry, Removed, Resync
-from kvd.cluster.backend import RegistryUnavailable
+from kvd.cluster.backends.backend import RegistryUnavailable
 from kvd.cluster.health import Breaker
 
 from .conftest import Harness, run

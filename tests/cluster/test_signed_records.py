@@ -11,7 +11,7 @@ import time
 
 from nacl.signing import SigningKey
 
-from kvd.cluster.backend import Added, Removed
+from kvd.cluster.backends.backend import Added, Removed
 from kvd.cluster.health import Breaker
 from kvd.cluster.member import ClusterMember
 from kvd.cluster.records import HolderRecord, NodeRecord

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from kvd.daemon.config import Config
 from kvd.daemon.daemon import Daemon
 from kvd.memory.host import map_pool
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 from kvd.wire import protocol as p
 from kvd.wire.framing import MessageReader, encode_message
 

@@ -1,4 +1,4 @@
-"""The disk level's file operations (kvd.daemon.disk.files) on a real directory: the claim refuses a
+"""The disk level's file operations (kvd.daemon.tier.disk.page_files) on a real directory: the claim refuses a
 directory that is not the daemon's alone, a page file round-trips through several pool segments,
 and a file that is damaged, cut short, renamed over another page's, of another namespace or of
 another format version is refused (and removed), never read as the page asked for."""
@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from kvd.daemon.disk import files
-from kvd.daemon.store.disk_format import HEADER_SIZE, VERSION, BadPage, Header, encode, page_path
+from kvd.daemon.tier.disk import page_files
+from kvd.daemon.tier.disk.disk_format import HEADER_SIZE, VERSION, BadPage, Header, encode, page_path
 from kvd.errors import BadRequest
 
 NS, KEY = "model=m;tp=0/1", "f" * 64
@@ -23,7 +23,7 @@ def page_bytes(n: int, seed: int) -> bytes:
 
 def write(root, namespace=NS, key=KEY, data=None, dtype="uint8") -> bytes:
     data = data if data is not None else page_bytes(10_000, 1)
-    files.write_page(str(root), Header(namespace, key, dtype, (len(data),), len(data), 0, 4096), [data])
+    page_files.write_page(str(root), Header(namespace, key, dtype, (len(data),), len(data), 0, 4096), [data])
     return data
 
 
@@ -32,7 +32,7 @@ def read(root, namespace=NS, key=KEY, nbytes=10_000) -> bytes:
     out = bytearray(nbytes)
     view = memoryview(out)
     cuts = [0, nbytes // 3, nbytes // 2, nbytes]
-    header, seconds = files.read_page(str(root), namespace, key, nbytes,
+    header, seconds = page_files.read_page(str(root), namespace, key, nbytes,
                                       [view[a:b] for a, b in zip(cuts, cuts[1:])])
     assert header.namespace == namespace and header.key == key and seconds >= 0
     return bytes(out)
@@ -40,7 +40,7 @@ def read(root, namespace=NS, key=KEY, nbytes=10_000) -> bytes:
 
 @pytest.fixture
 def root(tmp_path):
-    claimed = files.claim(str(tmp_path / "tier"))
+    claimed = page_files.claim(str(tmp_path / "tier"))
     yield tmp_path / "tier"
     claimed.release()
 
@@ -50,7 +50,7 @@ def test_a_page_round_trips_and_the_tmp_directory_stays_empty(root):
     assert read(root) == data
     assert os.listdir(root / "tmp") == []
     assert os.stat(root / page_path(NS, KEY)).st_size == HEADER_SIZE + len(data)
-    with pytest.raises(files.Absent):
+    with pytest.raises(page_files.Absent):
         read(root, key="e" * 64)
 
 
@@ -103,7 +103,7 @@ def test_the_scan_finds_whole_pages_oldest_first_and_drops_the_rest(root):
     os.replace(root / page_path(NS, f"{1:064x}"), target)
     (root / "pages" / "stray").mkdir()
     posted = []
-    report = files.scan(str(root), lambda found, corrupt, stale: posted.extend(found), threading.Event(), batch=2)
+    report = page_files.scan(str(root), lambda found, corrupt, stale: posted.extend(found), threading.Event(), batch=2)
     assert sorted(p.key for p in posted) == [f"{i:064x}" for i in (2, 3, 4)]
     assert report.files == 5 and report.corrupt == 2 and report.order == [(NS, f"{i:064x}") for i in (4, 3, 2)]
     assert {p.size for p in posted} == {8192}
@@ -114,20 +114,20 @@ def test_the_claim_refuses_what_is_not_the_daemons_alone(tmp_path):
     shared.mkdir(mode=0o777)
     os.chmod(shared, 0o777)
     with pytest.raises(BadRequest, match="may be written by others"):
-        files.claim(str(shared))
+        page_files.claim(str(shared))
     busy = tmp_path / "home"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
     with pytest.raises(BadRequest, match="not empty and holds no kvd tier"):
-        files.claim(str(busy))
-    first = files.claim(str(tmp_path / "tier"))
+        page_files.claim(str(busy))
+    first = page_files.claim(str(tmp_path / "tier"))
     try:
         with pytest.raises(BadRequest, match=f"used by another kvd \\(pid {os.getpid()}\\)"):
-            files.claim(str(tmp_path / "tier"))
+            page_files.claim(str(tmp_path / "tier"))
     finally:
         first.release()
     (tmp_path / "tier" / "tmp" / "cut-short").write_bytes(b"half a page")
-    again = files.claim(str(tmp_path / "tier"))  # a kvd's directory again, its cut-short writes removed
+    again = page_files.claim(str(tmp_path / "tier"))  # a kvd's directory again, its cut-short writes removed
     assert again.leftovers == 1 and os.listdir(tmp_path / "tier" / "tmp") == []
     again.release()
     if os.geteuid() == 0:  # (only root can give a directory away)
@@ -135,4 +135,4 @@ def test_the_claim_refuses_what_is_not_the_daemons_alone(tmp_path):
         theirs.mkdir(mode=0o700)
         os.chown(theirs, 65534, 65534)
         with pytest.raises(BadRequest, match="belongs to uid 65534"):
-            files.claim(str(theirs))
+            page_files.claim(str(theirs))

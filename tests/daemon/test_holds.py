@@ -1,7 +1,7 @@
-"""kvd.daemon.holds: what each client connection holds, without sockets (a real Store)."""
+"""kvd.daemon.local.ledger: what each client connection holds, without sockets (a real Store)."""
 from __future__ import annotations
 
-from kvd.daemon.holds import Holds
+from kvd.daemon.local.ledger import Holds
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import Store
 

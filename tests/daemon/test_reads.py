@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvd.daemon.reads import MAX_WAITS_PER_CONNECTION
+from kvd.daemon.local.get_side import MAX_WAITS_PER_CONNECTION
 from kvd.errors import BadRequest, NotFound, Timeout
 from kvd.wire import protocol as p
 

@@ -1,4 +1,4 @@
-"""The tier's questions to other homes (kvd.daemon.tier_peers), socket-free: a real CacheStore on a
+"""The tier's questions to other homes (kvd.daemon.tier.homes), socket-free: a real CacheStore on a
 real pool buffer, and links that record what they are given to send, so a test plays the homes
 and says exactly what comes back. An answer counts only if it comes from the home that was asked
 and is the kind of answer the question wants; anything else is refused and counted, and the
@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from kvd.daemon.store.cache import CacheStore, SharedPool
-from kvd.daemon.tier_peers import TierPeers
+from kvd.daemon.tier.page_store import CacheStore, SharedPool
+from kvd.daemon.tier.homes import TierPeers
 from kvd.wire import protocol as p
 from kvd.wire.checksum import digest
 

@@ -1,4 +1,4 @@
-"""The tier's reservations live by the handoffs' machine (writes.py): a lease that runs out ends the
+"""The tier's reservations live by the handoffs' machine (local/reservation.py): a lease that runs out ends the
 put but parks its blocks until the writer lets go (in-process daemon, raw client messages)."""
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""kvd.daemon.writes: a local write's life as a table, without sockets or a store."""
+"""kvd.daemon.local.reservation: a local write's life as a table, without sockets or a store."""
 from __future__ import annotations
 
 import itertools
 
 import pytest
 
-import kvd.daemon.writes as writes
-from kvd.daemon.writes import FINAL, TABLE, LocalWrite, WriteAction, WriteEvent, WriteState
+import kvd.daemon.local.reservation as writes
+from kvd.daemon.local.reservation import FINAL, TABLE, LocalWrite, WriteAction, WriteEvent, WriteState
 from kvd.errors import InternalError, NotFound, Timeout
 
 S, E, A = WriteState, WriteEvent, WriteAction

@@ -23,7 +23,7 @@ from kvd.integrations.paged.groups import (
     group_reads,
     per_group,
 )
-from kvd.integrations.paged.layout import PagedKVLayout, SourceDeployment, check_source, plan_loads
+from kvd.integrations.paged.plans import PagedKVLayout, SourceDeployment, check_source, plan_loads
 from kvd.parallel import KVLayout, shard_layouts
 
 B = 4  # tokens per block

@@ -1,4 +1,4 @@
-"""kvd.integrations.paged.layout (pure, no vLLM, no daemons): the connector's load plans applied to
+"""kvd.integrations.paged.plans (pure, no vLLM, no daemons): the connector's load plans applied to
 paged caches cut from one full reference cache rebuild every consumer rank exactly, over TP x PP
 pairs (GQA replication, MLA latents, uneven partitions); every refusal names its field."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvd.errors import BadRequest, LayoutMismatch
-from kvd.integrations.paged.layout import (
+from kvd.integrations.paged.plans import (
     PagedKVLayout,
     SourceDeployment,
     check_source,

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from kvd.daemon.store.cache import NAMESPACE_RE
+from kvd.daemon.tier.page_store import NAMESPACE_RE
 from kvd.errors import BadRequest, PeerUnavailable
 from kvd.integrations.sglang import naming
 from kvd.integrations.sglang.guard import Guard
-from kvd.integrations.sglang.hostpool import LAYOUTS, MHAHostPool
+from kvd.testing.sglang_pool import LAYOUTS, MHAHostPool
 from kvd.integrations.sglang.pages import HostPages
 from kvd.integrations.sglang.settings import Settings
 
@@ -222,7 +222,8 @@ def test_a_bad_kvd_setting_fails_the_attach_with_its_name(tmp_path):
 def test_importing_kvd_never_needs_sglang():
     code = ("import sys; sys.modules['sglang'] = None\n"  # (None in sys.modules: any import of it fails)
             "import kvd, kvd.integrations.sglang\n"
-            "from kvd.integrations.sglang import naming, pages, guard, settings, hostpool\n"
+            "from kvd.integrations.sglang import naming, pages, guard, settings\n"
+            "import kvd.testing.sglang_pool\n"
             "try:\n    kvd.integrations.sglang.KvdHiCacheStorage\n"
             "except ImportError as e:\n    print('needs', e.name)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

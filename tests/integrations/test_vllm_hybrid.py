@@ -209,7 +209,7 @@ def test_bytes_by_kind_of_group_reach_the_log_line_and_the_metrics():
 def test_a_hybrid_worker_reports_a_failed_load_by_request_alone(model_dir, tmp_path):
     """vLLM cannot map block ids back to requests with several groups (it raises): the worker's
     failure is the request's, no blocks."""
-    from kvd.integrations.handshake import ConnectorSettings
+    from kvd.integrations.transfer_params import ConnectorSettings
     from kvd.integrations.paged.handoff import LoadSpec
     from kvd.integrations.vllm.scheduler import KVDConnectorMetadata
     from kvd.integrations.vllm.worker import KVDWorker

@@ -18,8 +18,8 @@ from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvd.daemon.store.cache import CacheStore, SharedPool  # noqa: E402
-from kvd.integrations.paged.tier import TierLoad  # noqa: E402
+from kvd.daemon.tier.page_store import CacheStore, SharedPool  # noqa: E402
+from kvd.integrations.paged.tier_pages import TierLoad  # noqa: E402
 
 from .test_vllm_scheduler import BLOCK, decode_params, make_request, make_scheduler, runner_output  # noqa: E402
 

@@ -19,7 +19,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 
-from kvd.integrations.paged.layout import SourceDeployment  # noqa: E402
+from kvd.integrations.paged.plans import SourceDeployment  # noqa: E402
 from kvd.integrations.vllm import KVDConnector, KVDConnectorMetadata  # noqa: E402
 
 BLOCK = 16

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import kvd.parallel as par
 from kvd.parallel import ParallelState, ParallelStateError, rank_layout
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

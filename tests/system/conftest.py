@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from kvd.testing import DaemonFactory
+from kvd.testing.daemons import DaemonFactory
 
 
 # The transfer suite runs on both data planes: a module that sets BOTH_PLANES = True gets each of its

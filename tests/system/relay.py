@@ -11,7 +11,7 @@ import selectors
 import socket
 import threading
 
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 
 
 class PausingRelay(threading.Thread):

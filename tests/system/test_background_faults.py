@@ -21,7 +21,7 @@ import torch
 
 import kvd
 from kvd.wire import protocol as p
-from kvd.testing import DaemonProc, eventually, free_port, raw_connection, wait_ready
+from kvd.testing.daemons import DaemonProc, eventually, free_port, raw_connection, wait_ready
 
 from .relay import PausingRelay
 

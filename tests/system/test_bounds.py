@@ -19,7 +19,7 @@ import zmq
 import kvd
 from kvd.client.connection import ask
 from kvd.daemon.peer.links import PEER_QUEUE_BYTES, PEER_SNDHWM
-from kvd.testing import eventually, free_port, raw_connection
+from kvd.testing.daemons import eventually, free_port, raw_connection
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import unix_path
 from kvd.wire.framing import MAX_MESSAGE_BYTES

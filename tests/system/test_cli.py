@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 
 
 def kvd_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

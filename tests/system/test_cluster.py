@@ -20,7 +20,7 @@ import torch
 
 import kvd
 from kvd.client.connection import ask
-from kvd.testing import DaemonFactory, eventually, free_port, wait_ready
+from kvd.testing.daemons import DaemonFactory, eventually, free_port, wait_ready
 from kvd.wire import protocol as p
 from tests.cluster.conftest import start_or_skip
 from tests.cluster.servers import stop_server

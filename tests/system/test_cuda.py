@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvd.client.tensors import TORCH_DTYPES
-from kvd.testing import free_port, wait_ready
+from kvd.testing.daemons import free_port, wait_ready
 
 pytestmark = pytest.mark.cuda
 
@@ -34,7 +34,7 @@ def test_gpu_pool_round_trips_every_dtype(daemons, dtype_name):
 
 
 def test_gpu_to_gpu_and_gpu_to_host_daemons(daemons):
-    from kvd.testing import free_port
+    from kvd.testing.daemons import free_port
 
     port_g, port_h, port_g2 = free_port(), free_port(), free_port()
     peers = {"H": f"tcp://127.0.0.1:{port_h}", "G2": f"tcp://127.0.0.1:{port_g2}"}

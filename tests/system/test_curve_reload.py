@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvd
-from kvd.testing import eventually, free_port, wait_ready
+from kvd.testing.daemons import eventually, free_port, wait_ready
 from tests.system.test_security import keygen
 
 

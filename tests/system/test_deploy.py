@@ -29,7 +29,7 @@ from kvd.cli import build_parser
 from kvd.client.connection import ask
 from kvd.daemon.config import FIELD_NAMES, Config, load_config
 from kvd.daemon.daemon import RELOADABLE
-from kvd.testing import DaemonProc, eventually, free_port, wait_ready
+from kvd.testing.daemons import DaemonProc, eventually, free_port, wait_ready
 from kvd.wire import protocol as p
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -548,7 +548,7 @@ def test_the_ca_secret_is_mounted_into_the_init_step_alone():
 
 
 def test_pod_worker_turns_on_the_vllm_connector_with_valid_options():
-    from kvd.integrations.handshake import ConnectorSettings
+    from kvd.integrations.transfer_params import ConnectorSettings
 
     pod = PodManifest()
     flags = [a for a in listed(pod.worker, "args") if a.startswith("--kv-transfer-config=")]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from kvd.daemon.store.disk_format import HEADER_SIZE, VERSION, Header, encode, namespace_dir, page_path
-from kvd.testing import eventually, free_port
+from kvd.daemon.tier.disk.disk_format import HEADER_SIZE, VERSION, Header, encode, namespace_dir, page_path
+from kvd.testing.daemons import eventually, free_port
 from kvd.wire.dtypes import DTYPE_ITEMSIZE
 from tests.system.test_kv_tier import random_page, same_bits
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kvd.client.connection import ask
-from kvd.daemon.store.disk_format import disk_bytes
-from kvd.testing import eventually, free_port
+from kvd.daemon.tier.disk.disk_format import disk_bytes
+from kvd.testing.daemons import eventually, free_port
 from kvd.wire import protocol as p
 from tests.cluster.conftest import start_or_skip
 from tests.cluster.servers import stop_server
@@ -234,7 +234,7 @@ def test_sglang_sees_disk_hits_as_hits(daemons, tmp_path):
         if os.environ.get("CI") == "true":
             raise
         pytest.skip(f"sglang is not installed: {error}")
-    from kvd.integrations.sglang.hostpool import MHAHostPool
+    from kvd.testing.sglang_pool import MHAHostPool
 
     sglang = types.SimpleNamespace(storage=hicache_storage, factory=StorageBackendFactory, utils=utils)
     daemon = daemons.start("A", pool_size="16MiB", extra=flags(tmp_path / "tier"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvd
-from kvd.testing import eventually, free_port
+from kvd.testing.daemons import eventually, free_port
 
 SLACK = 0.8  # seconds past the bound for a loaded 2-core machine (the old cost was 5 s)
 

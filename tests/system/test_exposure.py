@@ -8,7 +8,7 @@ import socket
 import torch
 
 import kvd
-from kvd.testing import free_port, wait_ready
+from kvd.testing.daemons import free_port, wait_ready
 
 
 def port_is_free(port: int) -> bool:

@@ -18,7 +18,7 @@ import kvd
 from kvd.wire import protocol as p
 from kvd.wire.framing import MAX_FRAMES, MAX_MESSAGE_BYTES, MessageReader, encode_message
 from kvd.wire.endpoints import unix_path
-from kvd.testing import free_port, raw_connection, wait_ready
+from kvd.testing.daemons import free_port, raw_connection, wait_ready
 
 from .relay import PausingRelay
 

@@ -26,7 +26,7 @@ import zmq
 import kvd
 from kvd.client.connection import ask
 from kvd.cluster.records import EtcdKeys, HolderRecord, RedisKeys, encode_holder, key_part
-from kvd.testing import eventually, free_port
+from kvd.testing.daemons import eventually, free_port
 from kvd.trust import load_cert, load_node_keys
 from kvd.trust.keygen import keygen_ca, keygen_node
 from kvd.wire import protocol as p

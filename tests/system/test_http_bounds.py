@@ -22,7 +22,7 @@ import zmq
 
 from kvd.client.connection import ask
 from kvd.daemon.metrics import Metrics
-from kvd.testing import eventually, free_port
+from kvd.testing.daemons import eventually, free_port
 from kvd.wire import protocol as p
 
 PAGE_BOUND = 1_000_000  # bytes of /metrics, whatever peers call themselves

@@ -20,7 +20,7 @@ import zmq
 import kvd
 from kvd.wire import protocol as p
 from kvd.wire.checksum import digest
-from kvd.testing import eventually, raw_connection
+from kvd.testing.daemons import eventually, raw_connection
 
 BOTH_PLANES = True  # (tests/system/conftest.py: each test on ZeroMQ frames and on NIXL)
 
@@ -548,7 +548,7 @@ def _connect_as(endpoint: str, uid: int, report) -> None:
 def test_another_user_on_this_host_cannot_use_a_tcp_client_socket(daemons):
     import multiprocessing as mp
 
-    from kvd.testing import free_port
+    from kvd.testing.daemons import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     a = daemons.start("A", extra=["--socket", endpoint], wait=False)  # (the last --socket wins)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvd.errors import BadRequest
-from kvd.testing import eventually, free_port, raw_connection
+from kvd.testing.daemons import eventually, free_port, raw_connection
 from kvd.wire import protocol as p
 from kvd.wire.dtypes import DTYPE_ITEMSIZE
 

@@ -12,7 +12,7 @@ import torch
 
 from kvd.client.connection import ask
 from kvd.cluster.rendezvous import homes
-from kvd.testing import eventually
+from kvd.testing.daemons import eventually
 from kvd.wire import protocol as p
 from tests.cluster.conftest import start_or_skip
 from tests.cluster.servers import stop_server

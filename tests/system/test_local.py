@@ -11,7 +11,7 @@ import torch
 
 import kvd
 from kvd.client.tensors import TORCH_DTYPES
-from kvd.testing import eventually
+from kvd.testing.daemons import eventually
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -292,7 +292,7 @@ def _restart_in_place(daemons, old):
     assert old.stop() == 0
     new = daemons.start(old.node_id, extra=["--socket", old.socket], wait=False)
     new.socket = old.socket  # the last --socket wins
-    from kvd.testing import wait_ready
+    from kvd.testing.daemons import wait_ready
 
     wait_ready(new)
     return new
@@ -364,7 +364,7 @@ def test_local_socket_on_tcp(daemons):
     """--socket tcp://HOST:PORT (a client in another network namespace of the same host)."""
     import asyncio
 
-    from kvd.testing import free_port, wait_ready
+    from kvd.testing.daemons import free_port, wait_ready
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     d = daemons.start("T", extra=["--socket", endpoint], wait=False)
@@ -611,7 +611,7 @@ def test_the_async_client_refuses_them_too(daemon):
 def test_a_claim_given_back_wakes_the_next_reader_at_once(daemons):
     """A consuming read that gives the entry back (nothing delivered) hands it to a reader that
     was waiting for it then, not when that reader's own timeout is up."""
-    from kvd.testing import raw_connection
+    from kvd.testing.daemons import raw_connection
     from kvd.wire import protocol as p
 
     d = daemons.start("A")

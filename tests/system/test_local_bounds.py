@@ -15,9 +15,9 @@ import torch
 import kvd
 
 from kvd.client.connection import ask
-from kvd.daemon.local_server import IDLE_GRACE
-from kvd.daemon.reads import MAX_WAITS_PER_CONNECTION
-from kvd.testing import eventually, raw_connection
+from kvd.daemon.local.server import IDLE_GRACE
+from kvd.daemon.local.get_side import MAX_WAITS_PER_CONNECTION
+from kvd.testing.daemons import eventually, raw_connection
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import unix_path
 from kvd.wire.framing import encode_message

@@ -15,7 +15,7 @@ import torch
 import zmq
 
 import kvd
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 from kvd.wire import protocol as p
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
@@ -160,7 +160,7 @@ def test_a_socket_in_tmp_itself_is_fine(daemons):
     path = f"/tmp/kvd-test-{uuid.uuid4().hex[:8]}.sock"
     a = daemons.start("A", extra=["--socket", f"unix://{path}"], wait=False)
     a.socket = f"unix://{path}"
-    from kvd.testing import wait_ready
+    from kvd.testing.daemons import wait_ready
     wait_ready(a)
     with a.client() as c:
         c.put("x", {"x": torch.arange(3)})

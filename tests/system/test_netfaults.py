@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import kvd
-from kvd.testing import DaemonProc, wait_ready
+from kvd.testing.daemons import DaemonProc, wait_ready
 
 ADDR_A, ADDR_B, PORT = "169.254.10.1", "169.254.10.2", 7470
 FAST_HEARTBEAT = ["--heartbeat-interval", "0.3s", "--heartbeat-timeout", "1.5s"]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvd.memory.host import ram_available
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 
 
 def kvd(*args: str, cwd=None, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from kvd.testing import DaemonFactory
+from kvd.testing.daemons import DaemonFactory
 
 
 def test_a_daemon_without_torch_serves_clients_and_the_cli(tmp_path):

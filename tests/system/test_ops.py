@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvd
-from kvd.testing import eventually, free_port, wait_ready
+from kvd.testing.daemons import eventually, free_port, wait_ready
 
 from .relay import PausingRelay
 
@@ -52,7 +52,7 @@ def test_metrics_move_by_the_right_amounts(daemons):
                       extra=["--metrics-port", str(port_a)], wait=False)
     b = daemons.start("B", port=peer_b, peers={"A": f"tcp://127.0.0.1:{peer_a}"},
                       extra=["--metrics-port", str(port_b)])
-    from kvd.testing import wait_ready
+    from kvd.testing.daemons import wait_ready
     wait_ready(a)
     assert scrape(port_a, "/healthz") == (200, "ok\n")
     assert scrape(port_a, "/readyz") == (200, "ready\n")
@@ -284,7 +284,7 @@ def test_a_stream_in_flight_at_sigterm_is_finished_and_readyz_fails_meanwhile(da
     a = daemons.start("A", port=peer_a, peers={"B": f"tcp://127.0.0.1:{peer_b}"}, wait=False,
                       extra=["--metrics-port", str(metrics), "--drain-timeout", "20s"])
     b = daemons.start("B", port=peer_b, peers={"A": f"tcp://127.0.0.1:{peer_a}"})
-    from kvd.testing import wait_ready
+    from kvd.testing.daemons import wait_ready
     wait_ready(a)
     layers = {f"layer.{i}": torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(8)}
     with a.client() as ca:

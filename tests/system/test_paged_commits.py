@@ -11,7 +11,7 @@ import torch
 
 from kvd import Client
 from kvd.integrations.paged.handoff import MAX_COMMITS_IN_FLIGHT, LoadSpec, PagedKVLayout, PagedKVWorker, SaveSpec
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 
 from .test_paged_kv import BLOCK, LAYERS, bits, paged_caches, wait_results
 

@@ -9,7 +9,7 @@ import torch
 
 from kvd import Client
 from kvd.errors import BadRequest
-from kvd.integrations.handshake import ConnectorSettings, dest_for_prefill, params_for_decode, params_for_decoder
+from kvd.integrations.transfer_params import ConnectorSettings, dest_for_prefill, params_for_decode, params_for_decoder
 from kvd.integrations.paged.handoff import (
     LoadSpec,
     PagedKVLayout,
@@ -279,8 +279,8 @@ def test_kvd_and_the_engine_agnostic_parts_import_without_vllm():
     import sys
 
     code = ("import sys; sys.modules['vllm'] = None\n"  # any `import vllm` now raises ImportError
-            "import kvd, kvd.integrations, kvd.integrations.paged.handoff, kvd.integrations.handshake\n"
-            "import kvd.integrations.paged.layout\n"
+            "import kvd, kvd.integrations, kvd.integrations.paged.handoff, kvd.integrations.transfer_params\n"
+            "import kvd.integrations.paged.plans\n"
             "try:\n    import kvd.integrations.vllm\nexcept ImportError:\n    print('vllm-less')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -12,7 +12,7 @@ import torch
 
 from kvd.client.connection import ask
 from kvd.daemon.peer.owed import PEER_QUEUE_BYTES, PEER_QUEUE_TOTAL
-from kvd.testing import eventually, free_port
+from kvd.testing.daemons import eventually, free_port
 from kvd.wire import protocol as p
 
 ENTRY_BYTES = 768 << 10  # under 1 MiB: each reply is copied into ZeroMQ (the pool lends bigger ones)

@@ -9,7 +9,7 @@ import torch
 
 import kvd
 from kvd.wire import protocol as p
-from kvd.testing import eventually, free_port
+from kvd.testing.daemons import eventually, free_port
 
 BOTH_PLANES = True  # (tests/system/conftest.py: each test on ZeroMQ frames and on NIXL)
 

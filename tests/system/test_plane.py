@@ -15,7 +15,7 @@ import torch
 
 import kvd
 from kvd.daemon.plane.nixl import available
-from kvd.testing import eventually, free_port, wait_ready
+from kvd.testing.daemons import eventually, free_port, wait_ready
 from kvd.trust.keygen import keygen_ca, keygen_node
 
 if not available():

@@ -14,10 +14,10 @@ import torch
 
 from kvd import Client
 from kvd.integrations.paged.groups import FULL, SLIDING, KVGroup
-from kvd.integrations.paged.tier import TierLayout, TierLoad, TierSave, namespace, page_key
+from kvd.integrations.paged.tier_pages import TierLayout, TierLoad, TierSave, namespace, page_key
 from kvd.integrations.paged.tier_worker import TierWorker
 from kvd.parallel import KVLayout, shard_layouts
-from kvd.testing import eventually, wait_ready
+from kvd.testing.daemons import eventually, wait_ready
 from tests.system.test_layouts_paged import BLOCK, HEAD_DIM, NUM_BLOCKS, bits, full_cache, names, rank_caches
 
 MODEL = KVLayout(num_layers=4, num_kv_heads=2, head_dim=2 * HEAD_DIM, dtype="float16")

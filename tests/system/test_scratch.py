@@ -11,7 +11,7 @@ import torch
 import kvd
 from kvd.wire import protocol as p
 from kvd.errors import AlreadyExists, NotFound
-from kvd.testing import eventually, raw_connection
+from kvd.testing.daemons import eventually, raw_connection
 
 BLOCK = 64 << 10
 

@@ -16,7 +16,7 @@ import zmq.auth
 
 import kvd
 from kvd.wire import protocol as p
-from kvd.testing import eventually, free_port
+from kvd.testing.daemons import eventually, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def curve_pair(daemons, keys, *, a_key="A", a_allow=None, connect_timeout="1s"):
                              "--connect-timeout", connect_timeout])
     b = daemons.start("B", port=port_b, peers={"A": f"tcp://127.0.0.1:{port_a}"},
                       extra=["--curve-secret-key", str(made["B"]), "--curve-allow", str(allowed)])
-    from kvd.testing import wait_ready
+    from kvd.testing.daemons import wait_ready
     wait_ready(a)
     return a, b
 
@@ -200,7 +200,7 @@ def test_socket_and_directory_permissions(daemons, tmp_path):
     runtime = tmp_path / "run" / "kvd"
     d = daemons.start("A", extra=["--socket", f"ipc://{runtime}/kvd.sock"], wait=False)
     d.socket = f"ipc://{runtime}/kvd.sock"
-    from kvd.testing import wait_ready
+    from kvd.testing.daemons import wait_ready
     wait_ready(d)
     assert stat.S_IMODE(os.stat(runtime).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(runtime / "kvd.sock").st_mode) == 0o600

@@ -5,8 +5,8 @@ batch_get_v1, with SGLang's own page keys (get_storage_hash_str). Every page bit
 layout and dtype; a second instance hits the first's pages; the generic path; a daemon that dies
 or is full answers misses and Falses.
 
-The host pool is kvd.integrations.sglang.hostpool.MHAHostPool: SGLang's own MHATokenToKVPoolHost
-cannot be imported with the CPU torch (its module imports torchvision; see hostpool.py).
+The host pool is kvd.testing.sglang_pool.MHAHostPool: SGLang's own MHATokenToKVPoolHost
+cannot be imported with the CPU torch (its module imports torchvision; see kvd/testing/sglang_pool.py).
 test_the_real_sglang_host_pools (slow) runs the cycle on SGLang's own classes and checks that
 MHAHostPool pages equal theirs."""
 from __future__ import annotations
@@ -20,8 +20,8 @@ import types
 import pytest
 import torch
 
-from kvd.integrations.sglang.hostpool import LAYOUTS, MHAHostPool
-from kvd.testing import DaemonFactory, wait_ready
+from kvd.testing.sglang_pool import LAYOUTS, MHAHostPool
+from kvd.testing.daemons import DaemonFactory, wait_ready
 
 EXTRA = {"backend_name": "kvd", "module_path": "kvd.integrations.sglang", "class_name": "KvdHiCacheStorage",
          "interface_v1": 1}

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 import kvd
-from kvd.testing import DaemonFactory, free_port, wait_ready
+from kvd.testing.daemons import DaemonFactory, free_port, wait_ready
 
 DTYPES = {
     "float32": torch.float32,

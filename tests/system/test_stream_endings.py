@@ -11,7 +11,7 @@ import torch
 
 import kvd
 from kvd.client.connection import ask
-from kvd.testing import eventually
+from kvd.testing.daemons import eventually
 from kvd.wire import protocol as p
 
 LAYERS = {f"layer.{i}": torch.full((64, 256), float(i)) for i in range(8)}
@@ -149,7 +149,7 @@ def test_a_reader_of_a_stream_whose_push_is_refused_is_told_at_once(daemons, rea
     # B has no room for the stream: it refuses the offer, and the put fails on A at once. A reader
     # on A (waiting for the entry before the put began, or come just after) is told so, not left
     # waiting for its timeout (it waited its whole 60 s)
-    from kvd.testing import free_port, wait_ready
+    from kvd.testing.daemons import free_port, wait_ready
 
     pa, pb = free_port(), free_port()
     a = daemons.start("A", port=pa, peers={"B": f"tcp://127.0.0.1:{pb}"}, wait=False)

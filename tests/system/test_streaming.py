@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvd
-from kvd.testing import eventually
+from kvd.testing.daemons import eventually
 
 BOTH_PLANES = True  # (tests/system/conftest.py: each test on ZeroMQ frames and on NIXL)
 

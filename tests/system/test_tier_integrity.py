@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvd.testing import eventually
+from kvd.testing.daemons import eventually
 
 from .frozen_writer import PAGE_BYTES
 

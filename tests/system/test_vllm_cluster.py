@@ -21,7 +21,7 @@ import torch
 
 from kvd import Client
 from kvd.integrations.paged.handoff import LoadSpec, PagedKVLayout, PagedKVWorker, SaveSpec, entry_key
-from kvd.integrations.paged.layout import SourceDeployment
+from kvd.integrations.paged.plans import SourceDeployment
 from kvd.parallel import KVLayout, shard_layouts
 from tests.cluster.conftest import start_or_skip
 from tests.cluster.servers import stop_server

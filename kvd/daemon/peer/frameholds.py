@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from kvd.errors import NotFound
 
 from ..store.entries import Store
-from .channel import Channel
-from .states import Outbound
+from ..transfer.channel import Channel
+from ..transfer.states import Outbound
 
 log = logging.getLogger(__name__)
 

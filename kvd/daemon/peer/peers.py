@@ -20,9 +20,9 @@ from kvd.wire import protocol as p
 from ..config import Config
 from dataclasses import dataclass
 from ..metrics import Metrics
-from ..plane.handshake import PlaneHandshake
+from ..plane.negotiation import PlaneHandshake
 from .auth import CurveKeys
-from .channel import Channel
+from ..transfer.channel import Channel
 from .links import PeerLink
 from .owed import Owed
 from .tcpconn import TcpConnection

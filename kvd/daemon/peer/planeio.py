@@ -1,6 +1,6 @@
 """The I/O of transfers on a one-sided plane (daemon process): plane operations the machine asks
 for are posted and their ends fed back to it; what a plane may still touch after a failed transfer
-is drained or parked (`kvd.daemon.plane.ledger`) and let go of when that is over; `released` from a
+is drained or parked (`kvd.daemon.plane.parking`) and let go of when that is over; `released` from a
 peer, a peer gone for good, and our own operations stuck behind a frozen peer are handled here.
 `transfers.Transfers` owns one and hands it the plane's actions, messages and ticks.
 """
@@ -14,11 +14,11 @@ from kvd.errors import KvdError, NotFound, PeerUnavailable
 from kvd.wire import protocol as p
 
 from ..metrics import Metrics
-from ..plane.ledger import Drain, Hold, Parked, PlaneLedger
-from ..plane.ops import PlaneOps
+from ..plane.parking import Drain, Hold, Parked, PlaneLedger
+from ..plane.poller import PlaneOps
 from ..store.entries import Store
-from .channel import Channel
-from .states import Inbound, Kind, OpEnded, Outbound, PostOp, Transfer
+from ..transfer.channel import Channel
+from ..transfer.states import Inbound, Kind, OpEnded, Outbound, PostOp, Transfer
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from ..logs import Throttle
 from ..metrics import Metrics
 from .admission import Admissions
 from .auth import CurveKeys, make_server
-from .channel import Channel
+from ..transfer.channel import Channel
 from .links import tune_peer_socket
 from .loopsocket import NOT_SENT, LoopSocket, Sent
 from .owed import Account

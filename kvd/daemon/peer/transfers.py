@@ -28,15 +28,15 @@ from kvd.wire.endpoints import is_loopback_endpoint
 
 from ..config import Config
 from ..metrics import Metrics
-from ..plane.ops import PlaneOps
+from ..plane.poller import PlaneOps
 from ..store.entries import Entry, Store
-from .channel import Channel, Sending
+from ..transfer.channel import Channel, Sending
 from .links import PeerLink
-from .machine import Limits, Machine
+from ..transfer.machine import Limits, Machine
 from .frameholds import FrameHolds
 from .peers import PeerSet
 from .planeio import PlaneIO, on_plane
-from .states import (
+from ..transfer.states import (
     Cancel, ChannelLost, Commit, ConnectFailed, Connected, Dropped, EntryMissing, EntryReady, Finished, Inbound,
     Kind, Outbound, PostOp, Progress, Published, Received, Send, SendChunk, Tick, Transfer, WaitForEntry, Written,
 )

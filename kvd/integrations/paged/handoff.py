@@ -3,7 +3,7 @@ processes, between instances of any TP x PP layout.
 
 Engine-agnostic (no vLLM import): the vLLM connector (`kvd.integrations.vllm`) is a thin adapter
 over this module, and the tests drive it with real daemons and real paged tensors. What an entry
-holds and which entries a rank reads is in `kvd.integrations.paged.layout`, which blocks of each KV
+holds and which entries a rank reads is in `kvd.integrations.paged.plans`, which blocks of each KV
 cache group move in `kvd.integrations.paged.groups` (both pure).
 
 - Producer: each rank that is the first holder of its KV heads (replicas of the same heads, and
@@ -42,7 +42,7 @@ from ...client.reshard import HeadSlice, ShardFetch, scatter_shards
 from ...errors import BadRequest, KvdError, LayoutMismatch, NotFound, PoolFull, Timeout
 from ...parallel.readers import is_primary
 from .groups import GroupRead, blocks_for, check_entry_blocks, group_reads, per_group
-from .layout import PagedKVLayout, ShardRead, SourceDeployment, check_source, plan_loads
+from .plans import PagedKVLayout, ShardRead, SourceDeployment, check_source, plan_loads
 from .specs import META_KEY, LoadSpec, SaveSpec, TransferResults, TransferStats, entry_key
 
 log = logging.getLogger("kvd.paged_kv")

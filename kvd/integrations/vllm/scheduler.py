@@ -27,13 +27,13 @@ from collections.abc import Sequence
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ...errors import LayoutMismatch
-from ..handshake import (ConnectorSettings, LocalDaemon, RemoteKV, RequestParams, local_daemon,
+from ..transfer_params import (ConnectorSettings, LocalDaemon, RemoteKV, RequestParams, local_daemon,
                          params_for_decoder)
 from ..paged.groups import FULL, KVGroup
 from ..paged.handoff import LoadSpec, SaveSpec, entry_key
-from ..paged.layout import SourceDeployment, release_keys
-from ..paged.tier import TierLoad, TierSave
-from .layout import deployment, kv_groups, model_kv_layout
+from ..paged.plans import SourceDeployment, release_keys
+from ..paged.tier_pages import TierLoad, TierSave
+from .engine_layout import deployment, kv_groups, model_kv_layout
 from .prefix import PrefixTier
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from typing import Any
 
 from ...client import Client
 from ...errors import BadRequest
-from ..paged.tier import TierLayout, parse_key
+from ..paged.tier_pages import TierLayout, parse_key
 
 log = logging.getLogger("kvd.vllm")
 

@@ -19,14 +19,14 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ...client.tensors import DTYPE_NAMES
-from ..handshake import ConnectorSettings
+from ..transfer_params import ConnectorSettings
 from ..paged.groups import FULL, MAMBA, KVGroup
 from ..paged.handoff import PagedKVLayout, PagedKVWorker
 from ..paged.specs import TransferResults
-from ..paged.tier import unusable
+from ..paged.tier_pages import unusable
 from ..paged.tier_worker import TierWorker
-from .layout import cache_layout, kv_groups, model_kv_layout, model_signature, quant_mode, tier_namespace, worker_ranks
-from .metrics import COUNTERS, KVDConnectorStats
+from .engine_layout import cache_layout, kv_groups, model_kv_layout, model_signature, quant_mode, tier_namespace, worker_ranks
+from .transfer_stats import COUNTERS, KVDConnectorStats
 from .scheduler import KVDConnectorMetadata
 
 if TYPE_CHECKING:

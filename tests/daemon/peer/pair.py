@@ -23,15 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvd.daemon.metrics import Metrics
-from kvd.daemon.peer.channel import Channel
-from kvd.daemon.peer.machine import Limits, Machine
+from kvd.daemon.transfer.channel import Channel
+from kvd.daemon.transfer.machine import Limits, Machine
 from kvd.daemon.peer.planeio import PlaneIO, on_plane
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import State, Store
 from kvd.errors import KvdError
 from kvd.memory.io import HostPoolIO
 from kvd.wire import protocol as p
-from kvd.daemon.peer.states import (
+from kvd.daemon.transfer.states import (
     Connected, EntryReady, Finished, Outbound, PostOp, ReceiverState, SenderState, Send, SendChunk, WaitForEntry,
     Written,
 )

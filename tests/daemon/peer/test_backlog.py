@@ -18,7 +18,7 @@ from kvd.daemon.peer.loopsocket import NOT_SENT, Sent
 from kvd.daemon.peer.owed import Backlog, kernel_written
 from kvd.daemon.peer.peers import PeerSet, PeerSettings
 from kvd.daemon.peer.router import MAX_ABORT_TEXT, Router, RouterChannel, RouterSettings, clip
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 from kvd.wire import protocol as p
 
 LEND = 1 << 20

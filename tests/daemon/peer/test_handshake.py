@@ -1,4 +1,4 @@
-"""kvd.daemon.peer.handshake: one link's handshake machine, driven by events alone (no socket, no
+"""kvd.daemon.peer.link_state: one link's handshake machine, driven by events alone (no socket, no
 loop; a hand-set clock), and its table read as data."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import collections
 
 import pytest
 
-from kvd.daemon.peer import handshake as hs
-from kvd.daemon.peer.handshake import (
+from kvd.daemon.peer import link_state as hs
+from kvd.daemon.peer.link_state import (
     DOWN_GRACE, REDIAL_INTERVAL, TABLE, Answered, Closed, Expired, Fail, Forgotten, Forward, Handshake, Heartbeat,
     Log, Lost, Redial, Refused, Resolve, Retrying, SendHello, SendPing, Silent, StartTimer, State, Wait,
 )
@@ -187,4 +187,4 @@ def test_protocol_md_prints_the_handshake_table_as_it_is():
     found = re.search(r"<!-- handshake table: begin[^>]*-->\n(.*?)\n<!-- handshake table: end -->", text, re.S)
     assert found, "proto/PROTOCOL.md has lost its handshake table markers"
     assert found.group(1) == hs.markdown(), \
-        "proto/PROTOCOL.md's handshake table is stale: paste the output of python -m kvd.daemon.peer.handshake"
+        "proto/PROTOCOL.md's handshake table is stale: paste the output of python -m kvd.daemon.peer.link_state"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from kvd.testing import free_port
+from kvd.testing.daemons import free_port
 
 
 def test_idle_links_to_ad_hoc_endpoints_are_closed():

@@ -1,4 +1,4 @@
-"""kvd.daemon.peer.machine on a plane, when a transfer fails (the harness of `pair.py`, its
+"""kvd.daemon.transfer.machine on a plane, when a transfer fails (the harness of `pair.py`, its
 in-memory plane and each side's `PlaneIO`): what a one-sided plane may still touch is never given to
 anyone else. A receiver's granted blocks stay parked until the sender says `released` (or restarts),
 a sender's leased ones until its own writes ended, a puller's until its reads ended, a holder's lent
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvd import errors
-from kvd.daemon.peer.states import (
+from kvd.daemon.transfer.states import (
     Cancel, ChannelLost, EntryReady, Published, ReceiverState, SenderState, Tick, WaitForEntry,
 )
 from kvd.daemon.store.entries import State

@@ -1,4 +1,4 @@
-"""kvd.daemon.peer.machine on a link with a one-sided plane (PROTOCOL.md 2.2b), without sockets: two
+"""kvd.daemon.transfer.machine on a link with a one-sided plane (PROTOCOL.md 2.2b), without sockets: two
 machines (`pair.py`) whose plane is the harness's in-memory one, each with the daemon's own plane
 I/O (`PlaneIO`) and its ledger. Bytes move between the two pools only as the test ends each
 operation, so every scenario says when they land. Here: what goes on the plane and what does not, and
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvd import errors
-from kvd.daemon.peer.states import (
+from kvd.daemon.transfer.states import (
     Commit, Connected, EntryReady, Progress, Published, ReceiverState, SenderState, WaitForEntry, Written,
 )
 from kvd.daemon.store.entries import State

@@ -1,4 +1,4 @@
-"""kvd.daemon.peer.table: the transfer table itself, read as data (no machine runs here), and its
+"""kvd.daemon.transfer.table: the transfer table itself, read as data (no machine runs here), and its
 printed form in proto/PROTOCOL.md."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvd.daemon.peer import table
-from kvd.daemon.peer.machine import Machine
-from kvd.daemon.peer.states import (
+from kvd.daemon.transfer import table
+from kvd.daemon.transfer.machine import Machine
+from kvd.daemon.transfer.states import (
     KIND_STATES, NONE, TERMINAL, Cancel, ChannelLost, Commit, R, S, Tick, Written,
 )
-from kvd.daemon.peer.table import RECEIVER_LIVE, SENDER_LIVE, TABLE
+from kvd.daemon.transfer.table import RECEIVER_LIVE, SENDER_LIVE, TABLE
 
 PROTOCOL = Path(__file__).resolve().parents[3] / "proto" / "PROTOCOL.md"
 BY_KEY: dict[tuple, list] = collections.defaultdict(list)
@@ -81,4 +81,4 @@ def test_protocol_md_shows_the_table_the_machine_walks():
     found = re.search(r"<!-- transfer table: begin[^>]*-->\n(.*?)<!-- transfer table: end -->", text, re.S)
     assert found, "proto/PROTOCOL.md has lost its transfer table markers"
     assert found.group(1) == table.markdown(), \
-        "proto/PROTOCOL.md's transfer table is stale: paste the output of python -m kvd.daemon.peer.table"
+        "proto/PROTOCOL.md's transfer table is stale: paste the output of python -m kvd.daemon.transfer.table"

@@ -8,7 +8,7 @@ import asyncio
 
 from kvd.daemon.config import Config
 from kvd.daemon.metrics import Metrics
-from kvd.daemon.peer.channel import Channel
+from kvd.daemon.transfer.channel import Channel
 from kvd.daemon.peer.transfers import Transfers, TransferSettings
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import State, Store

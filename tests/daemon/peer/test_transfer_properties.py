@@ -1,4 +1,4 @@
-"""kvd.daemon.peer.machine, at random: Hypothesis drives the two-machine pair (`pair.py`) with
+"""kvd.daemon.transfer.machine, at random: Hypothesis drives the two-machine pair (`pair.py`) with
 local puts (sealed, or streamed tensor by tensor), pushed at once, at their commit, or kept for
 a pull; pulls; served pulls' entries found by the watch (and told a turn later) or not; links
 that come up or fail; and, where faults are on, dropped messages, lost connections, time
@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvd import errors
-from kvd.daemon.peer.states import (
+from kvd.daemon.transfer.states import (
     Cancel, ChannelLost, Commit, ConnectFailed, Connected, EntryMissing, EntryReady, Finished, Inbound, Kind,
     Outbound, Published, Tick, WaitForEntry, Written,
 )

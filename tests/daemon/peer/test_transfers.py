@@ -1,4 +1,4 @@
-"""kvd.daemon.peer.machine: two transfer state machines driven against each other through
+"""kvd.daemon.transfer.machine: two transfer state machines driven against each other through
 in-memory channels (`pair.py`), with no sockets, no tasks and no subprocesses; each scenario
 is one the protocol names. test_transfer_properties.py drives the same pair at random, and
 test_table.py checks the table itself.
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from kvd import errors
-from kvd.daemon.peer.channel import Channel
-from kvd.daemon.peer.machine import EAGER_CHUNKS
-from kvd.daemon.peer.states import (
+from kvd.daemon.transfer.channel import Channel
+from kvd.daemon.transfer.machine import EAGER_CHUNKS
+from kvd.daemon.transfer.states import (
     Cancel, ChannelLost, Commit, ConnectFailed, Connected, Dropped, EntryMissing, EntryReady, Progress, Published,
     ReceiverState, Received, SenderState, Tick, WaitForEntry, Written,
 )

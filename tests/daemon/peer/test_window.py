@@ -1,4 +1,4 @@
-"""kvd.daemon.peer.window: the sender's window and the receiver's ledger, without sockets."""
+"""kvd.daemon.transfer.window: the sender's window and the receiver's ledger, without sockets."""
 from __future__ import annotations
 
 import random
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvd.errors import ProtocolError
 from kvd.wire.layout import chunk_ranges
-from kvd.daemon.peer.window import ReceiveLedger, SendWindow
+from kvd.daemon.transfer.window import ReceiveLedger, SendWindow
 
 # ---- SendWindow ---------------------------------------------------------------------------
 

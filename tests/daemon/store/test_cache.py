@@ -1,10 +1,10 @@
-"""The KV tier's bookkeeping (kvd.daemon.store.cache), pure: budget, LRU order, handoffs never
+"""The KV tier's bookkeeping (kvd.daemon.tier.page_store), pure: budget, LRU order, handoffs never
 evicted, no eviction under a live reader, namespaces isolated, batch semantics."""
 from __future__ import annotations
 
 import pytest
 
-from kvd.daemon.store.cache import MAX_BATCH, CacheStore, Page, SharedPool
+from kvd.daemon.tier.page_store import MAX_BATCH, CacheStore, Page, SharedPool
 from kvd.daemon.store.entries import State, Store
 from kvd.errors import BadRequest, PoolFull
 from kvd.wire.layout import TensorSpec

@@ -1,4 +1,4 @@
-"""The disk level's page header (kvd.daemon.store.disk_format), pure: every field round-trips, and a
+"""The disk level's page header (kvd.daemon.tier.disk.disk_format), pure: every field round-trips, and a
 header that is damaged, of another version, or of another page is refused, never misread."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from kvd.daemon.store.disk_format import (HEADER_SIZE, VERSION, BadPage, Header, check_is, decode, disk_bytes, encode,
+from kvd.daemon.tier.disk.disk_format import (HEADER_SIZE, VERSION, BadPage, Header, check_is, decode, disk_bytes, encode,
                                           namespace_dir, page_path)
 from kvd.wire.dtypes import DTYPE_ITEMSIZE
 

@@ -1,10 +1,10 @@
-"""The disk level's index (kvd.daemon.store.disk_index), pure: the budget is a hard cap on the files
+"""The disk level's index (kvd.daemon.tier.disk.disk_index), pure: the budget is a hard cap on the files
 (a deleted file counts until it is unlinked), least recently used first, no write before the scan,
 no new file of a key whose old one is not unlinked yet, clears and writes in flight."""
 from __future__ import annotations
 
-from kvd.daemon.store.disk_format import disk_bytes
-from kvd.daemon.store.disk_index import DiskIndex
+from kvd.daemon.tier.disk.disk_format import disk_bytes
+from kvd.daemon.tier.disk.disk_index import DiskIndex
 
 PAGE = 4096  # a page of 4 KiB takes 8 KiB on disk (its header, and its bytes)
 COST = disk_bytes(PAGE)

@@ -1,0 +1,315 @@
+"""Serving local clients (daemon process): put, get, streams, delete, stats, over the local socket.
+
+Handlers that can answer at once do so inside the socket callback; those that wait (for data
+to arrive, or on a peer) run as tasks this object owns, so one slow request never holds up
+another. Any exception becomes an Error reply carrying its wire code. Puts are `LocalPuts`'
+(put_side.py: a write's life is the machine in reservation.py); gets that wait are `Reads`'; a get from
+a source is one pull, shared by every get of the same entry (`SharedPulls`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from collections.abc import Callable
+
+from kvd.errors import BadRequest, KvdError, NotFound, ShuttingDown
+from kvd.wire import protocol as p
+
+from ..membership import Directory
+from .ledger import Hold, Holds
+from ..lifecycle import Lifecycle
+from .server import LocalServer, Use
+from ..metrics import Metrics
+from ..peer.transfers import Transfers
+from .shared_pulls import SharedPulls
+from .put_side import LocalPuts, PutSettings
+from .get_side import MAX_WAIT, ConnectionWaits, Reads, ReadSettings
+from ..store.entries import Entry, State, Store, validate_request_id
+from .watch import EntryWatch, ParkedGet
+
+log = logging.getLogger(__name__)
+
+MAX_NOTE = 512  # characters of a request id or error message kept for kvd status
+# what a draining daemon still takes: it finishes or undoes work already started (a stream's
+# next layers and its commit, a read's release, a delete), or only reads
+ALLOWED_WHILE_DRAINING = (p.PutPart, p.PutCommit, p.GetDone, p.Delete, p.Stats, p.Hello, p.ListEntries,
+                          p.ClusterNodes, p.ClusterLocate, p.CacheCommit, p.CacheRelease, p.CacheStats)
+
+
+@dataclass(frozen=True)
+class HelloInfo:
+    """What a client needs to map the pool, as hello_ok says it."""
+
+    node_id: str
+    incarnation: int
+    pool_path: str
+    pool_size: int
+    block_size: int
+    device: str
+    pool_handle: bytes | None
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """What the local handlers are told of the configuration (built from Config by the daemon)."""
+
+    hello: HelloInfo  # the node's facts: its id, the pool's size and blocks
+    lease_timeout: float  # a client must finish a put's or get's copy within this (--lease-timeout)
+    scratch_max: int  # puts up to this size take one round trip (--scratch-max); 0 = off
+
+    @property
+    def node_id(self) -> str:
+        return self.hello.node_id
+
+    def puts(self) -> PutSettings:
+        return PutSettings(self.node_id, self.hello.block_size, self.lease_timeout, self.scratch_max)
+
+    def reads(self) -> ReadSettings:
+        return ReadSettings(self.node_id, self.hello.block_size, self.lease_timeout)
+
+
+class LocalHandlers:
+    def __init__(self, settings: LocalSettings, store: Store, watch: EntryWatch, transfers: Transfers,
+                 metrics: Metrics, clients: LocalServer, lifecycle: Lifecycle, *, stats: Callable[[], dict],
+                 directory: Directory | None = None) -> None:
+        self.settings = settings
+        self.store = store
+        self.watch = watch
+        self.transfers = transfers
+        self.metrics = metrics
+        self.clients = clients
+        self.lifecycle = lifecycle
+        self.stats = stats
+        self.holds = Holds(store)
+        self.pulls = SharedPulls(transfers)
+        self.reads = Reads(settings.reads(), store, watch, self.pulls, directory, self._reply)
+        self.puts = LocalPuts(settings.puts(), store, watch, transfers, metrics, self.holds, clients.is_connected,
+                              self._reply, self._error)
+        self._tasks: set[asyncio.Task] = set()
+        self.waits = ConnectionWaits(watch, metrics)  # each connection's gets still waiting
+        clients.uses = self._uses  # (an idle connection may be evicted at --max-clients)
+        self.cache = None  # the KV tier's requests (tier/service.py), set by the daemon
+
+    async def close(self) -> None:
+        self.watch.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- messages in, replies out -------------------------------------------------------------------
+
+    def on_local_message(self, frames: list) -> None:
+        rid = frames[0]
+        try:
+            msg = p.decode(frames[1:])
+        except KvdError as exc:  # answered with the req the header's first keys give, when they do
+            self.metrics.report_undecodable("client", f"client {rid.decode()}", exc, log)
+            reply = self._error(None, exc)
+            reply.req = p.request_number(frames[1]) if len(frames) > 1 else 0
+            self._reply(rid, reply)
+            return
+        try:
+            if self.lifecycle.draining and not isinstance(msg, ALLOWED_WHILE_DRAINING):
+                raise ShuttingDown(f"daemon {self.settings.node_id} is shutting down")
+            if hasattr(msg, "request_id"):
+                validate_request_id(msg.request_id)
+            reply = self._handle(rid, msg)
+        except Exception as exc:
+            reply = self._error(msg, exc)
+        if reply is not None:
+            self._reply(rid, reply)
+
+    def _reply(self, rid: bytes, msg: p.Message) -> bool:
+        """Send msg to a client; False if that client has gone (a read lease meant for it goes back)."""
+        if not self.clients.is_connected(rid):
+            if isinstance(msg, p.GetSlots):  # a get that waited for its entry outlived its caller
+                self._return_lease(msg.token)
+            return False
+        if isinstance(msg, p.GetSlots):
+            self.holds.hold(rid, Hold(msg.token, self.store.lease_of(msg.token).request_id))
+        return self.clients.send(rid, msg)
+
+    def _error(self, msg: p.Message | None, exc: Exception) -> p.Error:
+        self.metrics.tally["errors"] += 1
+        kind = msg.TYPE if msg is not None else "undecodable"
+        if not isinstance(exc, KvdError):
+            log.exception("internal error handling %s", kind, exc_info=exc)
+        reply = p.error_reply(getattr(msg, "req", 0), exc, self.settings.node_id)
+        self.metrics.error(reply.code)
+        request_id = getattr(msg, "request_id", None)
+        self.metrics.recent_errors.append({  # (bounded: kvd status must stay small whatever a client sent)
+            "time": round(time.time(), 3), "request": kind, "code": reply.code, "message": reply.message[:MAX_NOTE],
+            "request_id": request_id[:MAX_NOTE] if isinstance(request_id, str) else None})
+        return reply
+
+    def _list_page(self, after: str | None, limit: int | None) -> list[dict]:
+        """Entries by request id after `after`, at most LIST_PAGE (one reply must fit a header:
+        the client library and `kvd ls` ask for the next page until one comes back short)."""
+        count = p.LIST_PAGE if limit is None else max(0, min(limit, p.LIST_PAGE))
+        ids = sorted(i for i in self.store.entries if after is None or i > after)[:count]
+        return [self.store.entries[i].describe() for i in ids]
+
+    def _later(self, rid: bytes, msg: p.Message, coro, waits: bool = False) -> None:
+        """Run a handler that waits (on a peer, or for data) without holding up other clients. A
+        waiting read (waits=True) ends with its client: nobody is left to answer (a get may wait an
+        hour, and a client that hangs up must not leave it behind)."""
+        if waits:
+            try:
+                self.waits.admit(rid)  # (at most so many per connection)
+            except BaseException:
+                coro.close()
+                raise
+
+        async def run() -> None:
+            try:
+                reply = await coro
+            except Exception as exc:
+                reply = self._error(msg, exc)
+            if waits:
+                self.waits.ended(rid, task)  # before the reply: the client's next call sees it ended
+            else:
+                self.holds.owe(rid, -1)
+            if reply is not None:
+                self._reply(rid, reply)
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"{msg.TYPE}-{getattr(msg, 'request_id', '')[:64]}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if waits:
+            self.waits.add(rid, task)
+            task.add_done_callback(lambda task: self.waits.ended(rid, task))  # (cancelled: its client left)
+        else:
+            self.holds.owe(rid, 1)
+
+    def _park(self, rid: bytes, msg: p.Get) -> None:
+        """A get that can only wait here waits in the entry watch, without a task."""
+        if msg.timeout == 0:
+            raise self.watch.not_here(msg.request_id)
+        self.waits.admit(rid)
+        self.waits.add(rid, self.watch.park(rid, msg, self._answer_parked))
+
+    def _answer_parked(self, parked: ParkedGet, found: Entry | KvdError) -> None:
+        self.waits.ended(parked.rid, parked)
+        try:
+            if isinstance(found, KvdError):
+                raise found
+            reply = self.reads.lease_for_client(parked.msg, found)
+        except Exception as exc:
+            reply = self._error(parked.msg, exc)
+        self._reply(parked.rid, reply)
+
+    def _uses(self, rid: bytes) -> Use:
+        """What the connection holds or waits for (it is not idle then, whatever its silence)."""
+        if self.holds.owed(rid) or self.holds.holds_any(rid) or (self.cache is not None and self.cache.in_use(rid)):
+            return Use.HOLDS
+        return Use.WAITS if self.waits.holds_any(rid) else Use.NOTHING
+
+    def _handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
+        if isinstance(msg, p.CACHE_REQUESTS) and self.cache is not None:
+            return self.cache.handle(rid, msg)
+        match msg:
+            case p.Hello():
+                h = self.settings.hello
+                return p.HelloOk(req=msg.req, node_id=h.node_id, incarnation=h.incarnation, pool_path=h.pool_path,
+                                 pool_size=h.pool_size, block_size=h.block_size, device=h.device,
+                                 pool_handle=h.pool_handle)
+            case p.PutAlloc():
+                return self.puts.alloc(rid, msg)
+            case p.PutPart():
+                return self.puts.part(rid, msg)
+            case p.PutCommit():
+                return self.puts.commit(rid, msg)
+            case p.Put():
+                return self.puts.in_scratch(rid, msg)
+            case p.GetStream():
+                self._later(rid, msg, self.reads.get_stream(rid, msg), waits=True)
+                return None
+            case p.Get():
+                if not 0 <= msg.timeout <= MAX_WAIT:
+                    raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
+                entry = self.store.ready(msg.request_id)
+                if entry is not None:
+                    return self.reads.lease_for_client(msg, entry)
+                if self.reads.waits_here(msg):
+                    self._park(rid, msg)
+                else:
+                    self._later(rid, msg, self.reads.get(rid, msg), waits=True)
+                return None
+            case p.GetDone():
+                return self._get_done(rid, msg)
+            case p.Delete() if msg.token is not None:  # a writer gives up its own reservation
+                return self.puts.abort(rid, msg)
+            case p.Delete():
+                entry = self.store.entries.get(msg.request_id)
+                if entry is None:
+                    return p.Ok(req=msg.req, value=False)
+                self.puts.remove(entry, NotFound(f"request {msg.request_id!r} was deleted on {self.settings.node_id}"))
+                return p.Ok(req=msg.req, value=True)
+            case p.Stats():
+                return p.Ok(req=msg.req, value=self.stats())
+            case p.ClusterNodes():
+                return p.Ok(req=msg.req, value=self.reads.directory().nodes())
+            case p.ClusterLocate():
+                self._later(rid, msg, self.reads.locate(msg))
+                return None
+            case p.ListEntries():
+                return p.Ok(req=msg.req, value=self._list_page(msg.after, msg.limit))
+            case _:
+                raise BadRequest(f"{msg.TYPE} is not a client request")
+
+    def on_client_gone(self, rid: bytes) -> None:
+        """A client hung up: its unfinished puts are dropped and its reads given back now, as
+        they would be at lease expiry; blocks parked for it are free at last."""
+        self.pulls.leave_all(rid)
+        if self.cache is not None:
+            self.cache.client_gone(rid)  # its tier reservations and pins
+        self.waits.drop(rid)  # every one of its waits, now
+        loans, holds = self.holds.gone(rid)
+        for token in loans:
+            self.store.return_scratch(token)
+        writes = reads = 0
+        for hold in holds:
+            if hold.writing:
+                writes += self.puts.writer_gone(hold)
+            else:
+                self._return_lease(hold.token)
+                reads += 1
+        if writes or reads:
+            log.warning("a client disconnected with %d unfinished put(s) and %d open read(s); giving them back",
+                        writes, reads)
+
+    # --- gets ---------------------------------------------------------------------------------------------
+
+    def _get_done(self, rid: bytes, msg: p.GetDone) -> p.Ok | None:
+        self.holds.read_hold(rid, msg.token)
+        self.holds.release(rid, msg.token)
+        lease = self.store.lease_of(msg.token)
+        claiming = lease is not None and lease.claiming
+        # (a lease that ran out was given back already: releasing it only unpins its blocks)
+        entry = self.store.release(msg.token, success=msg.consume)
+        if claiming and msg.consume:
+            self.metrics.duration.labels("local_get").observe(time.monotonic() - lease.started)
+            self.metrics.local_bytes.labels("out").inc(entry.total_bytes)
+        if msg.token in self.watch.stream_leases:
+            self.watch.drop_reader(msg.token)
+            if msg.consume and entry.state is State.WRITING:  # read before its writer committed: end the
+                # write as a delete would (its writer is told, its blocks go when it lets go of them)
+                self.puts.remove(entry, NotFound(f"request {entry.request_id!r} was consumed by a stream reader "
+                                                 "before its writer committed"))
+            elif msg.consume:
+                self.store.remove(entry)
+        if claiming and not msg.consume and entry is not None and not entry.removed:
+            self.watch.wake(entry.request_id)  # a claim given back: the next reader may have it now
+        self.metrics.tally["gets"] += 1
+        return p.Ok(req=msg.req) if msg.reply else None
+
+    def _return_lease(self, token: int) -> None:
+        """Give a client's read lease back now: the entry is readable again, waiters are woken."""
+        lease = self.store.lease_of(token)
+        if lease is None:
+            return
+        self.watch.drop_reader(token)
+        self.store.release(token, success=False)
+        self.watch.lease_expired(lease)

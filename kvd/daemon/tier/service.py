@@ -1,0 +1,375 @@
+"""The KV tier's requests from local clients (daemon process): cache_put/commit, cache_get/release,
+exists, clear, stats, events, answered at once from `page_store.py`; and its Prometheus families.
+
+Each batch is one request and one reply: a put reserves pool room for its new pages and says
+where to write them (the client copies, then commits the token); a get pins its hits and says
+where to read them (the client copies, then releases the token, without a reply). Tokens belong
+to the connection that got them: another connection cannot commit or release them, and a
+connection that hangs up gives back what it held (its uncommitted pages go, its pins end).
+A reservation's life is a handoff's: the machine in `local/reservation.py` (`LocalWrite`) decides it. One not
+committed within the lease timeout ends (its pages are unlisted, and its commit answers None), but
+its blocks stay parked until the writer commits, gives up or hangs up, since a writer that was only
+paused (GC, SIGSTOP, swap) still copies into them when it runs again: freed at once, they could be
+someone else's by then. A pin has no deadline either, since its reader may still be copying out (it
+ends with the reader's release or its disconnect).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvd.errors import BadRequest, NotFound, PeerUnavailable, Timeout
+from kvd.wire import protocol as p
+from kvd.wire.layout import physical_segments
+
+from ..logs import Throttle
+from .page_store import TOP_NAMESPACES, CacheStore, Page, check_batch
+from .homes import TIMEOUT as TIER_TIMEOUT
+from ..local.reservation import LocalWrite, WriteAction, WriteEvent
+
+log = logging.getLogger(__name__)
+
+MAX_LABEL = 64  # characters of a namespace shown as a metrics label (they are printable ASCII)
+
+
+class CacheService:
+    def __init__(self, store: CacheStore, block_size: int, lease_timeout: float) -> None:
+        self.store = store
+        self.block_size = block_size
+        self.lease_timeout = lease_timeout
+        self._owner: dict[int, bytes] = {}  # open token -> the connection it was given to
+        self._held: dict[bytes, set[int]] = {}  # connection -> its open tokens
+        self._writes: dict[int, LocalWrite] = {}  # open reservation token -> its write's life
+        self._deadlines: dict[int, float] = {}  # live reservation token -> commit deadline (monotonic)
+        self.expired = 0  # reservations whose lease ran out before their commit
+        self._throttle = Throttle()
+        # with a registry: pages homed elsewhere are sent there and asked of it (homes.py)
+        self.peers = None  # TierPeers
+        self.reply: Callable[[bytes, p.Message], bool] | None = None  # a late answer to a client
+        self._tasks: set[asyncio.Task] = set()
+        self.disk = None  # DiskTier (disk/level.py), with --cache-dir: what RAM misses may be on disk
+        self.media: Callable[[], dict] | None = None  # the figures by medium (disk/media.py)
+
+    def handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
+        store = self.store
+        match msg:
+            case p.CachePut():
+                token, results = store.reserve(msg.namespace, msg.keys, msg.pages)
+                if store.writing(token):
+                    self._own(rid, token)
+                    self._writes[token] = LocalWrite()
+                    self._deadlines[token] = time.monotonic() + self.lease_timeout
+                return p.CacheSlots(req=msg.req, token=token, slots=[self._slot(r) for r in results])
+            case p.CacheCommit():
+                if self._owner.get(msg.token) != rid:  # it ran out (or was never this connection's)
+                    return p.Ok(req=msg.req, value=None)
+                self._disown(rid, msg.token, "reservation")
+                self._deadlines.pop(msg.token, None)
+                write = self._writes.pop(msg.token)
+                action = write.step(WriteEvent.COMMIT if msg.ok else WriteEvent.ABORT)
+                if action is not WriteAction.PUBLISH:  # given up, or its lease ran out: the blocks go now
+                    dropped = store.commit(msg.token, ok=False)
+                    return p.Ok(req=msg.req, value=None if action is WriteAction.FAIL else dropped)
+                pages = store.pending(msg.token)
+                published = store.commit(msg.token)
+                if self.peers is not None and self.reply is not None:
+                    by_home = self._homes_of([page for page, ok in zip(pages, published, strict=True) if ok])
+                    if by_home:  # answered once the homes have them (or within the tier's deadline)
+                        self._later(self._commit_at_homes(rid, msg.req, published, by_home))
+                        return None
+                return p.Ok(req=msg.req, value=published)
+            case p.CacheGet() if (self.peers is not None or self.disk is not None) and self.reply is not None:
+                # (the hits stay pinned meanwhile: what the misses bring into RAM must not evict them)
+                pinned, found = store.lease(msg.namespace, msg.keys, msg.sizes, count=False)
+                misses = [i for i, page in enumerate(found) if page is None]
+                try:
+                    on_disk = self.disk.wanted(msg.namespace, msg.keys, msg.sizes, misses) if self.disk else []
+                    by_home = (self._remote(msg.namespace, msg.keys, sorted(set(misses) - set(on_disk)))
+                               if self.peers is not None else {})
+                except Exception:
+                    store.release(pinned)
+                    raise
+                if not by_home and not on_disk:
+                    store.release(pinned)
+                    return self._get(rid, msg)
+                self._later(self._get_from_homes(rid, msg, by_home, on_disk, pinned))
+                return None
+            case p.CacheExists() if (self.peers is not None or self.disk is not None) and self.reply is not None:
+                local = self._exists_here(msg.namespace, msg.keys)
+                if self.disk is not None and local < len(msg.keys) and self.disk.probing(msg.namespace):
+                    self._later(self._exists_probed(rid, msg, local))  # (the disk's scan is not over)
+                    return None
+                if self.peers is None:
+                    return p.Ok(req=msg.req, value=local)
+                by_home = self._remote(msg.namespace, msg.keys, range(local, len(msg.keys)))
+                if local == len(msg.keys) or not any(local in idx for idx in by_home.values()):
+                    return p.Ok(req=msg.req, value=local)
+                self._later(self._exists_at_homes(rid, msg, local, by_home))
+                return None
+            case p.CacheGet():
+                return self._get(rid, msg)
+            case p.CacheRelease():
+                if self._owner.get(msg.token) == rid:  # (fire and forget: a stale token is ignored)
+                    self._disown(rid, msg.token, "lease")
+                    store.release(msg.token)
+                return None
+            case p.CacheExists():
+                return p.Ok(req=msg.req, value=store.exists(msg.namespace, msg.keys))
+            case p.CacheClear():
+                check_batch(msg.namespace, [])
+                on_disk, cleared = 0, None
+                if self.disk is not None:  # (first: it counts the pages only the disk holds)
+                    on_disk, cleared = self.disk.clear(msg.namespace,
+                                                       lambda key: store.held_size(msg.namespace, key) is not None)
+                dropped = store.clear(msg.namespace) + on_disk
+                cluster = self.peers is not None and self.reply is not None and bool(self.peers.others())
+                if cluster or cleared is not None:  # answered once every node did, the disk's files gone for good
+                    self._later(self._clear_everywhere(rid, msg, dropped, cleared, cluster))
+                    return None
+                return p.Ok(req=msg.req, value=dropped)
+            case p.CacheEvents():
+                check_batch(msg.namespace, [])
+                return p.Ok(req=msg.req, value=store.events.read(msg.namespace, msg.epoch, msg.since))
+            case p.CacheStats():
+                stats = store.stats(msg.namespace)
+                if msg.namespace is None:
+                    stats["expired_writes"] = self.expired
+                    if self.peers is not None:  # the exchanges with other homes
+                        stats["cluster"] = dict(self.peers.counts)
+                    if self.media is not None:
+                        stats["media"] = self.media()
+                elif self.disk is not None:
+                    stats["disk"] = self.disk.namespace_stats(msg.namespace)
+                return p.Ok(req=msg.req, value=stats)
+        raise BadRequest(f"{msg.TYPE} is not a cache request")
+
+    def _get(self, rid: bytes, msg: p.CacheGet) -> p.CacheSlots:
+        token, found = self.store.lease(msg.namespace, msg.keys, msg.sizes)
+        for i, page in enumerate(found):  # a page held at another size: the caller's out is wrong, not a miss
+            if page is None and (held := self.store.held_size(msg.namespace, msg.keys[i])) not in (None, msg.sizes[i]):
+                self.store.release(token)
+                raise BadRequest(f"cache_get: page {msg.keys[i]!r} of namespace {msg.namespace!r} holds {held} bytes, "
+                                 f"and the out given for it has {msg.sizes[i]}: give an out of the page's size")
+        if any(page is not None for page in found):
+            self._own(rid, token)
+        return p.CacheSlots(req=msg.req, token=token,
+                            slots=[None if page is None else self._segments(page) for page in found])
+
+    # --- pages homed on other nodes ---------------------------------------------------------------------
+
+    def _remote(self, namespace: str, keys: list[str], indices) -> dict[str, list[int]]:
+        """Of these indices of keys, those whose home is another node, by home."""
+        indices = list(indices)
+        by_home = self.peers.remote(namespace, [keys[i] for i in indices])
+        return {home: [indices[j] for j in idx] for home, idx in by_home.items()}
+
+    def _homes_of(self, pages: list[Page]) -> dict[str, list[Page]]:
+        if not pages:
+            return {}
+        namespace = pages[0].namespace  # (one batch, one namespace)
+        return {home: [pages[i] for i in idx]
+                for home, idx in self.peers.remote(namespace, [page.key for page in pages]).items()}
+
+    async def _commit_at_homes(self, rid: bytes, req: int, published: list[bool], by_home: dict) -> None:
+        """The pages stay here too (a near copy): a home that missed them costs other nodes a miss."""
+        try:
+            await asyncio.gather(*(self.peers.store_at(home, pages[0].namespace, pages)
+                                   for home, pages in by_home.items()))
+        except Exception:  # (never: store_at says misses, not errors; the client is answered anyway)
+            log.exception("tier: storing pages at their homes failed")
+        self.reply(rid, p.Ok(req=req, value=published))
+
+    async def close(self) -> None:
+        """Shutting down: questions to other homes still in flight are called off (before the pool
+        they would write into goes; their clients are going too)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _later(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name="cache-at-home")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _clear_everywhere(self, rid: bytes, msg: p.CacheClear, dropped: int, disk=None,
+                                cluster: bool = True) -> None:
+        """cache_clear means the cluster: every node of the tier drops the namespace (near copies
+        and the pages it is home to) before the client hears that it is done. A node that does not
+        confirm within the tier's deadline may still serve old pages: the client gets an error
+        naming it, and a retry clears whatever is left. The disk level's files of the namespace are
+        gone for good (a restart does not bring them back) before the answer, too."""
+        try:
+            if disk is not None:
+                await asyncio.shield(disk)
+            elsewhere, missing = await self.peers.clear(msg.namespace) if cluster else (0, [])
+        except Exception as exc:  # (never from peers.clear: it says who did not answer; the disk may fail)
+            elsewhere, missing = 0, [f"{'the disk level' if disk is not None else 'the other nodes'} ({exc})"]
+        if missing:
+            reply: p.Message = p.error_reply(msg.req, PeerUnavailable(
+                f"cache_clear({msg.namespace!r}): cleared here and on the nodes that answered, but "
+                f"{', '.join(sorted(missing))} did not confirm within {TIER_TIMEOUT:g} s and may still serve the "
+                "namespace's old pages: call cache_clear again"), None)
+        else:
+            reply = p.Ok(req=msg.req, value=dropped + elsewhere)
+        self.reply(rid, reply)
+
+    async def _get_from_homes(self, rid: bytes, msg: p.CacheGet, by_home: dict[str, list[int]],
+                              on_disk: list[int] | None = None, pinned: int | None = None) -> None:
+        read_back: list = []
+        try:
+            read_back = await self.disk.load(msg.namespace, msg.keys, msg.sizes, on_disk) if on_disk else []
+            transit = set(await self.peers.fetch(msg.namespace, msg.keys, msg.sizes, by_home)) if by_home else set()
+            reply = self._get(rid, msg)
+            if transit:  # read once: they go as soon as this reader lets go of them
+                for page in [page for page in self.store.leased(reply.token) if page.key in transit]:
+                    self.store.drop(page)
+        except Exception as exc:
+            reply = p.error_reply(msg.req, exc, None)
+        finally:  # (the reader's lease holds what it found now)
+            if read_back:
+                self.disk.release(read_back)
+            if pinned is not None:
+                self.store.release(pinned)
+        if not self.reply(rid, reply) and isinstance(reply, p.CacheSlots) and self._owner.get(reply.token) == rid:
+            self._disown(rid, reply.token, "lease")  # its reader left meanwhile
+            self.store.release(reply.token)
+
+    async def _exists_at_homes(self, rid: bytes, msg: p.CacheExists, local: int, by_home: dict[str, list[int]]) -> None:
+        try:
+            held = await self.peers.held(msg.namespace, msg.keys, by_home)
+        except Exception:  # (as above: the client gets the local count)
+            log.exception("tier: asking the homes failed")
+            held = set()
+        count = local
+        while count < len(msg.keys) and (count in held or self._exists_here(msg.namespace, [msg.keys[count]])):
+            count += 1
+        self.reply(rid, p.Ok(req=msg.req, value=count))
+
+    async def _exists_probed(self, rid: bytes, msg: p.CacheExists, local: int) -> None:
+        """exists while the disk's start-up scan runs: the files it has not listed yet are asked by name."""
+        try:
+            count = local + await self.disk.probe(msg.namespace, msg.keys[local:],
+                                                  lambda key: self.store.exists(msg.namespace, [key]) == 1)
+        except Exception:  # (a disk that fails: what is known)
+            log.exception("tier: probing the disk failed")
+            count = local
+        by_home = self._remote(msg.namespace, msg.keys, range(count, len(msg.keys))) if self.peers else {}
+        if count < len(msg.keys) and any(count in idx for idx in by_home.values()):
+            await self._exists_at_homes(rid, msg, count, by_home)
+        else:
+            self.reply(rid, p.Ok(req=msg.req, value=count))
+
+    def _exists_here(self, namespace: str, keys: list[str]) -> int:
+        """How many keys, from the first, this node holds: in RAM or on its disk."""
+        count = self.store.exists(namespace, keys)
+        while self.disk is not None and count < len(keys) and (
+                self.disk.held(namespace, keys[count]) or self.store.exists(namespace, [keys[count]])):
+            count += 1
+        return count
+
+    def _slot(self, result: Page | bool) -> list | bool | None:
+        if result is True:
+            return True
+        return None if result is False else self._segments(result)
+
+    def _segments(self, page: Page) -> list:
+        extents = page.extents
+        if len(extents) == 1:  # (the common case: one run of blocks)
+            return [[extents[0][0] * self.block_size, page.nbytes]] if page.nbytes else []
+        return [list(s) for s in physical_segments(extents, self.block_size, 0, page.nbytes)]
+
+    def _own(self, rid: bytes, token: int) -> None:
+        self._owner[token] = rid
+        self._held.setdefault(rid, set()).add(token)
+
+    def _disown(self, rid: bytes, token: int, what: str) -> None:
+        if self._owner.get(token) != rid:
+            raise NotFound(f"no cache {what} {token} open on this connection (it ran out, or it was never "
+                           "this connection's)")
+        del self._owner[token]
+        held = self._held[rid]
+        held.discard(token)
+        if not held:
+            del self._held[rid]
+
+    def in_use(self, rid: bytes) -> bool:
+        return rid in self._held
+
+    def client_gone(self, rid: bytes) -> None:
+        """Its reservations are dropped, its pins end (it copies nothing any more)."""
+        for token in self._held.pop(rid, ()):
+            del self._owner[token]
+            self._deadlines.pop(token, None)
+            write = self._writes.pop(token, None)
+            if write is None:
+                self.store.release(token)
+            else:
+                write.step(WriteEvent.GONE)  # (DROP or FREE: either way, nobody copies into them now)
+                self.store.commit(token, ok=False)
+
+    def sweep(self, now: float) -> None:
+        """End the reservations whose writer did not commit in time: their pages are unlisted at
+        once, their blocks parked until the writer lets go (its commit answers None)."""
+        late = [token for token, deadline in self._deadlines.items() if deadline <= now]
+        for token in late:
+            del self._deadlines[token]
+            error = Timeout(f"the cache put was not committed within {self.lease_timeout:g} s (--lease-timeout)")
+            # (TELL: the writer is told by its commit's answer; it has no other request open to tell it on)
+            self._writes[token].step(WriteEvent.REMOVED, error)
+            self.store.expire(token)
+            self.expired += 1
+            if self._throttle.allow("expired"):  # (a client that never commits could fill the log)
+                    log.warning("a cache put was not committed within %gs (--lease-timeout): its pages are dropped, "
+                            "their blocks kept until its writer commits or disconnects (%d so far)",
+                            self.lease_timeout, self.expired)
+
+    def validate(self) -> None:
+        """For tests: every open reservation is its connection's, pinned in the store, live while it has a
+        deadline and ended once it has none."""
+        for token, write in self._writes.items():
+            assert token in self._owner and self.store.writing(token), f"reservation {token} is nobody's"
+            write.validate(pinned=True, removed=token not in self._deadlines)
+        assert set(self._deadlines) <= set(self._writes)
+
+
+def label(namespace: str) -> str:
+    return namespace if len(namespace) <= MAX_LABEL else namespace[:MAX_LABEL - 3] + "..."
+
+
+class CacheCollector(Collector):
+    """The tier's gauges and counters, read at scrape time; per namespace only the TOP_NAMESPACES
+    biggest (so the page stays bounded however many namespaces clients name)."""
+
+    def __init__(self, store: CacheStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator:
+        store = self.store
+        stats = store.stats()
+        yield GaugeMetricFamily("kvd_cache_budget_bytes", "KV tier budget (--cache-size)", value=stats["budget"])
+        yield GaugeMetricFamily("kvd_cache_used_bytes", "Pool bytes held by KV tier pages (whole blocks, parked "
+                                "ones included)", value=stats["used_bytes"])
+        yield GaugeMetricFamily("kvd_cache_parked_bytes", "Pool bytes of removed KV tier pages a reader still "
+                                "copies from, or a writer whose lease ran out still holds", value=stats["parked_bytes"])
+        top = sorted(store.namespaces(), key=lambda item: (-item[1].bytes, item[0]))[:TOP_NAMESPACES]
+        for name, help_text, kind in (
+                ("entries", "KV tier pages held", GaugeMetricFamily),
+                ("bytes", "KV tier page bytes held", GaugeMetricFamily),
+                ("hits", "KV tier keys found by cache_get", CounterMetricFamily),
+                ("misses", "KV tier keys not found by cache_get", CounterMetricFamily),
+                ("evictions", "KV tier pages evicted (budget full, or a handoff needed the room)", CounterMetricFamily),
+                ("stored", "KV tier pages stored", CounterMetricFamily),
+                ("refused", "KV tier pages refused (over the budget, or the pool full of handoffs)",
+                 CounterMetricFamily)):
+            yield kind(f"kvd_cache_{name}", help_text, value=stats[name])
+            if top:  # (separate families: a namespace may be called anything, "" and "*" included)
+                family = kind(f"kvd_cache_namespace_{name}", f"{help_text}, for the {TOP_NAMESPACES} namespaces "
+                              "holding the most bytes", labels=["namespace"])
+                for namespace, counts in top:
+                    family.add_metric([label(namespace)], getattr(counts, name))
+                yield family
