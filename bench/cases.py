@@ -155,14 +155,13 @@ def layer_streaming(a: DaemonProc, b: DaemonProc, layers: int, layer_bytes: int,
     consumer = threading.Thread(target=consume)
     consumer.start()
     written: list[float] = []
-    with a.client() as ca:
-        with ca.put_stream(request_id, dict(zip(names, data)), dest="B") as stream:
-            due = time.perf_counter()
-            for name, tensor in zip(names, data):
-                due += pace
-                time.sleep(max(0.0, due - time.perf_counter()))  # "computing" this layer
-                stream.write({name: tensor})
-                written.append(time.perf_counter())
+    with a.client() as ca, ca.put_stream(request_id, dict(zip(names, data)), dest="B") as stream:
+        due = time.perf_counter()
+        for name, tensor in zip(names, data):
+            due += pace
+            time.sleep(max(0.0, due - time.perf_counter()))  # "computing" this layer
+            stream.write({name: tensor})
+            written.append(time.perf_counter())
     consumer.join(60)
     if errors:
         raise errors[0]

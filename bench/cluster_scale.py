@@ -53,7 +53,13 @@ from kvd.testing.daemons import DaemonProc, _answers_hello, free_port
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import unix_path
 from tests.cluster.servers import (
-    EtcdServer, RedisServer, Server, find_etcd, find_redis, start_server, stop_server,
+    EtcdServer,
+    RedisServer,
+    Server,
+    find_etcd,
+    find_redis,
+    start_server,
+    stop_server,
 )
 
 from .measure import cpu_seconds, system_cpu

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -38,8 +38,22 @@ from kvd.testing.daemons import DaemonFactory, DaemonProc, free_port, wait_ready
 from . import baselines, peers
 from .measure import Sample, human, repeat
 from .plane_report import (
-    NIXL_PLANES, PLANES, PROGRESS, Cell, Cells, Check, Row, bare, duration_totals, goals, in_flight, matrix, per_run,
-    plane_rows, recorded_rows, regression_rows,
+    NIXL_PLANES,
+    PLANES,
+    PROGRESS,
+    Cell,
+    Cells,
+    Check,
+    Row,
+    bare,
+    duration_totals,
+    goals,
+    in_flight,
+    matrix,
+    per_run,
+    plane_rows,
+    recorded_rows,
+    regression_rows,
 )
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 256 << 20]

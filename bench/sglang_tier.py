@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from kvd.testing.sglang_pool import MHAHostPool
 from kvd.testing.daemons import DaemonFactory
+from kvd.testing.sglang_pool import MHAHostPool
 
 PAGE_TOKENS = 32
 LAYERS, HEADS, HEAD_DIM = 16, 2, 128  # 2 x 16 x 32 x 2 x 128 x 2 B = 512 KiB a page

@@ -200,14 +200,14 @@ def _worker(wid: int, sockets: dict[str, str], stop, seed: int, reports, pause, 
                 expected["PoolFull"] += 1  # back-pressure under load is allowed, never a hang
                 for c in clients.values():
                     c.delete(rid)
-            except Exception as exc:  # noqa: BLE001 (anything else is a finding)
+            except Exception as exc:
                 unexpected[f"{op}: {type(exc).__name__}"] += 1
                 if len(samples) < 10:
                     samples.append(f"{op} {rid}: {type(exc).__name__}: {exc}")
                 for c in clients.values():
                     try:
                         c.delete(rid)
-                    except Exception:  # noqa: BLE001
+                    except Exception:
                         pass
             if time.time() - last_report > REPORT_EVERY:
                 reports.put((wid, dict(ops), dict(expected), dict(unexpected), mismatches, samples, False))
@@ -237,9 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
     args = parser.parse_args(argv)
 
-    from kvd.testing.daemons import DaemonFactory
-
     import kvd
+    from kvd.testing.daemons import DaemonFactory
 
     duration = args.minutes * 60
     interval = 60.0 if args.minutes >= 4 else duration / 4

@@ -34,18 +34,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # build from a config only: never 
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import argparse  # noqa: E402
-import inspect  # noqa: E402
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import queue as queue_mod  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, replace  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import inspect
+import json
+import multiprocessing as mp
+import queue as queue_mod
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WORKER_TIMEOUT = 300.0

@@ -61,14 +61,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine on the CPU backend
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
 
 BLOCK_SIZE = 32  # the CPU backend wants a multiple of 32
 ENGINE_READY_TIMEOUT = 600.0

@@ -46,7 +46,7 @@ def disaggregated(body: dict, prefill: str, decode: str, decode_kvd: str | None,
 
 def make_handler(args: argparse.Namespace):
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        def do_POST(self) -> None:
             if self.path not in ("/v1/completions", "/v1/chat/completions"):
                 return self._reply(404, {"error": f"no route {self.path}"})
             try:

@@ -7,16 +7,44 @@
         kv = c.get("req-1")
 """
 from .errors import (
-    AlreadyExists, BadRequest, ChecksumMismatch, InternalError, KvdError, LayoutMismatch, NotFound,
-    PeerUnavailable, PoolFull, ProtocolError, ShuttingDown, Timeout, Unauthorized, VersionMismatch,
+    AlreadyExists,
+    BadRequest,
+    ChecksumMismatch,
+    InternalError,
+    KvdError,
+    LayoutMismatch,
+    NotFound,
+    PeerUnavailable,
+    PoolFull,
+    ProtocolError,
+    ShuttingDown,
+    Timeout,
+    Unauthorized,
+    VersionMismatch,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncClient", "Client", "KvdError", "NotFound", "PoolFull", "Timeout", "PeerUnavailable",
-    "ProtocolError", "BadRequest", "AlreadyExists", "ChecksumMismatch", "ShuttingDown",
-    "VersionMismatch", "LayoutMismatch", "Unauthorized", "InternalError", "Rows", "Parts", "__version__",
+    "AlreadyExists",
+    "AsyncClient",
+    "BadRequest",
+    "ChecksumMismatch",
+    "Client",
+    "InternalError",
+    "KvdError",
+    "LayoutMismatch",
+    "NotFound",
+    "Parts",
+    "PeerUnavailable",
+    "PoolFull",
+    "ProtocolError",
+    "Rows",
+    "ShuttingDown",
+    "Timeout",
+    "Unauthorized",
+    "VersionMismatch",
+    "__version__",
 ]
 
 

@@ -9,7 +9,13 @@ import time
 from collections.abc import Sequence
 
 from .daemon.config import (
-    FIELD_NAMES, config_default, load_config, parse_labels, parse_peers, shown_default, unknown_variables,
+    FIELD_NAMES,
+    config_default,
+    load_config,
+    parse_labels,
+    parse_peers,
+    shown_default,
+    unknown_variables,
 )
 
 PRECEDENCE = "Precedence: command-line flags > KVD_* environment variables > --config file > defaults."
@@ -223,9 +229,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         uvloop.run(daemon.run())
     except Exception as exc:
-        from .errors import KvdError
-
         import zmq
+
+        from .errors import KvdError
 
         if isinstance(exc, (KvdError, OSError, zmq.ZMQError)):
             logging.getLogger("kvd").error("cannot start: %s", exc)

@@ -10,16 +10,31 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from bench import connector_load as load
+from bench.connector_report import (
+    NOT_ON_CPU,
+    Pass,
+    Sample,
+    count_nixl_failures,
+    engine_deltas,
+    own_cpu,
+    parse_rows,
+    parse_sizes,
+    percentile,
+    schedule,
+    scrape_totals,
+    side_of,
+    skip_lines,
+    step_table,
+    summarize,
+    table,
+)
 from kvd.testing.daemons import eventually
-from bench.connector_report import (NOT_ON_CPU, Pass, Sample, count_nixl_failures, engine_deltas, parse_rows,
-                                    parse_sizes, own_cpu, percentile, schedule, scrape_totals, side_of, skip_lines,
-                                    step_table, summarize, table)
 
 
 def test_sizes_and_rows_parse_and_bad_ones_say_what_is_allowed():
@@ -181,7 +196,7 @@ class FakeEngine(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
         self.send_response(200)

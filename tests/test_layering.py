@@ -160,7 +160,11 @@ def test_no_import_circles():
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_module_is_over_450_lines(name):
-    lines = len(MODULES[name].read_text().splitlines())
+    source = MODULES[name].read_text()
+    # an import wrapped one name a line (isort's only wrapping) counts as one line
+    wrapped = sum(node.end_lineno - node.lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, (ast.Import, ast.ImportFrom)) and node.end_lineno)
+    lines = len(source.splitlines()) - wrapped
     assert lines <= MAX_LINES, f"{name} has {lines} lines (at most {MAX_LINES}: split it along a seam)"
 
 

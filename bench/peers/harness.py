@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any, TextIO
-from collections.abc import Callable
 
 import numpy as np
 
@@ -167,7 +167,7 @@ def main(case: str, engine: str, version: str, serve: Serve, connect: Connect) -
         return 0
     except PeerError as exc:
         send(channel, {**head, "error": str(exc), "install": exc.install})
-    except Exception as exc:  # noqa: BLE001 - any engine failure becomes a reported line
+    except Exception as exc:
         traceback.print_exc()
         send(channel, {**head, "error": f"{type(exc).__name__}: {exc}", "install": ""})
     return 1

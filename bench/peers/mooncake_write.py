@@ -7,11 +7,10 @@ the engine exchanges the segment description on the first write. Prints one JSON
 from __future__ import annotations
 
 import sys
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-
 from harness import PeerError, main, package_version
 
 PACKAGE = "mooncake-transfer-engine-non-cuda"

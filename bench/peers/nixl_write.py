@@ -25,11 +25,10 @@ import base64
 import importlib
 import os
 import sys
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-
 from harness import PeerError, main, package_version
 
 os.environ.setdefault("UCX_TLS", "tcp")  # before nixl loads UCX; the target inherits it

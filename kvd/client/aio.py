@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from kvd.errors import KvdError, ProtocolError, Timeout, error_from_code
 from kvd.wire import protocol as p
 
+from .blocks import get_blocks, put_blocks
+from .cache import Parts, cache_exists, cache_get, cache_put
 from .connection import StreamConnection, peer_port_error
 from .core import CONNECT_TIMEOUT, REPLY_GRACE, _ClientCore
 from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed
-from .blocks import get_blocks, put_blocks
-from .cache import Parts, cache_exists, cache_get, cache_put
 from .streaming import StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream
 
 log = logging.getLogger(__name__)

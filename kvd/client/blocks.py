@@ -9,8 +9,8 @@ the consumer's own block ids with one `index_copy_` per tensor. Operations are g
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 

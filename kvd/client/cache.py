@@ -13,9 +13,9 @@ kind of parts: each part is copied once each way, with no staging tensor.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ def _checked_slot(core: Any, slot, nbytes: int) -> list[tuple[int, int]]:
     except (TypeError, ValueError):
         raise ProtocolError(f"cache slot is not a list of [offset, length]: {str(slot)[:80]}") from None
     pool_size = core.info.pool_size
-    if sum(n for _, n in segments) != nbytes or not all(0 <= off and 0 < n and off + n <= pool_size
+    if sum(n for _, n in segments) != nbytes or not all(off >= 0 and n > 0 and off + n <= pool_size
                                                         for off, n in segments):
         raise ProtocolError(f"cache slot {str(slot)[:80]} does not hold a page of {nbytes} bytes inside the pool")
     return segments

@@ -13,8 +13,8 @@ import os
 import select
 import socket
 import struct
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 from kvd.errors import KvdError, ProtocolError, Timeout, Unauthorized, error_from_code
 from kvd.wire import protocol as p

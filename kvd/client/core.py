@@ -13,8 +13,8 @@ import collections
 import itertools
 import logging
 import os
-from typing import Any
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgpack
 import torch
@@ -24,7 +24,13 @@ from kvd.memory.host import map_pool
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import default_socket, unix_path
 from kvd.wire.layout import (
-    Extent, Segment, TensorSpec, blocks_needed, physical_segments, tensor_offsets, validate_specs,
+    Extent,
+    Segment,
+    TensorSpec,
+    blocks_needed,
+    physical_segments,
+    tensor_offsets,
+    validate_specs,
 )
 
 from .cache import give_back
@@ -271,7 +277,7 @@ class _ClientCore:
         except (TypeError, ValueError):
             return
         pool_blocks = self.info.pool_size // self.info.block_size
-        if all(0 <= first and 0 < count and first + count <= pool_blocks for first, count in extents):
+        if all(first >= 0 and count > 0 and first + count <= pool_blocks for first, count in extents):
             self._scratch.append((reply.scratch, extents, sum(count for _, count in extents)))
 
     def _get(self, request_id: str, source: str | None, timeout: float, out: Mapping[str, torch.Tensor] | None,

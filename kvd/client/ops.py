@@ -9,9 +9,9 @@ caller's thread (`sync.py`) and `AsyncClient` on the event loop (`aio.py`).
 """
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Generator
 
 from kvd.wire import protocol as p
 

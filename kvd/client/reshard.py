@@ -32,12 +32,11 @@ import torch
 
 from kvd.errors import AlreadyExists, BadRequest, LayoutMismatch
 from kvd.parallel.kv_layout import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
-
 from kvd.wire import protocol as proto
 from kvd.wire.layout import TensorSpec
 
-from .ops import NO_REPLY, Operation, Receive
 from .blocks import block_index, scatter_rows
+from .ops import NO_REPLY, Operation, Receive
 from .tensors import DTYPE_NAMES, TORCH_DTYPES, as_tensor, copy_out
 
 if TYPE_CHECKING:
@@ -341,8 +340,8 @@ def _check_slice(key: str, piece: HeadSlice, spec: TensorSpec, rows: tuple[int, 
     src, dst = list(spec.shape[1:]), list(cache.shape[1:])
     if piece.heads is not None:
         axis = head_axis % cache.dim() - 1
-        if not (0 <= axis < len(src) and piece.heads > 0 and 0 <= piece.src_head
-                and piece.src_head + piece.heads <= src[axis] and 0 <= piece.dst_head
+        if not (0 <= axis < len(src) and piece.heads > 0 and piece.src_head >= 0
+                and piece.src_head + piece.heads <= src[axis] and piece.dst_head >= 0
                 and piece.dst_head + piece.heads <= dst[axis]):
             raise LayoutMismatch(f"{where}: heads [{piece.src_head}, +{piece.heads}) -> [{piece.dst_head}, "
                                  f"+{piece.heads}) do not fit {src} -> {dst} on axis {head_axis}")

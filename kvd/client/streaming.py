@@ -7,8 +7,8 @@ become complete. The operations are generators (no I/O), driven by Client/AsyncC
 """
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -16,9 +16,10 @@ from kvd.errors import BadRequest
 from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec, validate_specs
 
-from .ops import NO_REPLY, WAIT_FOREVER, Emit, Receive
 from .blocks import Rows, block_index, gather_rows
+from .ops import NO_REPLY, WAIT_FOREVER, Emit, Receive
 from .tensors import DTYPE_NAMES, as_tensor, copy_in, copy_out
+
 
 def specs_from(layout: Mapping[str, Any]) -> list[TensorSpec]:
     """{name: tensor (a 'meta' tensor is fine) or (shape, dtype)} -> tensor specs."""

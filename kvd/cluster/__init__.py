@@ -14,20 +14,54 @@ skips (what a backend skips as it reads, counted and logged), url (URLs, credent
 backend factory), member (the daemon side), registry (the router side).
 """
 from .backends.backend import (
-    Added, Backend, Conflict, NodeEvent, Publish, Registered, RegistryRefused, RegistryUnavailable, Removed,
-    Resync, Session, SessionLost, Unpublish,
+    Added,
+    Backend,
+    Conflict,
+    NodeEvent,
+    Publish,
+    Registered,
+    RegistryRefused,
+    RegistryUnavailable,
+    Removed,
+    Resync,
+    Session,
+    SessionLost,
+    Unpublish,
 )
 from .candidates import Candidate, order_candidates
-from .outbox import Outbox
 from .health import Breaker, Membership
 from .member import ClusterMember
+from .outbox import Outbox
 from .records import HolderRecord, NodeRecord, RecordError, rid_key
 from .registry import Registry
 from .url import RegistryURL, open_backend, parse_url
 
 __all__ = [
-    "Added", "Backend", "Breaker", "Candidate", "ClusterMember", "Conflict", "HolderRecord", "Membership",
-    "NodeEvent", "NodeRecord", "Outbox", "Publish", "RecordError", "Registered", "Registry", "RegistryURL",
-    "RegistryRefused", "RegistryUnavailable", "Removed", "Resync", "Session", "SessionLost", "Unpublish",
-    "open_backend", "order_candidates", "parse_url", "rid_key",
+    "Added",
+    "Backend",
+    "Breaker",
+    "Candidate",
+    "ClusterMember",
+    "Conflict",
+    "HolderRecord",
+    "Membership",
+    "NodeEvent",
+    "NodeRecord",
+    "Outbox",
+    "Publish",
+    "RecordError",
+    "Registered",
+    "Registry",
+    "RegistryRefused",
+    "RegistryURL",
+    "RegistryUnavailable",
+    "Removed",
+    "Resync",
+    "Session",
+    "SessionLost",
+    "Unpublish",
+    "open_backend",
+    "order_candidates",
+    "parse_url",
+    "rid_key",
 ]

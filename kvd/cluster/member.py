@@ -20,11 +20,20 @@ from typing import Any
 from kvd.trust import NodeCert
 
 from .backends.backend import (
-    Added, Backend, Conflict, NodeEvent, RegistryRefused, RegistryUnavailable, Removed, Resync, Session, SessionLost,
+    Added,
+    Backend,
+    Conflict,
+    NodeEvent,
+    RegistryRefused,
+    RegistryUnavailable,
+    Removed,
+    Resync,
+    Session,
+    SessionLost,
 )
 from .candidates import Candidate, order_candidates
-from .outbox import BATCH_OPS, OUTBOX_LIMIT, Outbox
 from .health import Backoff, Breaker, Membership
+from .outbox import BATCH_OPS, OUTBOX_LIMIT, Outbox
 from .records import HolderRecord, NodeRecord
 from .signing import RecordSigner, RecordVerifier
 

@@ -11,9 +11,9 @@ import os
 import re
 import socket
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Mapping
 
 from kvd.units import parse_duration, parse_size
 from kvd.wire.checksum import ALGORITHMS

@@ -29,29 +29,29 @@ from kvd.wire.endpoints import tcp_address, unix_path
 
 from .config import Config
 from .exposure import check_exposure, warn_exposure
-from .membership import Directory, RegistrySettings
-from .local.handlers import HelloInfo, LocalHandlers, LocalSettings
 from .http import HttpEndpoint
 from .lifecycle import Lifecycle
+from .local.handlers import HelloInfo, LocalHandlers, LocalSettings
 from .local.server import LocalServer
+from .local.watch import EntryWatch
+from .membership import Directory, RegistrySettings
 from .metrics import Metrics
 from .peer.auth import load_keys, start_authenticator
-from .plane.negotiation import PlaneHandshake
-from .plane.nixl import start_plane
-from .plane.poller import PlaneOps
 from .peer.peers import PeerSet, PeerSettings
 from .peer.router import Router, RouterSettings
 from .peer.transfers import Transfers, TransferSettings
+from .plane.negotiation import PlaneHandshake
+from .plane.nixl import start_plane
+from .plane.poller import PlaneOps
 from .socket_path import claim_socket_path
 from .status import Status, StatusSettings
-from .tier.service import CacheCollector, CacheService
-from .tier.disk.media import Media
-from .tier.disk.level import claim_disk, disk_tier_for
-from .tier.page_store import CacheStore, SharedPool
-from .tier.homes import tier_peers_for
 from .store.entries import Entry, Store
 from .systemd import Notifier
-from .local.watch import EntryWatch
+from .tier.disk.level import claim_disk, disk_tier_for
+from .tier.disk.media import Media
+from .tier.homes import tier_peers_for
+from .tier.page_store import CacheStore, SharedPool
+from .tier.service import CacheCollector, CacheService
 
 log = logging.getLogger(__name__)
 

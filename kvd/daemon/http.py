@@ -31,8 +31,8 @@ import socket
 import struct
 import time
 import urllib.parse
-from typing import Protocol
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from kvd.errors import KvdError
 
@@ -83,7 +83,7 @@ class ClusterView(Protocol):
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "since", "buf", "out", "reading", "writing", "timer", "task")
+    __slots__ = ("buf", "fd", "out", "reading", "since", "sock", "task", "timer", "writing")
 
     def __init__(self, sock: socket.socket, now: float) -> None:
         self.sock, self.fd, self.since = sock, sock.fileno(), now

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from kvd.cluster import Candidate, ClusterMember, HolderRecord, NodeRecord, open_backend
 from kvd.cluster.signing import RecordSigner, RecordVerifier
@@ -20,8 +21,6 @@ from kvd.cluster.url import redact
 from kvd.errors import BadRequest, PeerUnavailable
 from kvd.wire.endpoints import is_loopback_endpoint
 from kvd.wire.protocol import PROTOCOL_VERSION
-
-from dataclasses import dataclass
 
 from .config import Config
 from .logs import Throttle

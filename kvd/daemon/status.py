@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from dataclasses import dataclass
-
 from .config import Config
-from .membership import Directory
 from .lifecycle import Lifecycle
 from .local.server import LocalServer
+from .membership import Directory
 from .metrics import OTHER, Metrics
 from .peer.peers import PeerSet
 from .peer.transfers import Transfers

@@ -16,9 +16,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .kv_layout import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
 from .ranks import GROUP_KINDS, GroupKind, RankLayout, rank_layout
 from .readers import is_primary, primary_shards, read_plans, readers
-from .kv_layout import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
 
 _LAZY = {
     "ParallelGroup": "group",

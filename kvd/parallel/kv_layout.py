@@ -25,8 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..wire.dtypes import itemsize
 from ..errors import BadRequest, LayoutMismatch
+from ..wire.dtypes import itemsize
 
 if TYPE_CHECKING:
     import torch
@@ -319,7 +319,7 @@ def assemble(dst: KVLayout, pieces_with_tensors: Iterable[tuple[ShardPiece, Sequ
 def _claim(covered: bytearray, piece: ShardPiece, n_layers: int, n_heads: int) -> None:
     rows = range(piece.dst_layer_offset, piece.dst_layer_offset + piece.num_layers)
     cols = range(piece.dst_head_offset, piece.dst_head_offset + piece.num_heads)
-    if not (rows and cols and 0 <= rows[0] and rows[-1] < n_layers and 0 <= cols[0] and cols[-1] < n_heads):
+    if not (rows and cols and rows[0] >= 0 and rows[-1] < n_layers and cols[0] >= 0 and cols[-1] < n_heads):
         raise BadRequest(f"{piece} falls outside the destination shard ({n_layers} layers x {n_heads} heads)")
     for row in rows:
         for col in cols:

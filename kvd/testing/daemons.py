@@ -18,7 +18,6 @@ from pathlib import Path
 
 from ..wire.endpoints import unix_path
 
-
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _handed_out: set[int] = set()
 _pick = random.SystemRandom()  # not the seeded `random`: two test processes must not draw the same ports
@@ -195,8 +194,8 @@ def raw_connection(endpoint: str, timeout: float = 5.0):
 
 
 def _answers_hello(endpoint: str) -> bool:
-    from ..wire import protocol as p
     from ..errors import KvdError
+    from ..wire import protocol as p
 
     try:
         conn = raw_connection(endpoint, 0.5)

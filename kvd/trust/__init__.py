@@ -11,7 +11,14 @@ the deny list).
 """
 from .certs import Authority, CertError, NodeCert, NodeSigner, issue
 from .files import (
-    NodeKeys, load_ca_public, load_ca_secret, load_cert, load_deny, load_node_keys, write_ca, write_cert,
+    NodeKeys,
+    load_ca_public,
+    load_ca_secret,
+    load_cert,
+    load_deny,
+    load_node_keys,
+    write_ca,
+    write_cert,
     write_node_keys,
 )
 

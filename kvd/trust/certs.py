@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgpack
-from nacl.exceptions import BadSignatureError, ValueError as NaclValueError
+from nacl.exceptions import BadSignatureError
+from nacl.exceptions import ValueError as NaclValueError
 from nacl.signing import SigningKey, VerifyKey
 
 from kvd.errors import Unauthorized

@@ -14,11 +14,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .certs import issue
 from kvd.errors import BadRequest
 
+from .certs import issue
 from .files import (
-    NodeKeys, load_ca_public, load_ca_secret, load_node_keys, refuse_existing, write_ca, write_cert, write_node_keys,
+    NodeKeys,
+    load_ca_public,
+    load_ca_secret,
+    load_node_keys,
+    refuse_existing,
+    write_ca,
+    write_cert,
+    write_node_keys,
 )
 
 DEFAULT_VALIDITY = 30 * 86400.0  # seconds: short enough that an expiry revokes, long enough to renew calmly

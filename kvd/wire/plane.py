@@ -49,4 +49,4 @@ class Released(Message):
 
 PLANE_MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (Grant, Placed, Released)}
 
-__all__ = ['Grant', 'Placed', 'Released', 'PLANE_MESSAGES']
+__all__ = ['PLANE_MESSAGES', 'Grant', 'Placed', 'Released']

@@ -35,10 +35,10 @@ UNPACK_LIMITS = dict(
 Frame = bytes | bytearray | memoryview
 from .messages import *  # noqa: E402,F403  (every message type, as p.Hello, p.Chunk, ...)
 from .messages import MESSAGE_TYPES, Chunk, Error, Message, Offer  # noqa: E402
-from .tier_messages import *  # noqa: E402,F403  (the KV tier's messages, as p.CachePut, ...)
-from .tier_messages import TIER_MESSAGES  # noqa: E402
 from .plane import *  # noqa: E402,F403  (a one-sided plane's transfer messages, as p.Grant, ...)
 from .plane import PLANE_MESSAGES  # noqa: E402
+from .tier_messages import *  # noqa: E402,F403  (the KV tier's messages, as p.CachePut, ...)
+from .tier_messages import TIER_MESSAGES  # noqa: E402
 
 MESSAGE_TYPES = {**MESSAGE_TYPES, **TIER_MESSAGES, **PLANE_MESSAGES}
 

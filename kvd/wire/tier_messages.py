@@ -180,7 +180,24 @@ class TierCleared(Message):
 TIER_PEER = (TierStore, TierFetch, TierPages, TierAsk, TierHeld, TierClear, TierCleared)
 TIER_MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (*CACHE_REQUESTS, CacheSlots, *TIER_PEER)}
 
-__all__ = ['CachePut', 'CacheSlots', 'CacheCommit', 'CacheGet', 'CacheRelease', 'CacheExists', 'CacheClear',
-           'CacheStats', 'CacheEvents', 'CACHE_REQUESTS',
-           'TIER_MESSAGES', 'TierStore', 'TierFetch', 'TierPages', 'TierAsk',
-           'TierHeld', 'TierClear', 'TierCleared', 'TIER_PEER']
+__all__ = [
+    'CACHE_REQUESTS',
+    'TIER_MESSAGES',
+    'TIER_PEER',
+    'CacheClear',
+    'CacheCommit',
+    'CacheEvents',
+    'CacheExists',
+    'CacheGet',
+    'CachePut',
+    'CacheRelease',
+    'CacheSlots',
+    'CacheStats',
+    'TierAsk',
+    'TierClear',
+    'TierCleared',
+    'TierFetch',
+    'TierHeld',
+    'TierPages',
+    'TierStore',
+]

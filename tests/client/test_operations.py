@@ -7,8 +7,8 @@ import torch
 
 from kvd.client.core import ConnectionLost, _ClientCore
 from kvd.client.ops import NO_REPLY, Emit, Receive
-from kvd.client.tensors import DTYPE_NAMES
 from kvd.client.streaming import StreamState, abort_stream, commit_stream, open_stream, read_stream, write_stream
+from kvd.client.tensors import DTYPE_NAMES
 from kvd.errors import BadRequest, KvdError, NotFound, ProtocolError
 from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec, physical_segments

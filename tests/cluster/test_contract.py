@@ -7,7 +7,15 @@ import time
 import pytest
 
 from kvd.cluster.backends.backend import (
-    Added, Conflict, Publish, Registered, RegistryUnavailable, Removed, Resync, SessionLost, Unpublish,
+    Added,
+    Conflict,
+    Publish,
+    Registered,
+    RegistryUnavailable,
+    Removed,
+    Resync,
+    SessionLost,
+    Unpublish,
 )
 from kvd.cluster.records import HolderRecord, NodeRecord
 

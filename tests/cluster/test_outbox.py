@@ -5,8 +5,8 @@ import pytest
 
 from kvd.cluster.backends.backend import Publish, Unpublish
 from kvd.cluster.candidates import order_candidates
-from kvd.cluster.outbox import Outbox
 from kvd.cluster.health import CONFLICT, REGISTERED, UNREGISTERED, Breaker, Membership
+from kvd.cluster.outbox import Outbox
 from kvd.cluster.records import HolderRecord, NodeRecord
 
 

@@ -6,8 +6,16 @@ import json
 import pytest
 
 from kvd.cluster.records import (
-    EtcdKeys, HolderRecord, NodeRecord, RecordError, RedisKeys, decode_holder, decode_node, encode_holder,
-    encode_node, rid_key,
+    EtcdKeys,
+    HolderRecord,
+    NodeRecord,
+    RecordError,
+    RedisKeys,
+    decode_holder,
+    decode_node,
+    encode_holder,
+    encode_node,
+    rid_key,
 )
 from kvd.errors import KvdError, ProtocolError
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 from kvd.daemon.config import Config
 from kvd.daemon.daemon import Daemon

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from kvd.daemon.local.reservation import WriteState
 from kvd.errors import BadRequest, NotFound, ShuttingDown, Timeout
 from kvd.wire import protocol as p
 from kvd.wire.framing import encode_message
 from kvd.wire.layout import physical_segments
-from kvd.daemon.local.reservation import WriteState
 
 from .inprocess import Conn, Node, run, tensor, until
 

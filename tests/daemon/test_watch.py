@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from kvd.daemon.local.server import LocalServer
+from kvd.daemon.local.watch import EntryWatch
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import State, Store
-from kvd.daemon.local.watch import EntryWatch
 from kvd.errors import NotFound, Timeout
 from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec

@@ -16,9 +16,9 @@ from kvd.daemon.tier.page_store import NAMESPACE_RE
 from kvd.errors import BadRequest, PeerUnavailable
 from kvd.integrations.sglang import naming
 from kvd.integrations.sglang.guard import Guard
-from kvd.testing.sglang_pool import LAYOUTS, MHAHostPool
 from kvd.integrations.sglang.pages import HostPages
 from kvd.integrations.sglang.settings import Settings
+from kvd.testing.sglang_pool import LAYOUTS, MHAHostPool
 
 EXTRA = {"backend_name": "kvd", "module_path": "kvd.integrations.sglang", "class_name": "KvdHiCacheStorage",
          "interface_v1": 1}

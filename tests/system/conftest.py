@@ -7,7 +7,6 @@ import pytest
 
 from kvd.testing.daemons import DaemonFactory
 
-
 # The transfer suite runs on both data planes: a module that sets BOTH_PLANES = True gets each of its
 # tests twice, its daemons on ZeroMQ's frames and on NIXL (every entry on the plane, however small).
 PLANES = {

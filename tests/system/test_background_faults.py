@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import kvd
-from kvd.wire import protocol as p
 from kvd.testing.daemons import DaemonProc, eventually, free_port, raw_connection, wait_ready
+from kvd.wire import protocol as p
 
 from .relay import PausingRelay
 
@@ -63,7 +63,7 @@ class BackgroundLoad(threading.Thread):
                     if not torch.equal(got, data):
                         self.mismatches += 1
                     self.ops += 1
-                except Exception as exc:  # noqa: BLE001 (any failure of a healthy operation counts)
+                except Exception as exc:
                     self.errors.append(f"{'push' if push else 'local'} {rid}: {type(exc).__name__}: {exc}")
                 i += 1
         finally:

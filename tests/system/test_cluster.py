@@ -423,7 +423,6 @@ def test_a_node_with_curve_on_publishes_its_public_key(cluster, tmp_path):
     import asyncio
 
     from kvd.cluster import Registry
-
     from tests.system.test_security import keygen
 
     allow = tmp_path / "allow"

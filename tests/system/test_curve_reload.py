@@ -53,9 +53,8 @@ def test_sighup_reloads_the_allow_list(daemons, keys):
     c = start(daemons, "C", keys, pc, {"A": pa})  # C's key is not in A's allow list yet
     wait_ready(a)
     shutil.copy(made["C"][0], root / "allow-C" / "C.key")  # (C dials A with A's key: that it has)
-    with c.client() as cc:
-        with pytest.raises(kvd.Unauthorized):
-            cc.put("knock", {"x": torch.ones(1)}, dest="A")
+    with c.client() as cc, pytest.raises(kvd.Unauthorized):
+        cc.put("knock", {"x": torch.ones(1)}, dest="A")
     shutil.copy(made["C"][0], root / "allow-A" / "C.key")  # the operator adds the new node...
     a.proc.send_signal(signal.SIGHUP)  # ...and reloads, without a restart
     eventually(lambda: "CURVE keys reloaded: 1 key(s) added" in a.log(), timeout=5)
@@ -118,9 +117,8 @@ def test_a_peer_taken_out_of_the_allow_list_is_cut_under_a_ca_too(daemons, tmp_p
     (tmp_path / "ca-allow-A" / f"C.{kind}").unlink()
     a.proc.send_signal(signal.SIGHUP)
     eventually(lambda: "SIGHUP: configuration reloaded" in a.log(), timeout=5)
-    with c.client() as cc:
-        with pytest.raises((kvd.Unauthorized, kvd.PeerUnavailable)):
-            cc.put("after-revocation", {"x": torch.ones(1)}, dest="A")
+    with c.client() as cc, pytest.raises((kvd.Unauthorized, kvd.PeerUnavailable)):
+        cc.put("after-revocation", {"x": torch.ones(1)}, dest="A")
     with a.client() as ca_client:
         assert "after-revocation" not in {e["request_id"] for e in ca_client.list()}
         with pytest.raises(kvd.KvdError, match="C"):  # and A's own link to C is gone too

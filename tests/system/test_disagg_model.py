@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from kvd.testing.daemons import DaemonFactory, eventually  # noqa: E402
+from kvd.testing.daemons import DaemonFactory, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "disagg_prefill_decode.py"

@@ -15,10 +15,10 @@ import torch
 import zmq
 
 import kvd
-from kvd.wire import protocol as p
-from kvd.wire.framing import MAX_FRAMES, MAX_MESSAGE_BYTES, MessageReader, encode_message
-from kvd.wire.endpoints import unix_path
 from kvd.testing.daemons import free_port, raw_connection, wait_ready
+from kvd.wire import protocol as p
+from kvd.wire.endpoints import unix_path
+from kvd.wire.framing import MAX_FRAMES, MAX_MESSAGE_BYTES, MessageReader, encode_message
 
 from .relay import PausingRelay
 
@@ -144,9 +144,8 @@ def test_a_message_cut_short_by_a_disconnect_is_dropped(daemon):
         sock.connect(unix_path(daemon.socket))
         sock.sendall(whole[:cut])
         sock.close()
-    with daemon.client() as c:
-        with pytest.raises(kvd.NotFound):
-            c.get("cut", timeout=0)
+    with daemon.client() as c, pytest.raises(kvd.NotFound):
+        c.get("cut", timeout=0)
     assert_still_serving(daemon)
 
 

@@ -327,9 +327,8 @@ def test_without_peer_authentication_a_registry_cannot_send_a_push_off_this_host
     forger.put_node("C", json.dumps({**record, "node_id": "C",
                                      "endpoint": f"tcp://{address}:{listener.getsockname()[1]}"}).encode(), leased=True)
     eventually(lambda: any(n["node_id"] == "C" for n in ask(p.ClusterNodes(req=1), a.socket)), timeout=15)
-    with a.client() as ca_:
-        with pytest.raises(kvd.KvdError):
-            ca_.put("offhost", kv_for("offhost"), dest="C")
+    with a.client() as ca_, pytest.raises(kvd.KvdError):
+        ca_.put("offhost", kv_for("offhost"), dest="C")
     with pytest.raises(OSError):
         listener.accept()  # nobody dialled it
     listener.close()

@@ -18,9 +18,9 @@ import torch
 import zmq
 
 import kvd
+from kvd.testing.daemons import eventually, raw_connection
 from kvd.wire import protocol as p
 from kvd.wire.checksum import digest
-from kvd.testing.daemons import eventually, raw_connection
 
 BOTH_PLANES = True  # (tests/system/conftest.py: each test on ZeroMQ frames and on NIXL)
 
@@ -299,9 +299,8 @@ def test_another_connection_cannot_commit_a_put_it_did_not_reserve(daemons):
     reply = p.decode(thief.receive(5))
     assert isinstance(reply, p.Error) and reply.code == kvd.NotFound.code, reply
     assert "not held by this connection" in reply.message
-    with d.client() as c:
-        with pytest.raises(kvd.NotFound):
-            c.get("half-written", timeout=0)
+    with d.client() as c, pytest.raises(kvd.NotFound):
+        c.get("half-written", timeout=0)
     owner.send(p.encode(p.PutCommit(req=2, request_id="half-written", token=slots.token)))
     assert isinstance(p.decode(owner.receive(5)), (p.Ok, p.PutOk))
     owner.close()

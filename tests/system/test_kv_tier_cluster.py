@@ -5,6 +5,8 @@ set/get workload cost misses, never wrong bytes; a home that is gone costs a mis
 the tier's 1 s deadline."""
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 
 import pytest
@@ -16,8 +18,6 @@ from kvd.testing.daemons import eventually
 from kvd.wire import protocol as p
 from tests.cluster.conftest import start_or_skip
 from tests.cluster.servers import stop_server
-import threading
-import time
 
 TTL = 2.0
 KEYS = [f"{i:064x}" for i in range(3000)]

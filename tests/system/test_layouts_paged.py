@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
+from kvd import Client
 from kvd.client.tensors import TORCH_DTYPES
 from kvd.integrations.paged.groups import CHUNKED, FULL, MAMBA, SLIDING, KVGroup
 from kvd.integrations.paged.handoff import LoadSpec, PagedKVLayout, PagedKVWorker, SaveSpec, entry_key
 from kvd.integrations.paged.plans import SourceDeployment, plan_loads, release_keys
 from kvd.parallel import KVLayout, is_primary, shard_layouts
-from kvd import Client
 
 BLOCK = 16
 HEAD_DIM = 8

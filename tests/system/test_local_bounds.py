@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import kvd
-
 from kvd.client.connection import ask
-from kvd.daemon.local.server import IDLE_GRACE
 from kvd.daemon.local.get_side import MAX_WAITS_PER_CONNECTION
+from kvd.daemon.local.server import IDLE_GRACE
 from kvd.testing.daemons import eventually, raw_connection
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import unix_path

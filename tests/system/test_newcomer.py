@@ -114,9 +114,8 @@ def test_an_unreachable_registry_is_said_at_start_and_in_the_errors_it_causes(da
         with pytest.raises(kvd.PeerUnavailable, match=f"the cluster registry {nowhere} is unreachable"):
             c.put("x", {"x": torch.ones(4)}, dest="decode-7")
     b = daemons.start("B")
-    with b.client() as c:
-        with pytest.raises(kvd.PeerUnavailable, match="no cluster registry"):
-            c.put("x", {"x": torch.ones(4)}, dest="decode-7")
+    with b.client() as c, pytest.raises(kvd.PeerUnavailable, match="no cluster registry"):
+        c.put("x", {"x": torch.ones(4)}, dest="decode-7")
 
 
 def last_line(result: subprocess.CompletedProcess) -> str:
@@ -246,8 +245,15 @@ def test_a_client_pointed_at_the_peer_port_is_told_so(daemons):
 @pytest.mark.parametrize("kind", ["etcd", "redis"])
 def test_a_plain_registry_url_against_a_tls_server_says_which_scheme(daemons, tmp_path, kind):
     from tests.cluster.conftest import _missing
-    from tests.cluster.servers import EtcdServer, RedisServer, find_etcd, find_redis, make_certs, start_server, \
-        stop_server
+    from tests.cluster.servers import (
+        EtcdServer,
+        RedisServer,
+        find_etcd,
+        find_redis,
+        make_certs,
+        start_server,
+        stop_server,
+    )
 
     binary = find_etcd() if kind == "etcd" else find_redis()
     if binary is None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvd import Client
+from kvd.client.tensors import DTYPE_NAMES
 from kvd.errors import BadRequest
-from kvd.integrations.transfer_params import ConnectorSettings, dest_for_prefill, params_for_decode, params_for_decoder
 from kvd.integrations.paged.handoff import (
     LoadSpec,
     PagedKVLayout,
@@ -19,7 +19,7 @@ from kvd.integrations.paged.handoff import (
     blocks_for,
     entry_key,
 )
-from kvd.client.tensors import DTYPE_NAMES
+from kvd.integrations.transfer_params import ConnectorSettings, dest_for_prefill, params_for_decode, params_for_decoder
 
 BLOCK = 16
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kvd
-from kvd.wire import protocol as p
 from kvd.testing.daemons import eventually, free_port
+from kvd.wire import protocol as p
 
 BOTH_PLANES = True  # (tests/system/conftest.py: each test on ZeroMQ frames and on NIXL)
 
@@ -414,7 +414,7 @@ def test_a_put_with_a_destination_sends_an_entry_of_one_chunk_inside_its_offer(d
                                                                       features=[p.INLINE_OFFER]))])
             elif isinstance(msg, p.Offer) and msg.lengths is None and size > 2 * msg.chunk_size:
                 router.send_multipart([ident, *p.encode(p.Accept(xfer=msg.xfer))])
-            elif isinstance(msg, p.Offer) and msg.lengths is not None or (
+            elif (isinstance(msg, p.Offer) and msg.lengths is not None) or (
                     isinstance(msg, p.Chunk) and msg.offset + sum(msg.lengths) == size):
                 router.send_multipart([ident, *p.encode(p.Done(xfer=msg.xfer))])
                 done += 1

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import kvd
-from kvd.wire import protocol as p
 from kvd.errors import AlreadyExists, NotFound
 from kvd.testing.daemons import eventually, raw_connection
+from kvd.wire import protocol as p
 
 BLOCK = 64 << 10
 

@@ -15,8 +15,8 @@ import zmq
 import zmq.auth
 
 import kvd
-from kvd.wire import protocol as p
 from kvd.testing.daemons import eventually, free_port
+from kvd.wire import protocol as p
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvd.client.connection import ask
-from kvd.testing.sglang_pool import MHAHostPool
 from kvd.testing.daemons import eventually
+from kvd.testing.sglang_pool import MHAHostPool
 from kvd.wire import protocol as p
 from tests.cluster.conftest import start_or_skip
 from tests.cluster.servers import stop_server

@@ -20,8 +20,8 @@ import types
 import pytest
 import torch
 
-from kvd.testing.sglang_pool import LAYOUTS, MHAHostPool
 from kvd.testing.daemons import DaemonFactory, wait_ready
+from kvd.testing.sglang_pool import LAYOUTS, MHAHostPool
 
 EXTRA = {"backend_name": "kvd", "module_path": "kvd.integrations.sglang", "class_name": "KvdHiCacheStorage",
          "interface_v1": 1}

@@ -63,7 +63,7 @@ def test_tp2_to_tp4_gqa_pulled_by_concurrent_decode_ranks(daemons):
         try:
             with b.client() as c:
                 got[dst.tp_rank] = get_shard(c, "r1", dst, 2, 1, source="A", timeout=10)
-        except BaseException as exc:  # noqa: BLE001 (reported below)
+        except BaseException as exc:
             errors.append(exc)
 
     with a.client() as ca, b.client() as cb:
@@ -176,7 +176,7 @@ def _prefill(socket: str, pp_rank: int, results) -> None:
             for rid in MP_REQUESTS:
                 put_shard(c, rid, slice_of(full, src), src, dest="B")
         results.put(("prefill", pp_rank, None))
-    except BaseException as exc:  # noqa: BLE001 (the parent asserts on it)
+    except BaseException as exc:
         results.put(("prefill", pp_rank, repr(exc)))
 
 
@@ -187,7 +187,7 @@ def _decode(socket: str, tp_rank: int, results) -> None:
             got = {rid: {n: t.view(torch.int16).numpy() for n, t in get_shard(c, rid, dst, 1, 2, timeout=60).items()}
                    for rid in MP_REQUESTS}
         results.put(("decode", tp_rank, got))
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         results.put(("decode", tp_rank, repr(exc)))
 
 

@@ -345,10 +345,9 @@ def test_streams_aborted_right_after_opening_leave_nothing_behind(daemons):
     layout = {"layer.0": ((20000,), torch.float32), "layer.1": ((20000,), torch.float32)}
     with a.client() as ca, b.client() as cb:
         for i in range(20):
-            with pytest.raises(RuntimeError):
-                with ca.put_stream(f"abandoned-{i}", layout, dest="B") as stream:
-                    stream.write({"layer.0": torch.ones(20000)})
-                    raise RuntimeError("prefill failed")
+            with pytest.raises(RuntimeError), ca.put_stream(f"abandoned-{i}", layout, dest="B") as stream:
+                stream.write({"layer.0": torch.ones(20000)})
+                raise RuntimeError("prefill failed")
         wait_until(lambda: not cb.list() and cb.stats()["pool"]["used_bytes"] == 0,
                    f"B still holds {[(e['request_id'], e['state']) for e in cb.list()]}")
         wait_until(lambda: ca.stats()["pool"]["used_bytes"] == 0, f"A still uses {ca.stats()['pool']}")

@@ -140,13 +140,12 @@ def test_aborted_stream_reaches_the_reader(daemon):
 
     thread = threading.Thread(target=reader)
     thread.start()
-    with daemon.client() as producer:
-        with pytest.raises(RuntimeError):
-            with producer.put_stream("aborted", layout_of(layers)) as stream:
-                stream.write({"layer.0": layers["layer.0"]})
-                eventually(lambda: groups or errors)  # the reader follows the stream: it has layer.0
-                assert groups and not errors, errors
-                raise RuntimeError("prefill crashed")
+    with daemon.client() as producer, pytest.raises(RuntimeError):
+        with producer.put_stream("aborted", layout_of(layers)) as stream:
+            stream.write({"layer.0": layers["layer.0"]})
+            eventually(lambda: groups or errors)  # the reader follows the stream: it has layer.0
+            assert groups and not errors, errors
+            raise RuntimeError("prefill crashed")
     thread.join(10)
     assert errors and isinstance(errors[0], kvd.NotFound)
     with daemon.client() as c:

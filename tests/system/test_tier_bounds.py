@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-
 FLOOD_PUTS, BATCH = 60, 4096
 
 

@@ -27,7 +27,14 @@ from tests.cluster.conftest import start_or_skip
 from tests.cluster.servers import stop_server
 from tests.system.test_cluster import cluster, registry, wait_listed  # noqa: F401 (fixtures)
 from tests.system.test_layouts_paged import (
-    BLOCK, HEAD_DIM, bits, full_cache, held, names, rank_caches, wait_for_load,
+    BLOCK,
+    HEAD_DIM,
+    bits,
+    full_cache,
+    held,
+    names,
+    rank_caches,
+    wait_for_load,
 )
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm_disagg.py"

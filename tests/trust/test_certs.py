@@ -8,7 +8,12 @@ from nacl.signing import SigningKey
 
 from kvd.trust import Authority, CertError, NodeSigner, issue
 from kvd.trust.certs import (
-    CERT_DOMAIN, HOLDER_RECORD_DOMAIN, MAX_CERT_BYTES, NODE_RECORD_DOMAIN, decode, signature_valid,
+    CERT_DOMAIN,
+    HOLDER_RECORD_DOMAIN,
+    MAX_CERT_BYTES,
+    NODE_RECORD_DOMAIN,
+    decode,
+    signature_valid,
 )
 
 NOW = 1_800_000_000.0

@@ -5,9 +5,9 @@ import struct
 
 import pytest
 
-from kvd.wire import protocol as p
 from kvd.errors import ProtocolError
-from kvd.wire.framing import MAX_MESSAGE_BYTES, MAX_FRAMES, MessageReader, encode_message
+from kvd.wire import protocol as p
+from kvd.wire.framing import MAX_FRAMES, MAX_MESSAGE_BYTES, MessageReader, encode_message
 
 U32 = struct.Struct("<I")
 

@@ -7,8 +7,17 @@ from hypothesis import strategies as st
 
 from kvd.errors import BadRequest
 from kvd.wire.layout import (
-    ALIGNMENT, MAX_DIMS, MAX_NAME_LEN, MAX_TENSORS, TensorSpec, blocks_needed, chunk_ranges,
-    physical_segments, split_extents, tensor_offsets, validate_specs,
+    ALIGNMENT,
+    MAX_DIMS,
+    MAX_NAME_LEN,
+    MAX_TENSORS,
+    TensorSpec,
+    blocks_needed,
+    chunk_ranges,
+    physical_segments,
+    split_extents,
+    tensor_offsets,
+    validate_specs,
 )
 
 # ---- TensorSpec --------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd.wire import protocol as p
 from kvd.errors import ProtocolError, VersionMismatch
+from kvd.wire import protocol as p
 
 # One example per message type, with every field set to something non-default where possible.
 EXAMPLES: dict[str, p.Message] = {
@@ -89,7 +89,7 @@ def test_examples_cover_every_message_type():
     assert set(EXAMPLES) == set(p.MESSAGE_TYPES)
     for name, msg in EXAMPLES.items():
         assert type(msg) is p.MESSAGE_TYPES[name]
-        assert msg.TYPE == name
+        assert name == msg.TYPE
 
 
 @pytest.mark.parametrize("name", sorted(p.MESSAGE_TYPES))

@@ -21,8 +21,8 @@ registry.py) hold the policy. The contract, tested against every backend in test
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
 from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, runtime_checkable
 

@@ -26,17 +26,38 @@ from ssl import SSLContext
 from typing import Any
 from urllib.parse import unquote
 
+from ..health import Backoff
+from ..records import (
+    EtcdKeys,
+    HolderRecord,
+    NodeRecord,
+    RecordError,
+    decode_holder,
+    decode_node,
+    encode_holder,
+    encode_node,
+)
+from ..skips import Skips
 from .backend import (
-    DEFAULT_OP_TIMEOUT, LIST_PAGE, MAX_HOLDERS, MAX_LISTING_BYTES, MAX_RECORD_BYTES, Added, Conflict, NodeEvent,
-    Publish, PublishOp, Registered, RegistryRefused, RegistryUnavailable, Removed, Resync, SessionLost,
+    DEFAULT_OP_TIMEOUT,
+    LIST_PAGE,
+    MAX_HOLDERS,
+    MAX_LISTING_BYTES,
+    MAX_RECORD_BYTES,
+    Added,
+    Conflict,
+    NodeEvent,
+    Publish,
+    PublishOp,
+    Registered,
+    RegistryRefused,
+    RegistryUnavailable,
+    Removed,
+    Resync,
+    SessionLost,
 )
 from .etcd_auth import TokenAuth, refusal
 from .etcd_http import BodyTooLarge, GatewayClient, GatewayError, TLSError
-from ..health import Backoff
-from ..records import (
-    EtcdKeys, HolderRecord, NodeRecord, RecordError, decode_holder, decode_node, encode_holder, encode_node,
-)
-from ..skips import Skips
 
 log = logging.getLogger(__name__)
 _NOT_FOUND, _OUT_OF_RANGE = 5, 11  # gRPC status codes: "requested lease not found", "revision compacted"

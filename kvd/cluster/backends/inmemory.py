@@ -16,11 +16,20 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from .backend import (
-    DEFAULT_OP_TIMEOUT, Added, Conflict, NodeEvent, Publish, PublishOp, Registered, RegistryUnavailable,
-    Removed, Resync, SessionLost,
-)
 from ..records import HolderRecord, NodeRecord, encode_node
+from .backend import (
+    DEFAULT_OP_TIMEOUT,
+    Added,
+    Conflict,
+    NodeEvent,
+    Publish,
+    PublishOp,
+    Registered,
+    RegistryUnavailable,
+    Removed,
+    Resync,
+    SessionLost,
+)
 
 _LOG_KEEP = 10_000  # node events kept for watchers; one that falls further behind gets a Resync
 _POLL = 0.05  # watchers re-check lease expiry this often when nothing else happens

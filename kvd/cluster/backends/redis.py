@@ -30,16 +30,37 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import redis_lua as lua
-from .backend import (
-    DEFAULT_OP_TIMEOUT, LIST_PAGE, MAX_HOLDERS, MAX_LISTING_BYTES, MAX_RECORD_BYTES, Added, Conflict, NodeEvent,
-    Publish, PublishOp, Registered, RegistryRefused, RegistryUnavailable, Removed, Resync, SessionLost,
-)
 from ..records import (
-    HolderRecord, NodeRecord, RecordError, RedisKeys, decode_holder, decode_node, encode_holder, encode_node,
+    HolderRecord,
+    NodeRecord,
+    RecordError,
+    RedisKeys,
+    decode_holder,
+    decode_node,
+    encode_holder,
+    encode_node,
     key_part,
 )
 from ..skips import Skips
+from . import redis_lua as lua
+from .backend import (
+    DEFAULT_OP_TIMEOUT,
+    LIST_PAGE,
+    MAX_HOLDERS,
+    MAX_LISTING_BYTES,
+    MAX_RECORD_BYTES,
+    Added,
+    Conflict,
+    NodeEvent,
+    Publish,
+    PublishOp,
+    Registered,
+    RegistryRefused,
+    RegistryUnavailable,
+    Removed,
+    Resync,
+    SessionLost,
+)
 
 log = logging.getLogger(__name__)
 NO_TTL_HOLDER_MS = 24 * 3600 * 1000  # a holder hash always expires; entries without a TTL get a day

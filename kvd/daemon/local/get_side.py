@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvd.errors import BadRequest, NotFound, Timeout
 from kvd.wire import protocol as p
 
 from ..membership import Directory
 from ..metrics import Metrics
-from .shared_pulls import HolderSearch, SharedPulls
 from ..store.entries import Entry, State, Store
+from .shared_pulls import HolderSearch, SharedPulls
 from .watch import EntryWatch, ParkedGet, StreamReader
 
 MAX_WAIT = 3600.0  # longest get timeout we accept

@@ -11,22 +11,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvd.errors import BadRequest, KvdError, NotFound, ShuttingDown
 from kvd.wire import protocol as p
 
-from ..membership import Directory
-from .ledger import Hold, Holds
 from ..lifecycle import Lifecycle
-from .server import LocalServer, Use
+from ..membership import Directory
 from ..metrics import Metrics
 from ..peer.transfers import Transfers
-from .shared_pulls import SharedPulls
-from .put_side import LocalPuts, PutSettings
-from .get_side import MAX_WAIT, ConnectionWaits, Reads, ReadSettings
 from ..store.entries import Entry, State, Store, validate_request_id
+from .get_side import MAX_WAIT, ConnectionWaits, Reads, ReadSettings
+from .ledger import Hold, Holds
+from .put_side import LocalPuts, PutSettings
+from .server import LocalServer, Use
+from .shared_pulls import SharedPulls
 from .watch import EntryWatch, ParkedGet
 
 log = logging.getLogger(__name__)

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvd.errors import InternalError, KvdError, NotFound, Timeout
 from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec, blocks_needed
 
-from .ledger import Hold, Holds
 from ..metrics import Metrics
 from ..peer.transfers import Push, Transfers
 from ..store.entries import Entry, State, Store
-from .watch import EntryWatch
+from .ledger import Hold, Holds
 from .reservation import WriteAction, WriteEvent
+from .watch import EntryWatch
 
 # loans of scratch blocks one connection may hold: one per small put it has in flight, up to this
 LOANS_PER_CONNECTION = 16
@@ -208,7 +208,7 @@ class LocalPuts:
                      max(1, self.settings.scratch_max // block_size))
         pool = self.store.allocator
         if (self.store.scratch_blocks + blocks > pool.num_blocks // 16
-                or loans and sum(loans.values()) + blocks > pool.num_blocks // 64
+                or (loans and sum(loans.values()) + blocks > pool.num_blocks // 64)
                 or pool.free_blocks - blocks < pool.num_blocks // 2):
             return reply
         reply.scratch, extents = self.store.lend_scratch(blocks)

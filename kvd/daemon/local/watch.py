@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvd.errors import KvdError, NotFound, Timeout
 from kvd.wire import protocol as p
 
-from .server import LocalServer
 from ..store.entries import Entry, Lease, State, Store
+from .server import LocalServer
 
 # entries sent away lately (pushed, or pulled without keep), or whose push failed, are remembered by
 # request id, so that a get_stream here that comes for one after it left is told where it went (or

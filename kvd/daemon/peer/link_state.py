@@ -15,8 +15,8 @@ the heartbeat says hello), and a caller should not pay the connect timeout to le
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvd.errors import KvdError, PeerUnavailable

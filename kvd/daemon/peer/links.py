@@ -22,13 +22,32 @@ from kvd.wire import protocol as p
 
 from ..logs import Throttle
 from ..metrics import Metrics
-from .auth import CurveKeys, make_client
-from ..transfer.channel import Channel, Sending
-from .link_state import (
-    Action, Answered, Closed, Expired, Fail, Forgotten, Forward, Handshake, Heartbeat, Log, Lost, Redial, Refused,
-    Resolve, Retrying, SendHello, SendPing, Silent, StartTimer, State, Wait,
-)
 from ..plane.negotiation import PlaneHandshake
+from ..transfer.channel import Channel, Sending
+from .auth import CurveKeys, make_client
+from .link_state import (
+    Action,
+    Answered,
+    Closed,
+    Expired,
+    Fail,
+    Forgotten,
+    Forward,
+    Handshake,
+    Heartbeat,
+    Log,
+    Lost,
+    Redial,
+    Refused,
+    Resolve,
+    Retrying,
+    SendHello,
+    SendPing,
+    Silent,
+    StartTimer,
+    State,
+    Wait,
+)
 from .loopsocket import NOT_SENT, LoopSocket
 from .owed import PEER_QUEUE_BYTES, Owed  # noqa: F401  (PEER_QUEUE_BYTES: read here by tests)
 from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal

@@ -86,8 +86,23 @@ class Backlog:
     what is still queued of them is told apart from the copied bytes; that list is pruned when
     it has doubled since the last look."""
 
-    __slots__ = ("cap", "handed", "copied", "own", "written", "check_at", "lent", "lent_queued", "prune_at",
-                 "_lend_from", "_short", "_short_extra", "_long_extra", "conn", "cut")
+    __slots__ = (
+        "_lend_from",
+        "_long_extra",
+        "_short",
+        "_short_extra",
+        "cap",
+        "check_at",
+        "conn",
+        "copied",
+        "cut",
+        "handed",
+        "lent",
+        "lent_queued",
+        "own",
+        "prune_at",
+        "written",
+    )
 
     PRUNE = 1024  # lent frames remembered before the kernel is asked anyway
 
@@ -165,7 +180,7 @@ class Account:
     is the most it may have queued: exact when the kernel was last asked, plus what was copied
     since."""
 
-    __slots__ = ("owed", "key", "backlog", "name", "connection", "cutter", "bound", "stalled_since", "__weakref__")
+    __slots__ = ("__weakref__", "backlog", "bound", "connection", "cutter", "key", "name", "owed", "stalled_since")
 
     def __init__(self, owed: Owed, key: object, name: Callable[[], str], connection: Callable[[], TcpConnection | None],
                  cutter: Callable[[], bool], lend_from: int, curve: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import zmq
 
@@ -18,11 +19,10 @@ from kvd.errors import BadRequest, PeerUnavailable
 from kvd.wire import protocol as p
 
 from ..config import Config
-from dataclasses import dataclass
 from ..metrics import Metrics
 from ..plane.negotiation import PlaneHandshake
-from .auth import CurveKeys
 from ..transfer.channel import Channel
+from .auth import CurveKeys
 from .links import PeerLink
 from .owed import Owed
 from .tcpconn import TcpConnection

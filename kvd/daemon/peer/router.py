@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -22,12 +23,11 @@ from kvd.errors import KvdError, ProtocolError, Unauthorized
 from kvd.wire import protocol as p
 
 from ..config import Config
-from dataclasses import dataclass
 from ..logs import Throttle
 from ..metrics import Metrics
+from ..transfer.channel import Channel
 from .admission import Admissions
 from .auth import CurveKeys, make_server
-from ..transfer.channel import Channel
 from .links import tune_peer_socket
 from .loopsocket import NOT_SENT, LoopSocket, Sent
 from .owed import Account

@@ -17,9 +17,9 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
-from collections.abc import Callable
 
 from kvd.errors import BadRequest, KvdError, NotFound, PeerUnavailable
 from kvd.memory.io import PoolIO
@@ -31,15 +31,35 @@ from ..metrics import Metrics
 from ..plane.poller import PlaneOps
 from ..store.entries import Entry, Store
 from ..transfer.channel import Channel, Sending
-from .links import PeerLink
 from ..transfer.machine import Limits, Machine
+from ..transfer.states import (
+    Cancel,
+    ChannelLost,
+    Commit,
+    Connected,
+    ConnectFailed,
+    Dropped,
+    EntryMissing,
+    EntryReady,
+    Finished,
+    Inbound,
+    Kind,
+    Outbound,
+    PostOp,
+    Progress,
+    Published,
+    Received,
+    Send,
+    SendChunk,
+    Tick,
+    Transfer,
+    WaitForEntry,
+    Written,
+)
 from .frameholds import FrameHolds
+from .links import PeerLink
 from .peers import PeerSet
 from .planeio import PlaneIO, on_plane
-from ..transfer.states import (
-    Cancel, ChannelLost, Commit, ConnectFailed, Connected, Dropped, EntryMissing, EntryReady, Finished, Inbound,
-    Kind, Outbound, PostOp, Progress, Published, Received, Send, SendChunk, Tick, Transfer, WaitForEntry, Written,
-)
 
 log = logging.getLogger(__name__)
 

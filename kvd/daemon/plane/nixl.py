@@ -172,10 +172,10 @@ class NixlPlane:
         if len(local) != len(remote) or any(a[1] != b[1] for a, b in zip(local, remote, strict=True)):
             raise PlaneError("local and remote ranges do not pair up")
         for offset, length in local:
-            if not (0 <= offset and 0 < length and offset + length <= self.size):
+            if not (offset >= 0 and length > 0 and offset + length <= self.size):
                 raise PlaneError(f"range [{offset}, +{length}) is outside our pool")
         for offset, length in remote:
-            if not (0 <= offset and 0 < length and offset + length <= peer.info.size):
+            if not (offset >= 0 and length > 0 and offset + length <= peer.info.size):
                 raise PlaneError(f"range [{offset}, +{length}) is outside {agent}'s pool")
         agent_ = self.agent
         try:

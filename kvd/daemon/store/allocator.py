@@ -93,6 +93,6 @@ class BlockAllocator:
         for (a, n), (b, _) in itertools.pairwise(self._free):
             assert a + n < b, f"free extents overlap or touch: {(a, n)} {(b, _)}"
         for start, count in self._free:
-            assert count > 0 and 0 <= start and start + count <= self.num_blocks
+            assert count > 0 and start >= 0 and start + count <= self.num_blocks
             total += count
         assert total == self.free_blocks, (total, self.free_blocks)

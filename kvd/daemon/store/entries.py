@@ -24,10 +24,17 @@ import time
 from collections.abc import Callable
 
 from kvd.errors import AlreadyExists, BadRequest, NotFound, PoolFull
-from kvd.wire.protocol import MAX_HEADER_BYTES, packed_size
 from kvd.wire.layout import (
-    Extent, TensorSpec, blocks_needed, physical_segments, split_extents, tensor_offsets, validate_specs,
+    Extent,
+    TensorSpec,
+    blocks_needed,
+    physical_segments,
+    split_extents,
+    tensor_offsets,
+    validate_specs,
 )
+from kvd.wire.protocol import MAX_HEADER_BYTES, packed_size
+
 from .allocator import BlockAllocator
 from .entry import Entry, Lease, State
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import collections
 import itertools
 import re
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from kvd.errors import BadRequest, PoolFull
 from kvd.wire.dtypes import DTYPE_ITEMSIZE
 from kvd.wire.layout import Extent
+
 from ..store.allocator import BlockAllocator
 from .tier_events import REMOVED, STORED, TierEvents
 

@@ -27,10 +27,10 @@ from kvd.errors import BadRequest, NotFound, PeerUnavailable, Timeout
 from kvd.wire import protocol as p
 from kvd.wire.layout import physical_segments
 
-from ..logs import Throttle
-from .page_store import TOP_NAMESPACES, CacheStore, Page, check_batch
-from .homes import TIMEOUT as TIER_TIMEOUT
 from ..local.reservation import LocalWrite, WriteAction, WriteEvent
+from ..logs import Throttle
+from .homes import TIMEOUT as TIER_TIMEOUT
+from .page_store import TOP_NAMESPACES, CacheStore, Page, check_batch
 
 log = logging.getLogger(__name__)
 

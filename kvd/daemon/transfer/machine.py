@@ -34,8 +34,25 @@ from .invariants import check_machine
 from .limits import Limits
 from .onesided import PlaneHandlers
 from .states import (
-    NONE, TERMINAL, ChannelLost, Dropped, Event, Finished, Inbound, Kind, Outbound, Progress, Published,
-    R, Received, S, Send, SendChunk, Tick, Transfer, WaitForEntry,
+    NONE,
+    TERMINAL,
+    ChannelLost,
+    Dropped,
+    Event,
+    Finished,
+    Inbound,
+    Kind,
+    Outbound,
+    Progress,
+    Published,
+    R,
+    Received,
+    S,
+    Send,
+    SendChunk,
+    Tick,
+    Transfer,
+    WaitForEntry,
 )
 from .table import EAGER_CHUNKS, compile_rows
 from .window import ReceiveLedger, SendWindow

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvd.errors import BadRequest, ChecksumMismatch, PeerUnavailable, ProtocolError
-from kvd.wire import protocol as p
 from kvd.memory.io import PoolIO
+from kvd.wire import protocol as p
 from kvd.wire.checksum import CRYPTOGRAPHIC
 from kvd.wire.layout import physical_segments
 

@@ -19,15 +19,26 @@ the two equal (`python -m kvd.daemon.transfer.table` prints it).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable
 
 from kvd.wire import protocol as p
 
 from ..store.entries import State
 from .states import (
-    NONE, Cancel, ChannelLost, Commit, ConnectFailed, Connected, EntryMissing, EntryReady, OpEnded, R, S, Tick,
+    NONE,
+    Cancel,
+    ChannelLost,
+    Commit,
+    Connected,
+    ConnectFailed,
+    EntryMissing,
+    EntryReady,
+    OpEnded,
+    R,
+    S,
+    Tick,
     Written,
 )
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import BadRequest, LayoutMismatch
-from ...parallel.readers import is_primary, readers, read_plans
 from ...parallel.kv_layout import KVLayout, shard_layouts
+from ...parallel.readers import is_primary, read_plans, readers
 from .groups import FULL, MAMBA, KVGroup, check_groups
 
 # quantization modes whose pages split by head (scales outside the page, or none): only these

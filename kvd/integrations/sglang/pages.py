@@ -16,8 +16,8 @@ path's flat page holds, so pages written by either path read back through the ot
 """
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -7,9 +7,9 @@ tenant's pages), so it fails the attach with the list of known ones.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping
 
 DEFAULT_TIMEOUT = 5.0  # seconds a tier call may take before it counts as a miss (SGLang waits on it)
 

@@ -64,7 +64,7 @@ vLLM 0.33 and 0.34 (`tests/integrations/vllm_0_3x_connector_api.json`).
 """
 from .connector import KVDConnector
 from .engine_layout import model_signature
-from .transfer_stats import KVDConnectorStats
 from .scheduler import KVDConnectorMetadata
+from .transfer_stats import KVDConnectorStats
 
 __all__ = ["KVDConnector", "KVDConnectorMetadata", "KVDConnectorStats", "model_signature"]

@@ -22,8 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..transfer_params import ConnectorSettings
-from .transfer_stats import KVDConnectorStats, KVDPromMetrics
 from .scheduler import KVDConnectorMetadata, KVDScheduler
+from .transfer_stats import KVDConnectorStats, KVDPromMetrics
 from .worker import KVDWorker
 
 if TYPE_CHECKING:

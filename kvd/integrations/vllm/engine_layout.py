@@ -85,8 +85,15 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> tuple[tuple[int, ...], t
 
 
 def _group(spec: KVCacheSpec, index: int, layers: tuple[str, ...]) -> KVGroup:
-    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, MLAAttentionSpec,
-                                            SlidingWindowMLASpec, SlidingWindowSpec, UniformTypeKVCacheSpecs)
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
 
     if isinstance(spec, UniformTypeKVCacheSpecs):  # layers of one kind whose shapes differ
         kinds = {_group(s, index, layers) for s in spec.kv_cache_specs.values()}

@@ -26,18 +26,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from collections.abc import Sequence
 
 from ...client import Client
 from ...errors import BadRequest, KvdError
-from ..transfer_params import ConnectorSettings
 from ..paged.groups import KVGroup
 from ..paged.tier_pages import TierLayout, TierLoad, TierSave, leading_blocks, unusable
 from ..paged.tier_worker import warm_threads
+from ..transfer_params import ConnectorSettings
 from .engine_layout import model_kv_layout, tier_namespace
 from .tier_feed import BlockInfo, TierFeed
 

@@ -19,20 +19,19 @@ blocks held in kvd's tier are loaded, the full blocks of its prompt are stored t
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
-from collections.abc import Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ...errors import LayoutMismatch
-from ..transfer_params import (ConnectorSettings, LocalDaemon, RemoteKV, RequestParams, local_daemon,
-                         params_for_decoder)
 from ..paged.groups import FULL, KVGroup
 from ..paged.handoff import LoadSpec, SaveSpec, entry_key
 from ..paged.plans import SourceDeployment, release_keys
 from ..paged.tier_pages import TierLoad, TierSave
+from ..transfer_params import ConnectorSettings, LocalDaemon, RemoteKV, RequestParams, local_daemon, params_for_decoder
 from .engine_layout import deployment, kv_groups, model_kv_layout
 from .prefix import PrefixTier
 

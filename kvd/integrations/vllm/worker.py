@@ -19,15 +19,23 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ...client.tensors import DTYPE_NAMES
-from ..transfer_params import ConnectorSettings
 from ..paged.groups import FULL, MAMBA, KVGroup
 from ..paged.handoff import PagedKVLayout, PagedKVWorker
 from ..paged.specs import TransferResults
 from ..paged.tier_pages import unusable
 from ..paged.tier_worker import TierWorker
-from .engine_layout import cache_layout, kv_groups, model_kv_layout, model_signature, quant_mode, tier_namespace, worker_ranks
-from .transfer_stats import COUNTERS, KVDConnectorStats
+from ..transfer_params import ConnectorSettings
+from .engine_layout import (
+    cache_layout,
+    kv_groups,
+    model_kv_layout,
+    model_signature,
+    quant_mode,
+    tier_namespace,
+    worker_ranks,
+)
 from .scheduler import KVDConnectorMetadata
+from .transfer_stats import COUNTERS, KVDConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

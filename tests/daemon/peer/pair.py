@@ -23,18 +23,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvd.daemon.metrics import Metrics
-from kvd.daemon.transfer.channel import Channel
-from kvd.daemon.transfer.machine import Limits, Machine
 from kvd.daemon.peer.planeio import PlaneIO, on_plane
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import State, Store
+from kvd.daemon.transfer.channel import Channel
+from kvd.daemon.transfer.machine import Limits, Machine
+from kvd.daemon.transfer.states import (
+    Connected,
+    EntryReady,
+    Finished,
+    Outbound,
+    PostOp,
+    ReceiverState,
+    Send,
+    SendChunk,
+    SenderState,
+    WaitForEntry,
+    Written,
+)
 from kvd.errors import KvdError
 from kvd.memory.io import HostPoolIO
 from kvd.wire import protocol as p
-from kvd.daemon.transfer.states import (
-    Connected, EntryReady, Finished, Outbound, PostOp, ReceiverState, SenderState, Send, SendChunk, WaitForEntry,
-    Written,
-)
 from kvd.wire.layout import TensorSpec, physical_segments
 
 BLOCK = 4096

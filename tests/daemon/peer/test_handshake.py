@@ -8,8 +8,29 @@ import pytest
 
 from kvd.daemon.peer import link_state as hs
 from kvd.daemon.peer.link_state import (
-    DOWN_GRACE, REDIAL_INTERVAL, TABLE, Answered, Closed, Expired, Fail, Forgotten, Forward, Handshake, Heartbeat,
-    Log, Lost, Redial, Refused, Resolve, Retrying, SendHello, SendPing, Silent, StartTimer, State, Wait,
+    DOWN_GRACE,
+    REDIAL_INTERVAL,
+    TABLE,
+    Answered,
+    Closed,
+    Expired,
+    Fail,
+    Forgotten,
+    Forward,
+    Handshake,
+    Heartbeat,
+    Log,
+    Lost,
+    Redial,
+    Refused,
+    Resolve,
+    Retrying,
+    SendHello,
+    SendPing,
+    Silent,
+    StartTimer,
+    State,
+    Wait,
 )
 from kvd.errors import PeerUnavailable, Unauthorized
 

@@ -9,17 +9,38 @@ from __future__ import annotations
 import pytest
 
 from kvd import errors
-from kvd.daemon.transfer.states import (
-    Cancel, ChannelLost, EntryReady, Published, ReceiverState, SenderState, Tick, WaitForEntry,
-)
 from kvd.daemon.store.entries import State
+from kvd.daemon.transfer.states import (
+    Cancel,
+    ChannelLost,
+    EntryReady,
+    Published,
+    ReceiverState,
+    SenderState,
+    Tick,
+    WaitForEntry,
+)
 from kvd.wire import protocol as p
 
 from .pair import (
-    BLOCK, FIRST, PLANE, PLANE_SIZE as SIZE, SECOND, TIMEOUT, assert_nothing_held, blocks, data_of, deliver,
-    granted_push, lent_pull, pair, settle, types,
+    BLOCK,
+    FIRST,
+    PLANE,
+    SECOND,
+    TIMEOUT,
+    assert_nothing_held,
+    blocks,
+    data_of,
+    deliver,
+    granted_push,
+    lent_pull,
+    pair,
+    settle,
+    types,
 )
-
+from .pair import (
+    PLANE_SIZE as SIZE,
+)
 
 # --- what may still land after a failure -------------------------------------------------------------
 

@@ -9,18 +9,42 @@ from __future__ import annotations
 import pytest
 
 from kvd import errors
-from kvd.daemon.transfer.states import (
-    Commit, Connected, EntryReady, Progress, Published, ReceiverState, SenderState, WaitForEntry, Written,
-)
 from kvd.daemon.store.entries import State
+from kvd.daemon.transfer.states import (
+    Commit,
+    Connected,
+    EntryReady,
+    Progress,
+    Published,
+    ReceiverState,
+    SenderState,
+    WaitForEntry,
+    Written,
+)
 from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec, physical_segments
 
 from .pair import (
-    BLOCK, IN_FLIGHT, PLANE, PLANE_MIN, PLANE_SIZE as SIZE, SLICE, assert_nothing_held, blocks, data_of, deliver,
-    lent_pull, pair, push, quiet, raw, settle, types,
+    BLOCK,
+    IN_FLIGHT,
+    PLANE,
+    PLANE_MIN,
+    SLICE,
+    assert_nothing_held,
+    blocks,
+    data_of,
+    deliver,
+    lent_pull,
+    pair,
+    push,
+    quiet,
+    raw,
+    settle,
+    types,
 )
-
+from .pair import (
+    PLANE_SIZE as SIZE,
+)
 
 # --- the happy paths -------------------------------------------------------------------------------
 

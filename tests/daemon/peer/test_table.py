@@ -11,7 +11,16 @@ import pytest
 from kvd.daemon.transfer import table
 from kvd.daemon.transfer.machine import Machine
 from kvd.daemon.transfer.states import (
-    KIND_STATES, NONE, TERMINAL, Cancel, ChannelLost, Commit, R, S, Tick, Written,
+    KIND_STATES,
+    NONE,
+    TERMINAL,
+    Cancel,
+    ChannelLost,
+    Commit,
+    R,
+    S,
+    Tick,
+    Written,
 )
 from kvd.daemon.transfer.table import RECEIVER_LIVE, SENDER_LIVE, TABLE
 

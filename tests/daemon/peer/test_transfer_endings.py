@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-
 from kvd.daemon.config import Config
 from kvd.daemon.metrics import Metrics
-from kvd.daemon.transfer.channel import Channel
 from kvd.daemon.peer.transfers import Transfers, TransferSettings
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import State, Store
+from kvd.daemon.transfer.channel import Channel
 from kvd.errors import AlreadyExists, PeerUnavailable
 from kvd.memory.io import HostPoolIO
 from kvd.wire import protocol as p

@@ -40,11 +40,24 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvd import errors
-from kvd.daemon.transfer.states import (
-    Cancel, ChannelLost, Commit, ConnectFailed, Connected, EntryMissing, EntryReady, Finished, Inbound, Kind,
-    Outbound, Published, Tick, WaitForEntry, Written,
-)
 from kvd.daemon.store.entries import State
+from kvd.daemon.transfer.states import (
+    Cancel,
+    ChannelLost,
+    Commit,
+    Connected,
+    ConnectFailed,
+    EntryMissing,
+    EntryReady,
+    Finished,
+    Inbound,
+    Kind,
+    Outbound,
+    Published,
+    Tick,
+    WaitForEntry,
+    Written,
+)
 from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec, physical_segments
 

@@ -8,13 +8,27 @@ from __future__ import annotations
 import pytest
 
 from kvd import errors
+from kvd.daemon.store.entries import State
 from kvd.daemon.transfer.channel import Channel
 from kvd.daemon.transfer.machine import EAGER_CHUNKS
 from kvd.daemon.transfer.states import (
-    Cancel, ChannelLost, Commit, ConnectFailed, Connected, Dropped, EntryMissing, EntryReady, Progress, Published,
-    ReceiverState, Received, SenderState, Tick, WaitForEntry, Written,
+    Cancel,
+    ChannelLost,
+    Commit,
+    Connected,
+    ConnectFailed,
+    Dropped,
+    EntryMissing,
+    EntryReady,
+    Progress,
+    Published,
+    Received,
+    ReceiverState,
+    SenderState,
+    Tick,
+    WaitForEntry,
+    Written,
 )
-from kvd.daemon.store.entries import State
 from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvd.daemon.transfer.window import ReceiveLedger, SendWindow
 from kvd.errors import ProtocolError
 from kvd.wire.layout import chunk_ranges
-from kvd.daemon.transfer.window import ReceiveLedger, SendWindow
 
 # ---- SendWindow ---------------------------------------------------------------------------
 
@@ -230,7 +230,7 @@ def test_ledger_matches_a_byte_map(total, max_chunk, attempts):
     ledger = ReceiveLedger(total_bytes=total, max_chunk=max_chunk)
     have = [False] * total
     for seq, (offset, length) in enumerate(attempts):
-        ok = 0 < length <= max_chunk and 0 <= offset and offset + length <= total \
+        ok = 0 < length <= max_chunk and offset >= 0 and offset + length <= total \
             and not any(have[offset:offset + length])
         try:
             ledger.check(seq, offset, length)

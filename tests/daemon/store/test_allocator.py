@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvd.errors import PoolFull
 from kvd.daemon.store.allocator import BlockAllocator
+from kvd.errors import PoolFull
 
 
 def blocks_of(extents) -> list[int]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.daemon.tier.page_store import MAX_BATCH, CacheStore, Page, SharedPool
 from kvd.daemon.store.entries import State, Store
+from kvd.daemon.tier.page_store import MAX_BATCH, CacheStore, Page, SharedPool
 from kvd.errors import BadRequest, PoolFull
 from kvd.wire.layout import TensorSpec
 

@@ -6,8 +6,18 @@ import struct
 
 import pytest
 
-from kvd.daemon.tier.disk.disk_format import (HEADER_SIZE, VERSION, BadPage, Header, check_is, decode, disk_bytes, encode,
-                                          namespace_dir, page_path)
+from kvd.daemon.tier.disk.disk_format import (
+    HEADER_SIZE,
+    VERSION,
+    BadPage,
+    Header,
+    check_is,
+    decode,
+    disk_bytes,
+    encode,
+    namespace_dir,
+    page_path,
+)
 from kvd.wire.dtypes import DTYPE_ITEMSIZE
 
 

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from kvd.errors import AlreadyExists, BadRequest, NotFound, PoolFull
-from kvd.wire.layout import TensorSpec, physical_segments, split_extents
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import MAX_REQUEST_ID_LEN, State, Store
+from kvd.errors import AlreadyExists, BadRequest, NotFound, PoolFull
+from kvd.wire.layout import TensorSpec, physical_segments, split_extents
 
 BLOCK = 4096
 

@@ -32,9 +32,9 @@ from kvd.wire.layout import physical_segments
 
 from ...logs import Throttle
 from ..page_store import CacheStore, Page
+from . import page_files
 from .disk_format import Header, namespace_dir, page_path
 from .disk_index import DiskIndex, DiskPage
-from . import page_files
 from .latency import Latency
 from .readback import READ_TIMEOUT, READS_IN_FLIGHT, ReadBack, Staged
 
@@ -44,7 +44,7 @@ READ_THREADS = 4
 WRITE_THREADS = 2
 WRITES_IN_FLIGHT = 4  # page writes queued or running (each pins its page's blocks)
 STAGING_BYTES = 64 << 20  # pages evicted before they were written, copied out and waiting for the disk
-__all__ = ["DiskSettings", "DiskTier", "READ_TIMEOUT", "READS_IN_FLIGHT"]
+__all__ = ["READS_IN_FLIGHT", "READ_TIMEOUT", "DiskSettings", "DiskTier"]
 FULL_BACKOFF = 1.0  # seconds without writes after the disk said it is full or failing
 WRITE_PAUSE_ENV = "KVD_TEST_DISK_WRITE_PAUSE"  # tests: each write stops this long halfway through its bytes
 READ_PAUSE_ENV = "KVD_TEST_DISK_READ_PAUSE"  # tests: each read waits this long first (a saturated disk)

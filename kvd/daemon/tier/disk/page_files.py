@@ -25,8 +25,19 @@ from dataclasses import dataclass, field
 
 from kvd.errors import BadRequest
 
-from .disk_format import (HEADER_SIZE, SUFFIX, BadPage, Header, check_is, decode, disk_bytes, encode,
-                                 file_size, page_path, payload_digest)
+from .disk_format import (
+    HEADER_SIZE,
+    SUFFIX,
+    BadPage,
+    Header,
+    check_is,
+    decode,
+    disk_bytes,
+    encode,
+    file_size,
+    page_path,
+    payload_digest,
+)
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from kvd.errors import BadRequest
 
 from ...logs import Throttle
 from ..page_store import CacheStore, Page
+from . import page_files
 from .disk_format import BadPage, disk_bytes
 from .disk_index import DiskIndex, DiskPage
-from . import page_files
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
