@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import json
 import multiprocessing as mp
@@ -377,10 +378,8 @@ class Fleet:
             if node.alive:
                 node.daemon.proc.kill()
         for node in self.nodes:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 node.daemon.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
 
 
 # ---- the registry, as a router sees it -------------------------------------------------------------------

@@ -8,6 +8,7 @@ that environment's numpy too).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,10 +57,8 @@ class Server:
     def terminate(self) -> None:
         """SIGTERM to its process group (the API server, engine core and worker)."""
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
 
     def stop(self, timeout: float = 30.0) -> None:
         self.terminate()

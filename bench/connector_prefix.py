@@ -217,7 +217,7 @@ def run(requests: int, prefix_tokens: int, max_tokens: int, passes: int, workdir
                 target = TARGET[name]
                 if name != "recompute" and not computed:  # engine A computes the prefix once a pass
                     bench.only("A")
-                    _, _, errors = bench.send("A", [prefix + [5, 6, 7]], 1)
+                    _, _, errors = bench.send("A", [[*prefix, 5, 6, 7]], 1)
                     computed = not errors
                 daemon = "C" if name == "kvd-other" else "A"
                 served = bench.served(daemon)

@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="32 MiB a size, one round")
     args = parser.parse_args(argv)
-    rows, checks, lines = section(args.quick)
+    _rows, checks, lines = section(args.quick)
     print("\n".join(lines))
     for name, value, op, limit, ok in checks:
         print(f"{name}: {value:.2f} {op} {limit}: {'PASS' if ok else 'FAIL'}")

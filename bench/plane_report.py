@@ -3,6 +3,7 @@ daemons' /metrics read for a transfer's own time, bench/RESULTS.md's last record
 table rows, and issue 40's goals as ratios of the same run."""
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
@@ -75,7 +76,7 @@ def per_run(readings: list[tuple[int, float]]) -> list[float]:
     """Each run's own duration from the totals read before every run and after the last, one transfer
     each: a reading that counted any other number of transfers is an error, not a figure."""
     runs = []
-    for (count0, sum0), (count1, sum1) in zip(readings, readings[1:]):
+    for (count0, sum0), (count1, sum1) in itertools.pairwise(readings):
         if count1 - count0 != 1:
             raise ValueError(f"expected one transfer between two readings of /metrics, counted {count1 - count0}")
         runs.append(sum1 - sum0)

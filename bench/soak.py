@@ -21,6 +21,7 @@ process died, or a daemon did not exit cleanly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -205,10 +206,8 @@ def _worker(wid: int, sockets: dict[str, str], stop, seed: int, reports, pause, 
                 if len(samples) < 10:
                     samples.append(f"{op} {rid}: {type(exc).__name__}: {exc}")
                 for c in clients.values():
-                    try:
+                    with contextlib.suppress(Exception):
                         c.delete(rid)
-                    except Exception:
-                        pass
             if time.time() - last_report > REPORT_EVERY:
                 reports.put((wid, dict(ops), dict(expected), dict(unexpected), mismatches, samples, False))
                 last_report = time.time()

@@ -62,6 +62,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine on the CPU backend
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import sys
@@ -236,10 +237,8 @@ class Engine:
         return result
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.conn.send(None)
-        except OSError:
-            pass
         self.proc.join(60)
         if self.proc.is_alive():
             self.proc.terminate()

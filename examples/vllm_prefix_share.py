@@ -38,6 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import statistics
@@ -127,10 +128,8 @@ class Engine:
         return result
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.conn.send(None)
-        except OSError:
-            pass
         self.proc.join(60)
         if self.proc.is_alive():
             self.proc.terminate()

@@ -17,6 +17,7 @@ Streaming responses are not proxied (the decode request is sent with stream=fals
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import urllib.error
@@ -81,10 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(args))
     print(f"proxy on http://{args.host}:{args.port} -> prefill {args.prefill}, decode {args.decode}", flush=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

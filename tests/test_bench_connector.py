@@ -43,7 +43,7 @@ def test_sizes_and_rows_parse_and_bad_ones_say_what_is_allowed():
         with pytest.raises(ValueError, match="--sizes"):
             parse_sizes(bad)
     assert parse_rows("nixl,none,nixl") == ["nixl", "none"]
-    with pytest.raises(ValueError, match="unknown row 'kvd'.*kvd-push"):
+    with pytest.raises(ValueError, match=r"unknown row 'kvd'.*kvd-push"):
         parse_rows("none,kvd")
 
 

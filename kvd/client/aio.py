@@ -7,6 +7,7 @@ socket, so any number of tasks can have requests in flight on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -84,10 +85,8 @@ class AsyncClient(_ClientCore):
     def _send_nowait(self, msg: p.Message) -> None:
         if self._sock is None:
             return  # reconnecting: the daemon that lost us gives back what we held by itself
-        try:
+        with contextlib.suppress(KvdError):  # clean-up only: a daemon that lost us gives back what we held by itself
             self._sock.send_now(p.encode(msg))
-        except KvdError:
-            pass  # clean-up only: a daemon that lost us gives back what we held by itself
 
     async def _drive(self, op: Operation) -> Any:
         # run _steps to its end rather than return from inside the loop: an async generator left

@@ -10,6 +10,7 @@ parent's connection after fork(), and late replies to abandoned requests give ba
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -368,8 +369,6 @@ class _ClientCore:
             self._ipc_close()
             self._ipc_close = None
         if self._mapping is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a tensor view still references it; it goes with the process
                 self._mapping.close()
-            except BufferError:
-                pass  # a tensor view still references it; it goes with the process
             self._mapping = None

@@ -6,6 +6,7 @@ event loop, no thread hop, the lowest latency for the common synchronous worker.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -78,10 +79,8 @@ class Client(_ClientCore):
     def _send_nowait(self, msg: p.Message) -> None:
         if self._sock is None:
             return  # no connection (closed, or forked away): the daemon gives back what we held
-        try:
+        with contextlib.suppress(KvdError):  # clean-up only: a daemon that lost us gives back what we held by itself
             self._sock.send(p.encode(msg))
-        except KvdError:
-            pass  # clean-up only: a daemon that lost us gives back what we held by itself
 
     def _drive(self, op: Operation) -> Any:
         with self._lock:
@@ -291,10 +290,8 @@ class Client(_ClientCore):
             self._close_transport()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self._close_transport()
-        except Exception:
-            pass
 
     def __enter__(self) -> Client:
         return self.connect()

@@ -15,6 +15,7 @@ tmpfs that cannot hold the pool fails the start instead of the first transfer).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import mmap
@@ -113,10 +114,8 @@ class HostMemory:
             os.close(self._fd)
             self._fd = -1
         if self._unlink_path:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._unlink_path)
-            except FileNotFoundError:
-                pass
             self._unlink_path = ""
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -71,10 +72,8 @@ def _write(path: str, text: str, secret: bool) -> None:
         os.chmod(tmp, 0o600 if secret else 0o644)  # (the umask may have narrowed the public one)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 

@@ -121,10 +121,9 @@ class Server:
             self._generation += 1
         data = self.root / f"data{self._generation}"
         data.mkdir(parents=True, exist_ok=True)
-        log = open(self.root / f"log{self._generation}", "wb")
-        self.proc = subprocess.Popen(self.command(data), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, cwd=data)
-        log.close()
+        with open(self.root / f"log{self._generation}", "wb") as log:
+            self.proc = subprocess.Popen(self.command(data), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=data)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

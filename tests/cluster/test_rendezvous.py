@@ -20,7 +20,7 @@ def placement(nodes: list[str], namespace: str = "ns") -> dict[str, str]:
 
 def test_the_home_does_not_depend_on_the_order_of_the_node_list():
     nodes = ["a", "b", "c", "d"]
-    assert placement(nodes) == placement(list(reversed(nodes))) == placement(nodes + ["b"])
+    assert placement(nodes) == placement(list(reversed(nodes))) == placement([*nodes, "b"])
     assert home("ns", "k", []) is None
 
 
@@ -36,7 +36,7 @@ def test_keys_spread_evenly(count):
 @pytest.mark.parametrize("count", [3, 4, 7])
 def test_a_join_moves_only_keys_to_the_newcomer_and_about_one_nth(count):
     nodes = [f"node-{i}" for i in range(count)]
-    before, after = placement(nodes), placement(nodes + ["new"])
+    before, after = placement(nodes), placement([*nodes, "new"])
     moved = [k for k in KEYS if before[k] != after[k]]
     assert all(after[k] == "new" for k in moved)
     assert abs(len(moved) - len(KEYS) / (count + 1)) < 0.15 * len(KEYS) / (count + 1)

@@ -54,7 +54,7 @@ def test_a_password_file_overrides_the_urls_and_needs_the_etcd_user(tmp_path):
     assert with_options(parse_url("redis://r"), password_file=str(pw))[0].password == "fromfile"
     with pytest.raises(ValueError, match="needs the etcd user"):
         with_options(parse_url("etcd://h:1"), password_file=str(pw))
-    with pytest.raises(ValueError, match="--registry-password-file .*cannot read"):
+    with pytest.raises(ValueError, match=r"--registry-password-file .*cannot read"):
         with_options(parse_url("etcd://kvd@h:1"), password_file=str(tmp_path / "missing"))
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="first line is empty"):
@@ -64,16 +64,16 @@ def test_a_password_file_overrides_the_urls_and_needs_the_etcd_user(tmp_path):
 
 
 def test_tls_options_are_checked_when_the_backend_opens(tmp_path):
-    with pytest.raises(ValueError, match="--registry-ca .*missing.pem.*cannot read"):
+    with pytest.raises(ValueError, match=r"--registry-ca .*missing.pem.*cannot read"):
         open_backend("etcds://h:1", ca_file=str(tmp_path / "missing.pem"))
     (tmp_path / "junk.pem").write_text("not a certificate")
-    with pytest.raises(ValueError, match="--registry-ca .*not a PEM CA bundle"):
+    with pytest.raises(ValueError, match=r"--registry-ca .*not a PEM CA bundle"):
         open_backend("rediss://h:1", ca_file=str(tmp_path / "junk.pem"))
     with pytest.raises(ValueError, match="--registry-cert and --registry-key go together"):
         open_backend("etcds://h:1", cert_file=str(tmp_path / "junk.pem"))
-    with pytest.raises(ValueError, match="--registry-key .*cannot read"):
+    with pytest.raises(ValueError, match=r"--registry-key .*cannot read"):
         open_backend("etcds://h:1", cert_file=str(tmp_path / "junk.pem"), key_file=str(tmp_path / "nokey"))
-    with pytest.raises(ValueError, match="--registry-cert .*not a PEM certificate"):
+    with pytest.raises(ValueError, match=r"--registry-cert .*not a PEM certificate"):
         open_backend("etcds://h:1", cert_file=str(tmp_path / "junk.pem"), key_file=str(tmp_path / "junk.pem"))
     with pytest.raises(ValueError, match="need TLS: use etcds://"):
         open_backend("etcd://h:1", ca_file=str(tmp_path / "junk.pem"))

@@ -150,9 +150,10 @@ def run_pair(workdir: Path, scenario: Callable[[Node, Node], Awaitable[None]], *
     async def main() -> None:
         (workdir / "A").mkdir()
         (workdir / "B").mkdir()
-        async with serving(workdir / "A", node_id="A", listen=peers["A"], peers={"B": peers["B"]}, **config) as a:
-            async with serving(workdir / "B", node_id="B", listen=peers["B"], peers={"A": peers["A"]},
-                               **config) as b:
-                await asyncio.wait_for(scenario(a, b), 30)
+        async with (
+            serving(workdir / "A", node_id="A", listen=peers["A"], peers={"B": peers["B"]}, **config) as a,
+            serving(workdir / "B", node_id="B", listen=peers["B"], peers={"A": peers["A"]}, **config) as b,
+        ):
+            await asyncio.wait_for(scenario(a, b), 30)
 
     asyncio.run(main())

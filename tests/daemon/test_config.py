@@ -241,7 +241,7 @@ def test_a_tcp_endpoint_needs_a_port_in_range(endpoint, problem):
 
     assert problem in tcp_endpoint_problem(endpoint)
     for cli in ({"listen": endpoint}, {"peers": {"B": endpoint}}, {"advertise": endpoint}, {"socket": endpoint}):
-        with pytest.raises(ValueError, match="out of range|has no port|must be a number"):
+        with pytest.raises(ValueError, match=r"out of range|has no port|must be a number"):
             load_config(cli=cli, env={})
 
 

@@ -4,6 +4,7 @@ and a file that is damaged, cut short, renamed over another page's, of another n
 another format version is refused (and removed), never read as the page asked for."""
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import threading
@@ -33,7 +34,7 @@ def read(root, namespace=NS, key=KEY, nbytes=10_000) -> bytes:
     view = memoryview(out)
     cuts = [0, nbytes // 3, nbytes // 2, nbytes]
     header, seconds = page_files.read_page(str(root), namespace, key, nbytes,
-                                      [view[a:b] for a, b in zip(cuts, cuts[1:])])
+                                      [view[a:b] for a, b in itertools.pairwise(cuts)])
     assert header.namespace == namespace and header.key == key and seconds >= 0
     return bytes(out)
 

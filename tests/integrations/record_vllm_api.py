@@ -18,6 +18,7 @@ import json
 import re
 import sys
 import zipfile
+from pathlib import Path
 
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 CLASS = "KVConnectorBase_V1"
@@ -50,7 +51,7 @@ def main(path: str) -> int:
             source = wheel.read(BASE).decode()
             version = re.search(r"vllm-([^-]+)-", path.rsplit("/", 1)[-1]).group(1)
     else:
-        source, version = open(path).read(), "unknown"
+        source, version = Path(path).read_text(), "unknown"
     record = {"vllm": version, "file": BASE, "sha256": hashlib.sha256(source.encode()).hexdigest(),
               "class": CLASS, "methods": methods(source),
               "mixins": {name: methods(source, name) for name in MIXINS}}

@@ -90,7 +90,7 @@ def test_settings_from_the_extra_config():
     assert Settings.from_extra(EXTRA) == Settings()
     s = Settings.from_extra({**EXTRA, "kvd_socket": "unix:///tmp/x.sock", "kvd_salt": "t", "kvd_timeout": 2})
     assert (s.socket, s.salt, s.timeout) == ("unix:///tmp/x.sock", "t", 2.0)
-    with pytest.raises(ValueError, match="kvd_slat.*known: kvd_salt"):
+    with pytest.raises(ValueError, match=r"kvd_slat.*known: kvd_salt"):
         Settings.from_extra({"kvd_slat": "t"})  # a typo must not share a tenant's pages
     for bad in (0, -1, "5", True, float("inf")):
         with pytest.raises(ValueError, match="kvd_timeout"):

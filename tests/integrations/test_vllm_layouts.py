@@ -66,7 +66,7 @@ def test_shards_are_released_once_every_worker_reported_the_load(model_dir, daem
     """No shard may stay behind until its TTL once vLLM reports a load finished by every worker."""
     scheduler = make_scheduler(model_dir, extra={"kvd_socket": daemon.socket}, tp=decode_tp)
     keys = [f"eng:p1@tp{t}.pp0" for t in range(prefill_tp)]
-    put_shards(daemon, keys + ["someone-else@tp0.pp0"])
+    put_shards(daemon, [*keys, "someone-else@tp0.pp0"])
     request = make_request("d1", 70, max_tokens=4, params=decode_params(70, prefill_tp=prefill_tp))
     scheduler.add_request(request)
     output = scheduler.schedule()

@@ -61,7 +61,7 @@ def keys(request, blocks, group: int = 0) -> list[str]:
 
 
 def test_the_leading_blocks_the_tier_holds_are_loaded_and_the_rest_computed(model_dir):
-    scheduler, prefix, tier = scheduler_with_tier(model_dir)
+    scheduler, _prefix, tier = scheduler_with_tier(model_dir)
     request = make_request("r", 100)  # 6 full blocks of 16, and 4 tokens
     tier.hold(keys(request, [0, 1, 2, 4, 5]))  # block 3 is missing: the hit is blocks 0-2
     scheduler.add_request(request)
@@ -125,7 +125,7 @@ def test_past_the_local_prefix_cache_only_the_tiers_blocks_are_loaded(model_dir)
 
 
 def test_a_slow_daemon_costs_a_miss_after_the_lookup_timeout_never_a_stalled_scheduler(model_dir):
-    scheduler, prefix, tier = scheduler_with_tier(model_dir, extra={"kvd_lookup_timeout": 0.3})
+    scheduler, prefix, _tier = scheduler_with_tier(model_dir, extra={"kvd_lookup_timeout": 0.3})
     release = threading.Event()
 
     def slow(keys):
@@ -288,7 +288,7 @@ def test_kvd_cache_must_be_a_known_mode(model_dir):
 
 
 def test_an_empty_step_stores_nothing(model_dir):
-    scheduler, prefix, _ = scheduler_with_tier(model_dir)
+    _scheduler, prefix, _ = scheduler_with_tier(model_dir)
     assert prefix.saves_for(SchedulerOutput.make_empty()) is None
 
 

@@ -53,7 +53,7 @@ def check_unusable() -> None:
                 get()
     with pytest.raises(ParallelStateError, match="not initialized"):
         par.tensor_model_parallel_all_reduce(torch.ones(1))
-    with pytest.raises(ParallelStateError, match="before ParallelState.initialize"):
+    with pytest.raises(ParallelStateError, match=r"before ParallelState.initialize"):
         _ = ParallelState().tp
 
 
@@ -165,6 +165,6 @@ def test_single_process_world(monkeypatch):
 
 def test_requires_torch_distributed():
     assert not dist.is_initialized()
-    with pytest.raises(ParallelStateError, match="torch.distributed is not initialized"):
+    with pytest.raises(ParallelStateError, match=r"torch.distributed is not initialized"):
         ParallelState().initialize(tensor_parallel_size=1)
     assert not par.is_initialized()

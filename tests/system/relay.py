@@ -7,6 +7,7 @@ so the transfer is still under way whenever the fault lands.
 """
 from __future__ import annotations
 
+import contextlib
 import selectors
 import socket
 import threading
@@ -103,10 +104,8 @@ class PausingRelay(threading.Thread):
             if s is None:
                 continue
             peers.pop(s, None)
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 sel.unregister(s)
-            except (KeyError, ValueError):
-                pass
             s.close()
 
     def release(self) -> None:

@@ -139,7 +139,7 @@ def test_same_seed_same_weights_different_seed_different_tokens():
 def test_a_corrupted_layer_changes_the_output(clients):
     """The bit-exact check is sensitive: flipping one K element of one layer changes the logits."""
     dtype, batch, prompt_len, new_tokens = "float32", 1, 48, 4
-    prompts, tokens, logits = disaggregated(clients, dtype, batch, prompt_len, new_tokens, "stream", "model-corrupt")
+    prompts, _tokens, logits = disaggregated(clients, dtype, batch, prompt_len, new_tokens, "stream", "model-corrupt")
     ref = ex.reference(model_for(dtype, "reference"), prompts, new_tokens)
     assert torch.equal(logits, ref["logits"])
     model = model_for(dtype, "reference")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import inspect
 import os
@@ -137,10 +138,8 @@ def test_health_answers_while_slow_clients_hold_the_port(daemons):
         slow.trickle()
         for _ in range(8):
             started = time.monotonic()
-            try:
+            with contextlib.suppress(OSError):
                 answered += get(port, "/healthz", timeout=3).startswith(b"HTTP/1.1 200")
-            except OSError:
-                pass
             worst = max(worst, time.monotonic() - started)
         held = max(held, len(os.listdir(f"/proc/{a.pid}/fd")) - fds)
     opened = slow.opened
@@ -156,10 +155,8 @@ def test_health_answers_while_slow_clients_hold_the_port(daemons):
     for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\n":
         if closed(silent) and closed(dripping):
             break
-        try:
+        with contextlib.suppress(OSError):
             dripping.send(bytes([byte]))
-        except OSError:
-            pass
         time.sleep(0.1)
     gone = time.monotonic() - started
     assert closed(silent) and closed(dripping) and gone < 4.0, gone
@@ -242,10 +239,8 @@ class Slowloris:
 
     def trickle(self) -> None:
         for s in self.socks[::2]:
-            try:
+            with contextlib.suppress(OSError):
                 s.send(b"G")
-            except OSError:
-                pass
 
     def close(self) -> None:
         for s in self.socks:

@@ -55,7 +55,7 @@ def test_every_dtype_round_trips_bit_exact_and_reads_never_consume(daemon, clien
     out = torch.empty_like(pages[0])
     assert client.cache_get(keys[:1], [out], namespace="t") == [True] and same_bits(out, pages[0])
     # leading hits; another namespace is a miss; an out of the wrong size is the caller's bug, not a miss
-    assert client.cache_exists(keys[:3] + ["absent"] + keys[3:], namespace="t") == 3
+    assert client.cache_exists([*keys[:3], "absent", *keys[3:]], namespace="t") == 3
     with pytest.raises(BadRequest, match="page 'page-0' of namespace 't' holds"):
         client.cache_get(keys[:1], [torch.empty(7)], namespace="t")
     assert client.cache_get(keys[:1], [torch.empty_like(pages[0])], namespace="other") == [False]

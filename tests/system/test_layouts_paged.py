@@ -346,7 +346,7 @@ def test_a_group_the_producer_keeps_otherwise_refuses_the_whole_load(daemons, ca
         mine = consumer.workers[0]
         mine.start_load(LoadSpec(req_id="r", request_key="eng:r", block_ids=([0, 0, 14, 15, 23], [16, 17, 18, 19, 21]),
                                  num_tokens=tokens, first_block=(2, 0)))
-        finished, failed = wait_for_load(mine, "r", time.monotonic() + 10)
+        _finished, failed = wait_for_load(mine, "r", time.monotonic() + 10)
         assert failed == {"r"}
         message = " ".join(r.getMessage() for r in caplog.records)
         assert "LayoutMismatch" in message and "sliding_window(32)" in message, message

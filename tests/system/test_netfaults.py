@@ -191,7 +191,7 @@ def start_push_and_wait_in_flight(a: DaemonProc, ca, request_id: str, data: torc
 
 
 def test_link_down_mid_push_fails_fast_and_leaks_nothing(daemons, net):
-    a, b = start_pair(daemons, net, FAST_HEARTBEAT + ["--transfer-timeout", "10s"])
+    a, b = start_pair(daemons, net, [*FAST_HEARTBEAT, "--transfer-timeout", "10s"])
     data = random_bytes(192 << 20, 2)
     # shaped to 1 Gbit/s, the push takes 1.6 s: the link is certain to go down mid-push (at veth
     # speed the rest of it could go in the few ms between "in flight" and the link going down)
@@ -221,7 +221,7 @@ def test_link_down_mid_push_fails_fast_and_leaks_nothing(daemons, net):
 
 
 def test_partition_frees_a_failed_push_while_the_link_is_still_down(daemons, net):
-    a, b = start_pair(daemons, net, FAST_HEARTBEAT + ["--transfer-timeout", "3s"])
+    a, b = start_pair(daemons, net, [*FAST_HEARTBEAT, "--transfer-timeout", "3s"])
     data = random_bytes(64 << 20, 3)
     # shaped to 400 Mbit/s, the push takes 1.3 s: certain to be under way when the link goes down
     with a.client() as ca, b.client() as cb, qdisc(net, "tbf", "rate", "400mbit", "burst", "256kb", "latency",

@@ -110,9 +110,8 @@ def test_an_unreachable_registry_is_said_at_start_and_in_the_errors_it_causes(da
     while "cannot reach the cluster registry" not in a.log():
         assert time.monotonic() < deadline, a.log()[-2000:]
         time.sleep(0.1)
-    with a.client() as c:
-        with pytest.raises(kvd.PeerUnavailable, match=f"the cluster registry {nowhere} is unreachable"):
-            c.put("x", {"x": torch.ones(4)}, dest="decode-7")
+    with a.client() as c, pytest.raises(kvd.PeerUnavailable, match=f"the cluster registry {nowhere} is unreachable"):
+        c.put("x", {"x": torch.ones(4)}, dest="decode-7")
     b = daemons.start("B")
     with b.client() as c, pytest.raises(kvd.PeerUnavailable, match="no cluster registry"):
         c.put("x", {"x": torch.ones(4)}, dest="decode-7")

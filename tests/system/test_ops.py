@@ -212,7 +212,7 @@ def test_sigterm_drains_an_in_flight_push(daemons, relay):
 
 
 def test_new_work_is_refused_while_draining(daemons, relay):
-    a, b = pair_through(daemons, relay, pool_size="320MiB", extra=["--drain-timeout", "5s"])
+    a, _b = pair_through(daemons, relay, pool_size="320MiB", extra=["--drain-timeout", "5s"])
     big = torch.zeros(192 << 20, dtype=torch.uint8)
     thread = threading.Thread(target=lambda: a.client().put("slow", {"x": big}, dest="B"))
     thread.start()

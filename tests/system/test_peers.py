@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,7 +168,7 @@ def test_remote_pool_full_reaches_the_client_as_pool_full(daemons):
 
 
 def test_pull_of_a_missing_request_fails_with_the_holders_error(daemons):
-    a, b = daemons.pair()
+    _a, b = daemons.pair()
     with b.client() as cb:
         with pytest.raises(kvd.NotFound) as info:
             cb.get("never", source="A", timeout=0)
@@ -177,7 +178,7 @@ def test_pull_of_a_missing_request_fails_with_the_holders_error(daemons):
 
 
 def test_duplicate_push_is_already_exists(daemons):
-    a, b = daemons.pair()
+    a, _b = daemons.pair()
     with a.client() as ca:
         ca.put("twice", {"x": torch.ones(4)}, dest="B")
         with pytest.raises(kvd.AlreadyExists):
@@ -221,7 +222,7 @@ def _thread_minor_faults(pid: int, name: str) -> int:
 
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
-        stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
         if stat[stat.index("(") + 1:stat.rindex(")")] == name:
             total += int(stat.rsplit(")", 1)[1].split()[7])
     return total

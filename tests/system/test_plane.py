@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,7 +193,7 @@ def test_a_peer_without_the_plane_is_refused_by_nixl_and_served_over_frames_by_a
     strict = daemons.start("S", extra=NIXL, peers={"B": f"tcp://127.0.0.1:{port_b}"})
     lenient = daemons.start("L", extra=["--data-plane", "auto"], peers={"B": f"tcp://127.0.0.1:{port_b}"})
     kv = {"x": torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8)}
-    with strict.client() as cs, pytest.raises(kvd.KvdError, match="cannot use the NIXL plane.*--data-plane zmq"):
+    with strict.client() as cs, pytest.raises(kvd.KvdError, match=r"cannot use the NIXL plane.*--data-plane zmq"):
         cs.put("strict", kv, dest="B")
     with lenient.client() as cl, b.client() as cb:
         cl.put("lenient", kv, dest="B")
@@ -316,7 +317,7 @@ def listening_addresses(pid: int) -> set[str]:
             inodes.add(target[8:-1])
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
+        for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
                 address = fields[1].split(":")[0]
@@ -353,7 +354,7 @@ def test_kvd_status_shows_the_plane(daemons):
     import subprocess
     import sys
 
-    a, b = plane_pair(daemons)
+    a, _b = plane_pair(daemons)
     with a.client() as ca:
         ca.put("x", {"x": torch.ones(2 * MiB, dtype=torch.uint8)}, dest="B")
     out = subprocess.run([sys.executable, "-m", "kvd", "status", "--socket", a.socket], capture_output=True,

@@ -35,7 +35,7 @@ def sent_types(client: kvd.Client):
 def test_a_small_put_lends_blocks_and_the_next_put_uses_them(client):
     first = torch.arange(5000, dtype=torch.float32)  # 20000 bytes: one block
     client.put("a", {"x": first})
-    [(token, extents, blocks)] = client._scratch
+    [(token, _extents, blocks)] = client._scratch
     assert blocks == 1 and pool(client)["scratch_bytes"] == BLOCK
     assert pool(client)["used_bytes"] == BLOCK  # the entry; the loan is counted apart
 

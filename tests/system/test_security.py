@@ -105,7 +105,7 @@ def test_a_key_that_is_not_allowed_is_refused(daemons, keys):
     a, b = curve_pair(daemons, keys, a_key="intruder", connect_timeout="30s")
     with a.client() as ca:
         started = time.monotonic()
-        with pytest.raises(kvd.Unauthorized, match="refused this daemon's CURVE key.*--curve-allow"):
+        with pytest.raises(kvd.Unauthorized, match=r"refused this daemon's CURVE key.*--curve-allow"):
             ca.put("intrusion", {"x": torch.ones(4)}, dest="B")
         assert time.monotonic() - started < 10
         with pytest.raises(kvd.Unauthorized):  # and again: nothing was left half-open
@@ -145,17 +145,16 @@ def test_a_refused_link_dials_again_once_the_peer_lets_it_in(daemons, keys):
 
 
 def test_a_wrong_public_key_for_the_peer_is_reported(daemons, keys, tmp_path):
-    made, allowed, secrets = keys
+    _made, allowed, secrets = keys
     mixed_up = tmp_path / "a-allows"
     mixed_up.mkdir()
     (mixed_up / "A.key").write_bytes((allowed / "A.key").read_bytes())
     (mixed_up / "B.key").write_bytes((secrets / "intruder.key").read_bytes())  # not B's
     a, b = curve_pair(daemons, keys, a_allow=mixed_up, connect_timeout="2s")
-    with a.client() as ca:
-        # ZeroMQ retries this one (it looks like a connection error), so it ends at the connect
-        # timeout, but with the reason instead of "did not answer"
-        with pytest.raises(kvd.Unauthorized, match="B.key among --curve-allow"):
-            ca.put("mixed-up", {"x": torch.ones(4)}, dest="B")
+    # ZeroMQ retries this one (it looks like a connection error), so it ends at the connect
+    # timeout, but with the reason instead of "did not answer"
+    with a.client() as ca, pytest.raises(kvd.Unauthorized, match=r"B.key among --curve-allow"):
+        ca.put("mixed-up", {"x": torch.ones(4)}, dest="B")
     with b.client() as cb:
         assert cb.stats()["entries"] == 0
 
@@ -164,10 +163,9 @@ def test_no_key_is_refused(daemons, keys):
     made, allowed, _ = keys
     b = daemons.start("B", extra=["--curve-secret-key", str(made["B"]), "--curve-allow", str(allowed)])
     plain = daemons.start("P", extra=["--connect-timeout", "2s"])
-    with plain.client() as c:
-        # ZeroMQ reports either the mechanism mismatch or just the hang-up, whichever it sees first
-        with pytest.raises((kvd.Unauthorized, kvd.PeerUnavailable), match="CURVE"):
-            c.put("plain", {"x": torch.ones(4)}, dest=b.listen)
+    # ZeroMQ reports either the mechanism mismatch or just the hang-up, whichever it sees first
+    with plain.client() as c, pytest.raises((kvd.Unauthorized, kvd.PeerUnavailable), match="CURVE"):
+        c.put("plain", {"x": torch.ones(4)}, dest=b.listen)
     # a raw ZeroMQ client without CURVE never gets an answer either
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)

@@ -170,7 +170,7 @@ def test_the_generic_path_and_its_pages_interoperate_with_v1(sglang, shared_daem
     fresh = MHAHostPool(layer_num=2, head_num=2, head_dim=8, page_size=PAGE, pages=PAGES, dtype=torch.float16)
     # _generic_page_get: dummy flat pages filled, then set_from_flat_data_page; None on a miss
     dummies = [fresh.get_dummy_flat_data_page() for _ in range(PAGES + 1)]
-    got = backend.batch_get(keys + ["f" * 64], dummies)
+    got = backend.batch_get([*keys, "f" * 64], dummies)
     assert got[-1] is None and all(g is d for g, d in zip(got[:-1], dummies))
     for i, page in enumerate(got[:-1]):
         fresh.set_from_flat_data_page(i * PAGE, page)

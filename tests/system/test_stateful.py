@@ -328,12 +328,14 @@ def test_stream_aborted_after_its_last_write_is_not_delivered(daemons):
     a, b = daemons.pair()
     layout = {"layer.0": ((1000,), torch.float32)}
     with a.client() as ca, b.client() as cb:
-        with pytest.raises(RuntimeError, match="prefill failed"):
-            with ca.put_stream("abandoned", layout, dest="B") as stream:
-                stream.write({"layer.0": torch.ones(1000)})
-                # B has every byte, only the commit is missing (else there is nothing to not deliver)
-                wait_until(lambda: cb.stats()["counters"]["received_bytes"] == 4000, "B never had the bytes")
-                raise RuntimeError("prefill failed")
+        with (
+            pytest.raises(RuntimeError, match="prefill failed"),
+            ca.put_stream("abandoned", layout, dest="B") as stream,
+        ):
+            stream.write({"layer.0": torch.ones(1000)})
+            # B has every byte, only the commit is missing (else there is nothing to not deliver)
+            wait_until(lambda: cb.stats()["counters"]["received_bytes"] == 4000, "B never had the bytes")
+            raise RuntimeError("prefill failed")
         wait_until(lambda: cb.stats()["counters"]["failures"] == 1, "B never took the abort")
         with pytest.raises(kvd.NotFound):
             cb.get("abandoned", timeout=0)

@@ -121,7 +121,7 @@ def test_a_reader_that_comes_after_the_entry_left_is_told_where_it_went(daemons)
 def test_a_reader_following_the_pushed_stream_gets_every_tensor_at_the_commit(daemons, late):
     # a reader following the stream (since its first write, or since after its last) ends as it is
     # committed, with every tensor
-    a, b = daemons.pair()
+    a, _b = daemons.pair()
     names = list(LAYERS)
     with a.client() as producer:
         stream = producer.put_stream("followed", LAYOUT, dest="B")

@@ -110,16 +110,16 @@ def test_get_stream_of_a_complete_entry_and_early_exit(client):
 
 def test_stream_errors(client):
     layers = make_layers(2)
-    with pytest.raises(kvd.BadRequest, match="declared"):
-        with client.put_stream("bad-shape", layout_of(layers)) as stream:
-            stream.write({"layer.0": torch.zeros(3, 3)})
-    with pytest.raises(kvd.BadRequest, match="already written"):
-        with client.put_stream("twice", layout_of(layers)) as stream:
-            stream.write({"layer.0": layers["layer.0"]})
-            stream.write({"layer.0": layers["layer.0"]})
-    with pytest.raises(kvd.BadRequest, match="not a tensor"):
-        with client.put_stream("unknown", layout_of(layers)) as stream:
-            stream.write({"layer.9": layers["layer.0"]})
+    with pytest.raises(kvd.BadRequest, match="declared"), client.put_stream("bad-shape", layout_of(layers)) as stream:
+        stream.write({"layer.0": torch.zeros(3, 3)})
+    with (
+        pytest.raises(kvd.BadRequest, match="already written"),
+        client.put_stream("twice", layout_of(layers)) as stream,
+    ):
+        stream.write({"layer.0": layers["layer.0"]})
+        stream.write({"layer.0": layers["layer.0"]})
+    with pytest.raises(kvd.BadRequest, match="not a tensor"), client.put_stream("unknown", layout_of(layers)) as stream:
+        stream.write({"layer.9": layers["layer.0"]})
     stats = client.stats()
     assert stats["entries"] == 0 and stats["pool"]["used_bytes"] == 0
     with pytest.raises(kvd.NotFound):
@@ -140,12 +140,14 @@ def test_aborted_stream_reaches_the_reader(daemon):
 
     thread = threading.Thread(target=reader)
     thread.start()
-    with daemon.client() as producer, pytest.raises(RuntimeError):
-        with producer.put_stream("aborted", layout_of(layers)) as stream:
-            stream.write({"layer.0": layers["layer.0"]})
-            eventually(lambda: groups or errors)  # the reader follows the stream: it has layer.0
-            assert groups and not errors, errors
-            raise RuntimeError("prefill crashed")
+    with (
+        daemon.client() as producer, pytest.raises(RuntimeError),
+        producer.put_stream("aborted", layout_of(layers)) as stream,
+    ):
+        stream.write({"layer.0": layers["layer.0"]})
+        eventually(lambda: groups or errors)  # the reader follows the stream: it has layer.0
+        assert groups and not errors, errors
+        raise RuntimeError("prefill crashed")
     thread.join(10)
     assert errors and isinstance(errors[0], kvd.NotFound)
     with daemon.client() as c:
@@ -156,9 +158,11 @@ def test_streamed_push_to_a_dead_peer_fails_at_commit(daemons):
     a = daemons.start("A", extra=["--connect-timeout", "1s"])
     layers = make_layers(2)
     with a.client() as producer:
-        with pytest.raises(kvd.PeerUnavailable):
-            with producer.put_stream("nowhere", layout_of(layers), dest="tcp://127.0.0.1:1") as stream:
-                stream.write(layers)
+        with (
+            pytest.raises(kvd.PeerUnavailable),
+            producer.put_stream("nowhere", layout_of(layers), dest="tcp://127.0.0.1:1") as stream,
+        ):
+            stream.write(layers)
         assert producer.stats()["pool"]["used_bytes"] == 0
 
 

@@ -3,6 +3,8 @@ and a place in the page counts, so a flood of empty or tiny pages, from a local 
 another node, leaves the daemon's memory bounded."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 FLOOD_PUTS, BATCH = 60, 4096
@@ -10,7 +12,7 @@ FLOOD_PUTS, BATCH = 60, 4096
 
 def anon_rss(pid: int) -> int:
     """The daemon's own memory (RssAnon: not the shared pool, which a prefault counts as RSS)."""
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) << 10
     raise AssertionError("no RssAnon in /proc/PID/status")

@@ -5,6 +5,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import zmq.auth
@@ -41,7 +42,7 @@ def test_the_ca_flow_takes_two_keygen_commands(tmp_path):
     public, secret = zmq.auth.load_certificate(f"{d}/gpu-1.key_secret")
     assert public == keys.curve_public and secret == keys.curve_secret
     assert zmq.auth.load_certificate(f"{d}/gpu-1.key")[1] is None
-    assert "sign-secret-key" not in open(f"{d}/gpu-1.key").read()  # the public file holds no secret
+    assert "sign-secret-key" not in Path(f"{d}/gpu-1.key").read_text()  # the public file holds no secret
 
 
 def test_signing_again_renews_the_cert_and_keeps_the_identity(tmp_path):
@@ -57,7 +58,7 @@ def test_signing_again_renews_the_cert_and_keeps_the_identity(tmp_path):
 
 def test_an_old_pair_gets_a_signing_key_and_keeps_its_curve_key(tmp_path):
     d = str(tmp_path)
-    public, secret = zmq.auth.create_certificates(d, "old")  # a pair from before certs
+    public, _secret = zmq.auth.create_certificates(d, "old")  # a pair from before certs
     keygen_ca(d)
     made = keygen_node(d, "old", ca_secret=f"{d}/ca.key_secret")
     keys = load_node_keys(made.secret)
@@ -68,7 +69,7 @@ def test_an_old_pair_gets_a_signing_key_and_keeps_its_curve_key(tmp_path):
 def test_existing_keys_are_kept_unless_forced(tmp_path):
     d = str(tmp_path)
     keygen_ca(d)
-    with pytest.raises(BadRequest, match="already exist.*--force"):
+    with pytest.raises(BadRequest, match=r"already exist.*--force"):
         keygen_ca(d)
     seed = load_ca_secret(f"{d}/ca.key_secret")
     keygen_ca(d, force=True)

@@ -6,6 +6,7 @@ TCP connection cut, which makes ZeroMQ drop them; no timer ever frees blocks Zer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -68,10 +69,8 @@ class FrameHolds:
         self._schedule_deferred_check()
 
     def _unpin(self, lease_token: int) -> None:
-        try:
+        with contextlib.suppress(NotFound):
             self.store.release(lease_token, success=False)
-        except NotFound:
-            pass
 
     def _schedule_deferred_check(self) -> None:
         if self._deferred_check is None:

@@ -8,6 +8,7 @@ Whether a link is up, and what a wait for it gets, is decided by its `handshake.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -282,10 +283,8 @@ class PeerLink:
 
     def _redial(self) -> None:
         sock = self.socket.sock
-        try:
+        with contextlib.suppress(zmq.ZMQError):  # already forgotten
             sock.disconnect(self.endpoint)
-        except zmq.ZMQError:
-            pass  # already forgotten
         sock.connect(self.endpoint)
 
     def _send(self, frames: list, track: bool) -> Sending:

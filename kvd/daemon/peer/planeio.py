@@ -6,6 +6,7 @@ peer, a peer gone for good, and our own operations stuck behind a frozen peer ar
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Container
@@ -138,10 +139,8 @@ class PlaneIO:
         if hold.entry is not None:
             self.store.release_writer(hold.entry)
         if hold.lease_token:
-            try:
+            with contextlib.suppress(NotFound):
                 self.store.release(hold.lease_token, success=False)
-            except NotFound:
-                pass
         if isinstance(hold, Drain) and hold.peer:
             unsaid = self._unsaid.setdefault(hold.peer, set())
             if len(unsaid) < MAX_UNSAID:  # (a peer gone for good would never take them)

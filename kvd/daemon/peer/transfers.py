@@ -31,7 +31,8 @@ from ..metrics import Metrics
 from ..plane.poller import PlaneOps
 from ..store.entries import Entry, Store
 from ..transfer.channel import Channel, Sending
-from ..transfer.machine import Limits, Machine
+from ..transfer.limits import Limits
+from ..transfer.machine import Machine
 from ..transfer.states import (
     Cancel,
     ChannelLost,

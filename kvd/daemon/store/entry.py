@@ -63,7 +63,7 @@ class Entry:
 
         These ranges partition [0, total_bytes), so sending every tensor's range sends the entry."""
         starts = self.offsets
-        ends = starts[1:] + [self.total_bytes]
+        ends = [*starts[1:], self.total_bytes]
         return list(zip(starts, ends, strict=True))
 
     def complete_tensors(self) -> list[int]:

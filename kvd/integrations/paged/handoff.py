@@ -27,6 +27,7 @@ cache group move in `kvd.integrations.paged.groups` (both pure).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -58,10 +59,8 @@ __all__ = ["META_KEY", "LoadSpec", "PagedKVLayout", "PagedKVWorker", "SaveSpec",
 def _discard(client: Client | None) -> None:
     """Close a client we stop using (its zmq context must not be left to the garbage collector)."""
     if client is not None:
-        try:
+        with contextlib.suppress(Exception):
             client.close()
-        except Exception:
-            pass
     return None
 
 

@@ -285,5 +285,5 @@ def _unheaded(block: tuple[tuple[int, ...], str], axis: int | None) -> tuple[tup
     shape, dtype = block
     if axis is None or axis >= len(shape):
         return shape, dtype
-    return shape[:axis] + (-1,) + shape[axis + 1:], dtype
+    return (*shape[:axis], -1, *shape[axis + 1:]), dtype
 

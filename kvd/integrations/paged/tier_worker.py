@@ -16,6 +16,7 @@ block views: one copy each way between the engine's cache and the daemon's pool,
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -218,8 +219,6 @@ def warm_threads(executor: ThreadPoolExecutor, threads: int, connect: Callable[[
 
 def _discard(client: Client | None) -> None:
     if client is not None:
-        try:
+        with contextlib.suppress(Exception):
             client.close()
-        except Exception:
-            pass
     return None

@@ -17,6 +17,7 @@ daemon that is down, full or slow answers misses and Falses (`guard.py`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -77,10 +78,8 @@ class KvdHiCacheStorage(HiCacheStorage):
         with self._clients_lock:
             clients, self._clients = self._clients, []
         for client in clients:
-            try:
+            with contextlib.suppress(Exception):  # (closing is best effort: the daemon may be gone)
                 client.close()
-            except Exception:  # (closing is best effort: the daemon may be gone)
-                pass
 
     def clear(self) -> bool:
         """Drop this rank's namespace from the tier (every instance sharing it loses it too)."""

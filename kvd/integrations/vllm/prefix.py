@@ -23,6 +23,7 @@ model with a Mamba group does not use the tier (the connector says so at start).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -185,10 +186,8 @@ class PrefixTier:
             keys, per_block = self.layout.lookup_keys(self.hashes(request, limit), first)
             future = self._executor.submit(self._exists, keys)
             look = Lookup(first, limit, per_block, future, now + self.settings.lookup_timeout)
-            try:
+            with contextlib.suppress(FutureTimeout):
                 look.found = leading_blocks(future.result(timeout=QUICK), per_block)
-            except FutureTimeout:
-                pass
         self._lookups[request.request_id] = look
         return look
 
@@ -354,10 +353,8 @@ class PrefixTier:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         for client in self._clients:
-            try:
+            with contextlib.suppress(Exception):
                 client.close()
-            except Exception:
-                pass
 
 
 def _extra_keys(request: Request, start: int, end: int) -> Any:

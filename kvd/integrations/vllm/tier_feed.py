@@ -20,6 +20,7 @@ per engine lifetime, and announcing nothing.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -215,10 +216,8 @@ class TierFeed:
 
 def _close(client: Client | None) -> None:
     if client is not None:
-        try:
+        with contextlib.suppress(Exception):
             client.close()
-        except Exception:
-            pass
     return None
 
 

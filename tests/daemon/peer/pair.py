@@ -356,7 +356,7 @@ def raw(side, entry) -> bytes:
 
 def granted_push(size: int = PLANE_SIZE):
     """A sealed push on the plane, granted: its first writes are posted, none has ended."""
-    a, b, clock = pair(plane=True, validate=True)
+    a, b, _clock = pair(plane=True, validate=True)
     entry = a.entry("r", data_of(size))
     out = push(a, b, entry)
     a.handle(Connected(out.xfer))
@@ -367,7 +367,7 @@ def granted_push(size: int = PLANE_SIZE):
 
 def lent_pull(size: int = PLANE_SIZE, keep: bool = False):
     """B pulls from A on the plane; A lent its entry and B reads: its first reads are posted."""
-    a, b, clock = pair(plane=True, validate=True)
+    a, b, _clock = pair(plane=True, validate=True)
     entry = a.entry("r", data_of(size))
     inbound, actions = b.machine.start_pull("r", a.channel, timeout=3.0, keep=keep)
     b.run(actions)

@@ -69,7 +69,7 @@ def test_a_placed_slice_whose_digest_does_not_match_fails_the_transfer_and_publi
 
 @pytest.mark.parametrize("landed", [0, 1])
 def test_a_write_that_failed_fails_the_push_and_its_blocks_wait_for_every_write(landed):
-    a, b, entry, out, arriving = granted_push()
+    a, b, _entry, out, arriving = granted_push()
     free_before, granted = b.store.allocator.free_blocks, blocks(arriving)
     failed, running = a.ops.pending
     a.complete(failed, errors.PeerUnavailable("the UCX endpoint failed"), landed=landed)
@@ -110,7 +110,7 @@ def test_a_read_that_failed_fails_the_pull_and_the_holder_keeps_its_blocks_until
 
 
 def test_a_sender_that_fails_mid_write_keeps_its_lease_until_its_writes_ended():
-    a, b, entry, out, arriving = granted_push()
+    a, b, entry, out, _arriving = granted_push()
     a.handle(Cancel(out.xfer, errors.NotFound("request 'r' was deleted on A")))
     assert out.state is SenderState.FAILED and entry.leases  # two writes still read its blocks
     a.complete()
@@ -123,7 +123,7 @@ def test_a_sender_that_fails_mid_write_keeps_its_lease_until_its_writes_ended():
 
 @pytest.mark.parametrize("who", ["receiver", "sender"])
 def test_a_lost_connection_mid_write_parks_the_granted_blocks_until_released(who):
-    a, b, entry, out, arriving = granted_push()
+    a, b, _entry, out, arriving = granted_push()
     a.complete()
     deliver(a, b)  # slice 0 placed and acknowledged
     lost = [b] if who == "receiver" else [a]
@@ -139,7 +139,7 @@ def test_a_lost_connection_mid_write_parks_the_granted_blocks_until_released(who
 def test_a_writer_that_restarted_releases_what_was_parked_for_it():
     """A daemon that died mid-write posts nothing more: once its new incarnation says hello, its
     peer lets go of the blocks it had granted the old one (no `released` will ever come)."""
-    a, b, entry, out, arriving = granted_push()
+    a, b, _entry, _out, arriving = granted_push()
     b.handle(ChannelLost(a.channel.key, "peer A stopped answering"))
     assert b.store.parked_bytes == blocks(arriving) * BLOCK and b.plane.summary()["parked"] == 1
     a.restart()
@@ -147,7 +147,7 @@ def test_a_writer_that_restarted_releases_what_was_parked_for_it():
 
 
 def test_a_puller_that_restarted_releases_the_blocks_lent_to_it():
-    a, b, entry, out, inbound = lent_pull()
+    a, b, entry, out, _inbound = lent_pull()
     a.handle(ChannelLost(b.channel.key, "peer B stopped answering"))
     assert out.state is SenderState.FAILED and entry.leases and a.plane.summary()["parked"] == 1
     b.restart()
@@ -195,7 +195,7 @@ def test_a_lend_that_comes_after_its_pull_ended_is_dropped():
 
 
 def test_released_from_another_peer_releases_nothing():
-    a, b, entry, out, arriving = granted_push()
+    a, b, _entry, out, arriving = granted_push()
     b.handle(ChannelLost(a.channel.key, "connection lost"))
     stranger = type(a.channel)(("router", b"C"), "C", None, lambda: False)
     stranger.plane, stranger.plane_agent = PLANE, "agent-C"
@@ -274,7 +274,7 @@ def test_a_pull_whose_reads_keep_making_progress_outlives_the_transfer_timeout()
 
 
 def test_two_holds_parked_under_one_transfer_id_are_both_released_by_the_peers_restart():
-    a, b, entry, out, arriving = granted_push()
+    a, b, _entry, out, arriving = granted_push()
     offer = next(m for m in a.sent if isinstance(m, p.Offer))
     b.handle(Cancel(out.xfer, errors.NotFound("deleted on B")))  # parked for A's writes
     b.on_message(b.channel.key, offer)  # the same offer again: a new transfer under that id, granted

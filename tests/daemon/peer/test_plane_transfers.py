@@ -168,7 +168,7 @@ def test_an_entry_under_the_planes_minimum_goes_as_frames_on_a_plane_link(how):
         out = push(a, b, entry)
         a.handle(Connected(out.xfer))
     else:
-        inbound, actions = b.machine.start_pull("small", a.channel, timeout=3.0, keep=False)
+        _inbound, actions = b.machine.start_pull("small", a.channel, timeout=3.0, keep=False)
         b.run(actions)
         deliver(a, b)
         out = next(e for e in a.events if isinstance(e, WaitForEntry)).transfer
@@ -184,7 +184,7 @@ def test_a_stream_pulled_on_a_plane_link_goes_as_frames():
     """A pulled entry still being written is offered as a stream, and a plane lends sealed entries only."""
     a, b, _ = pair(plane=True, validate=True)
     entry = a.store.reserve("w", [TensorSpec("x", "uint8", (2 * PLANE_MIN,))], None, None, State.WRITING, None)
-    inbound, actions = b.machine.start_pull("w", a.channel, timeout=3.0, keep=False)
+    _inbound, actions = b.machine.start_pull("w", a.channel, timeout=3.0, keep=False)
     b.run(actions)
     deliver(a, b)
     out = next(e for e in a.events if isinstance(e, WaitForEntry)).transfer

@@ -181,7 +181,7 @@ class TransferPair(RuleBasedStateMachine):
         s = self.sides[side]
         if not s.peer.store.entries:
             return  # (mostly pulls of what may be there: a pull of nothing is one kind of many)
-        inbound, actions = s.machine.start_pull(name, self.link[side], timeout, keep)
+        _inbound, actions = s.machine.start_pull(name, self.link[side], timeout, keep)
         s.run(actions)
 
     @precondition(lambda self: self.waits)

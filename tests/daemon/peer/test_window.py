@@ -1,6 +1,7 @@
 """kvd.daemon.transfer.window: the sender's window and the receiver's ledger, without sockets."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -244,7 +245,7 @@ def test_ledger_matches_a_byte_map(total, max_chunk, attempts):
         assert ledger.received_bytes == sum(have)
         # the interval list is sorted, disjoint, non-touching and matches the byte map
         intervals = list(zip(ledger._received._starts, ledger._received._ends))
-        for (a, b), (c, _) in zip(intervals, intervals[1:]):
+        for (a, b), (c, _) in itertools.pairwise(intervals):
             assert a < b < c
         assert sum(b - a for a, b in intervals) == sum(have)
         assert all(have[i] for a, b in intervals for i in range(a, b))

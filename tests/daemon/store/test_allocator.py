@@ -209,7 +209,7 @@ def test_out_of_range_free_raises(extent):
 
 def test_free_of_part_of_an_allocation_is_allowed_and_consistent():
     a = BlockAllocator(8)
-    (extent,) = a.allocate(8)
+    (_extent,) = a.allocate(8)
     a.free([(2, 3)])
     assert a._free == [(2, 3)]
     a.free([(0, 2), (5, 3)])

@@ -38,7 +38,7 @@ def test_every_field_round_trips(dtype):
 
 def test_a_flipped_byte_anywhere_in_the_header_is_refused():
     raw = encode(header())
-    for at in list(range(0, 200)) + [1000, HEADER_SIZE - 1]:
+    for at in [*list(range(0, 200)), 1000, HEADER_SIZE - 1]:
         damaged = bytearray(raw)
         damaged[at] ^= 0x04
         with pytest.raises(BadPage):

@@ -1,6 +1,7 @@
 """kvd.daemon.store.entries: entries, leases, expiry and block accounting, with a real BlockAllocator."""
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -400,7 +401,7 @@ def test_tensor_ranges_partition_the_entry():
     entry = reserve(store, sizes=(5000, 100, 0, 7))
     ranges = entry.tensor_ranges()
     assert ranges[0][0] == 0 and ranges[-1][1] == entry.total_bytes
-    for (_, hi), (lo, _) in zip(ranges, ranges[1:]):
+    for (_, hi), (lo, _) in itertools.pairwise(ranges):
         assert hi == lo
     assert entry.remaining == [hi - lo for lo, hi in ranges]
     assert entry.complete_tensors() == [2]  # the empty tensor owns no bytes

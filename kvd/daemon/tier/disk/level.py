@@ -62,7 +62,8 @@ class DiskSettings:
 
 
 class DiskTier(ReadBack):
-    def __init__(self, settings: DiskSettings, store: CacheStore, pool: memoryview, claimed: page_files.Claimed) -> None:
+    def __init__(self, settings: DiskSettings, store: CacheStore, pool: memoryview,
+                 claimed: page_files.Claimed) -> None:
         self.settings = settings
         self.root = settings.root
         self.store = store

@@ -11,6 +11,7 @@ its bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -216,10 +217,8 @@ def read_page(root: str, namespace: str, key: str, nbytes: int, dest: list, paus
         check_is(header, namespace, key, nbytes)
         if payload_digest(dest) != header.digest:
             raise BadPage("the page bytes fail their digest")
-        try:
+        with contextlib.suppress(OSError):
             os.utime(fd)  # when it was last used: the next start's eviction order
-        except OSError:
-            pass
     except BadPage:
         _remove(path)
         raise
