@@ -34,7 +34,8 @@ UNPACK_LIMITS = dict(
 
 Frame = bytes | bytearray | memoryview
 from .messages import *  # noqa: E402,F403  (every message type, as p.Hello, p.Chunk, ...)
-from .messages import MESSAGE_TYPES, Chunk, Error, Message, Offer  # noqa: E402
+from .messages import MESSAGE_TYPES, Chunk, Error, Offer  # noqa: E402
+from .messages import Message as Message  # noqa: E402  (re-exported: the base of every message, p.Message)
 from .plane import *  # noqa: E402,F403  (a one-sided plane's transfer messages, as p.Grant, ...)
 from .plane import PLANE_MESSAGES  # noqa: E402
 from .tier_messages import *  # noqa: E402,F403  (the KV tier's messages, as p.CachePut, ...)

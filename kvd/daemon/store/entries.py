@@ -36,7 +36,9 @@ from kvd.wire.layout import (
 from kvd.wire.protocol import MAX_HEADER_BYTES, packed_size
 
 from .allocator import BlockAllocator
-from .entry import Entry, Lease, State
+from .entry import Entry as Entry  # re-exported: callers take the entry types from here
+from .entry import Lease as Lease
+from .entry import State as State
 
 MAX_REQUEST_ID_LEN = 256
 # what one entry, and all of them, may carry beside their bytes: a layout description is ~1 KiB,
