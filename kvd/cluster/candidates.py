@@ -46,7 +46,7 @@ def order_candidates(
             continue
         out.append(Candidate(h, node))
 
-    def rank(c: Candidate) -> tuple:
+    def rank(c: Candidate) -> tuple[bool, bool, bool, int, float, str]:
         nl = c.node.labels
         same = [bool(mine.get(k)) and nl.get(k) == mine.get(k) for k in ("zone", "host")]
         room = free.get(c.node.node_id, c.node.pool_bytes) if free is not None else c.node.pool_bytes

@@ -14,8 +14,8 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 from kvd.trust import NodeCert
 
@@ -37,13 +37,15 @@ from .outbox import BATCH_OPS, OUTBOX_LIMIT, Outbox
 from .records import HolderRecord, NodeRecord
 from .signing import RecordSigner, RecordVerifier
 
+T = TypeVar("T")  # what a guarded registry call returns
+
 log = logging.getLogger(__name__)
 Snapshot = Callable[[], Iterable[HolderRecord]]
 MAX_LOOKUPS = 8  # unknown holder nodes read one by one per lookup (holder records name whom they like)
 
 
 class ClusterMember:
-    def __init__(self, backend: Backend, record: NodeRecord, *, ttl: float = 5.0, snapshot: Snapshot = tuple,
+    def __init__(self, backend: Backend[Any], record: NodeRecord, *, ttl: float = 5.0, snapshot: Snapshot = tuple,
                  breaker: Breaker | None = None, outbox_limit: int = OUTBOX_LIMIT, flush_interval: float = 0.005,
                  resync_jitter: float = 2.0, on_node_event: Callable[[NodeEvent], None] | None = None,
                  signer: RecordSigner | None = None, verifier: RecordVerifier | None = None) -> None:
@@ -73,7 +75,7 @@ class ClusterMember:
         self._work = asyncio.Event()
         self._registered = asyncio.Event()
         self._kick = asyncio.Event()  # wakes the session task early (the writer saw the session die)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._backoff = Backoff(0.05, 1.0)  # the writer's, after a failed batch
         self._resync_at: float | None = None  # when the pending re-publication of the snapshot is due
         self._resync_timer: asyncio.TimerHandle | None = None
@@ -198,7 +200,7 @@ class ClusterMember:
         return total
 
     # ---- internals ----
-    async def _guarded(self, op: str, coro) -> Any:
+    async def _guarded(self, op: str, coro: Awaitable[T]) -> T:
         """Run one registry call and feed its outcome to the breaker and the counters."""
         try:
             result = await coro

@@ -17,8 +17,8 @@ their node. Without it, every record is a hint from whoever could write to the r
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from .backends.backend import DEFAULT_OP_TIMEOUT, Added, NodeEvent, RegistryUnavailable, Removed, Resync
 from .candidates import Candidate, order_candidates
@@ -27,6 +27,7 @@ from .records import ROLES, HolderRecord, NodeRecord
 from .signing import RecordVerifier
 from .url import open_backend, parse_url
 
+T = TypeVar("T")  # what a guarded registry call returns
 
 class Registry:
     def __init__(self, url: str, cluster: str = "kvd", *, op_timeout: float = DEFAULT_OP_TIMEOUT,
@@ -57,7 +58,7 @@ class Registry:
     async def close(self) -> None:
         await self.backend.close()
 
-    async def _call(self, coro) -> Any:
+    async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if not self.breaker.allow():
             coro.close()
             raise RegistryUnavailable(f"registry {self.url} unavailable (failing fast)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import ssl
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import quote, unquote
 
 from .backends.backend import DEFAULT_OP_TIMEOUT, Backend
@@ -180,7 +181,7 @@ def with_options(u: RegistryURL, *, password_file: str = "", ca_file: str = "", 
 
 
 def open_backend(url: str | RegistryURL, cluster: str = "kvd", op_timeout: float = DEFAULT_OP_TIMEOUT, *,
-                 password_file: str = "", ca_file: str = "", cert_file: str = "", key_file: str = "") -> Backend:
+                 password_file: str = "", ca_file: str = "", cert_file: str = "", key_file: str = "") -> Backend[Any]:
     """The backend for a URL. Connects lazily: constructing it does no I/O (it reads the password and
     TLS files, so that a bad path fails here, with the flag's name)."""
     u = parse_url(url) if isinstance(url, str) else url

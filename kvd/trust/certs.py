@@ -55,14 +55,16 @@ class NodeCert:
     def curve_z85(self) -> bytes:
         from zmq.utils import z85
 
-        return z85.encode(self.curve_public)
+        encoded: bytes = z85.encode(self.curve_public)
+        return encoded
 
 
 def _body(node_id: str, cluster: str, curve_public: bytes, sign_public: bytes, issued_at: int,
           not_after: int) -> bytes:
-    return msgpack.packb({"v": CERT_VERSION, "node_id": node_id, "cluster": cluster, "curve": curve_public,
-                          "sign": sign_public, "issued_at": issued_at, "not_after": not_after},
-                         use_bin_type=True)
+    body: bytes = msgpack.packb({"v": CERT_VERSION, "node_id": node_id, "cluster": cluster, "curve": curve_public,
+                                 "sign": sign_public, "issued_at": issued_at, "not_after": not_after},
+                                use_bin_type=True)
+    return body
 
 
 def issue(ca_seed: bytes, node_id: str, cluster: str, curve_public: bytes, sign_public: bytes, *,

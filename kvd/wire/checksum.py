@@ -22,6 +22,14 @@ ALGORITHMS = ("xxh3_64", "crc32", "blake3_64", "none")
 CRYPTOGRAPHIC = frozenset({"blake3_64"})
 
 
+class Hasher(typing.Protocol):
+    """A running checksum: what `hasher` returns."""
+
+    def update(self, piece: Buffer, /) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
 class _Crc32:
     def __init__(self) -> None:
         self._value = 0
@@ -52,7 +60,7 @@ class _NoChecksum:
         return 0
 
 
-def hasher(algorithm: str):
+def hasher(algorithm: str) -> Hasher:
     """A running checksum: `update(piece)` for each piece in order, then `intdigest()`."""
     if algorithm == "xxh3_64":
         return xxhash.xxh3_64()

@@ -80,10 +80,10 @@ class MessageReader:
         start = 0
         while True:
             parsed = self._parse(start)
-            if type(parsed) is int:
+            if isinstance(parsed, int):
                 self._need = parsed - start
                 break
-            frames, start = parsed  # type: ignore[misc]
+            frames, start = parsed
             messages.append(frames)
         if start:
             del self._buffer[:start]
@@ -104,7 +104,7 @@ class MessageReader:
         for _ in range(count):
             if len(buf) - pos < 4:
                 return pos + 4
-            (length,) = _U32.unpack_from(buf, pos)
+            length: int = _U32.unpack_from(buf, pos)[0]
             size += length
             if size > MAX_MESSAGE_BYTES:
                 raise ProtocolError(f"message of more than {MAX_MESSAGE_BYTES} bytes (the local socket's limit)")

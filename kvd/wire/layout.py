@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from kvd.errors import BadRequest
 
@@ -36,7 +37,7 @@ class TensorSpec:
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize(self.dtype)
 
-    def to_wire(self) -> list:
+    def to_wire(self) -> list[Any]:
         return [self.name, self.dtype, list(self.shape)]
 
     @classmethod

@@ -55,9 +55,9 @@ class PutAlloc(Message):
     TYPE: ClassVar[str] = "put_alloc"
     req: int
     request_id: str
-    tensors: list  # [[name, dtype, shape], ...]
+    tensors: list[Any]  # [[name, dtype, shape], ...]
     ttl: float | None = None  # seconds; None = daemon default
-    meta: dict | None = None  # opaque to the transport (KV layout lives here)
+    meta: dict[str, Any] | None = None  # opaque to the transport (KV layout lives here)
     stream: bool = False  # tensors will be announced with put_part as they are written
     dest: str | None = None  # streaming push: start sending to this peer right away
     give_back: int | None = field(default=None, metadata=EXTENSION)  # a scratch token returned unused
@@ -70,7 +70,7 @@ class PutSlots(Message):
     TYPE: ClassVar[str] = "put_slots"
     req: int
     token: int
-    segments: list  # per tensor: [[pool_offset, length], ...]
+    segments: list[Any]  # per tensor: [[pool_offset, length], ...]
 
 
 @dataclass(slots=True)
@@ -93,10 +93,10 @@ class Put(Message):
     TYPE: ClassVar[str] = "put"
     req: int
     request_id: str
-    tensors: list
+    tensors: list[Any]
     scratch: int  # token of the lent blocks; used up by this request, whatever the outcome
     ttl: float | None = None
-    meta: dict | None = None
+    meta: dict[str, Any] | None = None
     dest: str | None = None
 
 
@@ -107,7 +107,7 @@ class PutOk(Message):
     TYPE: ClassVar[str] = "put_ok"
     req: int
     scratch: int | None = None  # token of blocks lent to this connection, or none lent
-    extents: list = field(default_factory=list)  # [[first_block, count], ...] in the order used
+    extents: list[Any] = field(default_factory=list)  # [[first_block, count], ...] in the order used
 
 
 @dataclass(slots=True)
@@ -118,7 +118,7 @@ class PutPart(Message):
     req: int
     request_id: str
     token: int
-    tensors: list  # indices into the put_alloc's tensor list
+    tensors: list[Any]  # indices into the put_alloc's tensor list
 
 
 @dataclass(slots=True)
@@ -139,7 +139,7 @@ class TensorsReady(Message):
 
     TYPE: ClassVar[str] = "tensors_ready"
     req: int
-    tensors: list  # indices
+    tensors: list[Any]  # indices
     complete: bool = False  # every tensor is now complete; nothing more follows
 
 
@@ -162,9 +162,9 @@ class GetSlots(Message):
     TYPE: ClassVar[str] = "get_slots"
     req: int
     token: int
-    tensors: list
-    segments: list
-    meta: dict | None = None
+    tensors: list[Any]
+    segments: list[Any]
+    meta: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -210,13 +210,14 @@ class ListEntries(Message):
 LIST_PAGE = 2000  # entries per list reply at most (~150 bytes each: far below a reply's 1 MiB header)
 
 
-def next_page_after(page: list[dict], after: str | None) -> str | None:
+def next_page_after(page: list[dict[str, Any]], after: str | None) -> str | None:
     """Where the list after `page` starts, or None when `page` was the last: a short page is the
     last, and so is one that does not start after `after` (a daemon that knows no paging sends
     everything, every time)."""
     if len(page) < LIST_PAGE or (after is not None and page[0]["request_id"] <= after):
         return None
-    return page[-1]["request_id"]
+    last: str = page[-1]["request_id"]
+    return last
 
 
 @dataclass(slots=True)
@@ -266,11 +267,11 @@ class PeerHello(Message):
     TYPE: ClassVar[str] = "peer_hello"
     node_id: str
     incarnation: int
-    features: list = field(default_factory=list, metadata=EXTENSION)  # optional parts it speaks (FEATURES)
+    features: list[Any] = field(default_factory=list, metadata=EXTENSION)  # optional parts it speaks (FEATURES)
     # with a cluster CA: the sender's cert (kvd.trust), naming node_id and the CURVE key it connected with
     cert: bytes | None = field(default=None, metadata=EXTENSION)
     # a one-sided data plane the sender offers for this link (kvd.daemon.plane.base.PlaneInfo.to_wire)
-    plane: dict | None = field(default=None, metadata=EXTENSION)
+    plane: dict[str, Any] | None = field(default=None, metadata=EXTENSION)
 
 
 @dataclass(slots=True)
@@ -278,8 +279,8 @@ class PeerHelloOk(Message):
     TYPE: ClassVar[str] = "peer_hello_ok"
     node_id: str
     incarnation: int
-    features: list = field(default_factory=list, metadata=EXTENSION)
-    plane: dict | None = field(default=None, metadata=EXTENSION)  # the listener's, if both ends take one
+    features: list[Any] = field(default_factory=list, metadata=EXTENSION)
+    plane: dict[str, Any] | None = field(default=None, metadata=EXTENSION)  # the listener's, if both ends take one
 
 
 @dataclass(slots=True)
@@ -289,23 +290,23 @@ class Offer(Message):
     TYPE: ClassVar[str] = "offer"
     xfer: int
     request_id: str
-    tensors: list
+    tensors: list[Any]
     total_bytes: int
     chunk_size: int
     checksum: str  # "xxh3_64" | "crc32" | "none"
     ttl: float | None = None
-    meta: dict | None = None
+    meta: dict[str, Any] | None = None
     sealed: bool = True  # False: a stream; the receiver publishes only after a seal message
     # the whole entry inline, as chunk 0 (feature "inline_offer": a sealed entry of one chunk),
     # so that a small push is one message each way: lengths and digest as in a chunk
-    lengths: list | None = field(default=None, metadata=EXTENSION)
+    lengths: list[Any] | None = field(default=None, metadata=EXTENSION)
     digest: int | None = field(default=None, metadata=EXTENSION)
     # on a link with a one-sided plane (PROTOCOL.md 2.2b): "nixl" when its bytes ride it; a served
     # pull's offer then names the holder's ranges and each slice [offset, length, digest] to read
     plane: str | None = field(default=None, metadata=EXTENSION)
-    regions: list | None = field(default=None, metadata=EXTENSION)
-    slices: list | None = field(default=None, metadata=EXTENSION)
-    payload: list = field(default_factory=list)  # raw frames, not part of the header
+    regions: list[Any] | None = field(default=None, metadata=EXTENSION)
+    slices: list[Any] | None = field(default=None, metadata=EXTENSION)
+    payload: list[Any] = field(default_factory=list)  # raw frames, not part of the header
 
 
 @dataclass(slots=True)
@@ -332,9 +333,9 @@ class Chunk(Message):
     xfer: int
     seq: int
     offset: int
-    lengths: list
+    lengths: list[Any]
     digest: int  # checksum of the payload bytes in order; 0 when checksum is "none"
-    payload: list = field(default_factory=list)  # raw frames, not part of the header
+    payload: list[Any] = field(default_factory=list)  # raw frames, not part of the header
 
 
 @dataclass(slots=True)

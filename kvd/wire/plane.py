@@ -9,7 +9,7 @@ after the transfer itself ended."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .messages import Message
 
@@ -22,7 +22,7 @@ class Grant(Message):
 
     TYPE: ClassVar[str] = "grant"
     xfer: int
-    regions: list
+    regions: list[Any]
 
 
 @dataclass(slots=True)

@@ -68,7 +68,8 @@ def _field_table(cls: type[Message]) -> list[tuple[str, str, bool, bool]]:
             continue
         annotation = str(f.type)
         optional = annotation.endswith("| None")
-        base = annotation.removesuffix("| None").strip()
+        # the container alone: a header field is checked for its type, never for what it holds
+        base = annotation.removesuffix("| None").strip().partition("[")[0]
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         table.append((f.name, base, optional, required))
     return table
@@ -173,7 +174,7 @@ def decode(frames: typing.Sequence[Frame]) -> Message:
     return msg
 
 
-def _payload(kind: str, n_payload: Any, lengths: list, frames: typing.Sequence[Frame]) -> list:
+def _payload(kind: str, n_payload: Any, lengths: list[Any], frames: typing.Sequence[Frame]) -> list[Frame]:
     """The payload frames of a chunk (or of an offer carrying its chunk), checked against the header."""
     if type(n_payload) is not int or n_payload != len(frames) - 1:
         raise ProtocolError(f"{kind} declares {n_payload!r} payload frames, {len(frames) - 1} arrived")

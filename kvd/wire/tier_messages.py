@@ -5,7 +5,7 @@ daemon's (`kvd.daemon.tier.page_store`), written in `proto/PROTOCOL.md`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .messages import Chunk, Message
 
@@ -17,8 +17,8 @@ class CachePut(Message):
     TYPE: ClassVar[str] = "cache_put"
     req: int
     namespace: str
-    keys: list  # [key, ...]
-    pages: list  # per key: [dtype, shape]
+    keys: list[Any]  # [key, ...]
+    pages: list[Any]  # per key: [dtype, shape]
 
 
 @dataclass(slots=True)
@@ -29,7 +29,7 @@ class CacheSlots(Message):
     TYPE: ClassVar[str] = "cache_slots"
     req: int
     token: int  # the batch's reservation (put: cache_commit it) or read lease (get: cache_release it)
-    slots: list
+    slots: list[Any]
 
 
 @dataclass(slots=True)
@@ -49,8 +49,8 @@ class CacheGet(Message):
     TYPE: ClassVar[str] = "cache_get"
     req: int
     namespace: str
-    keys: list
-    sizes: list  # per key: the bytes the caller expects (a page of another size is a miss)
+    keys: list[Any]
+    sizes: list[Any]  # per key: the bytes the caller expects (a page of another size is a miss)
 
 
 @dataclass(slots=True)
@@ -69,7 +69,7 @@ class CacheExists(Message):
     TYPE: ClassVar[str] = "cache_exists"
     req: int
     namespace: str
-    keys: list
+    keys: list[Any]
 
 
 @dataclass(slots=True)
@@ -118,8 +118,8 @@ class TierStore(Chunk):
     TYPE: ClassVar[str] = "tier_store"
     checksum: str = "xxh3_64"
     namespace: str = ""
-    keys: list = field(default_factory=list)
-    pages: list = field(default_factory=list)  # per key: [dtype, shape]; its bytes are payload frame i
+    keys: list[Any] = field(default_factory=list)
+    pages: list[Any] = field(default_factory=list)  # per key: [dtype, shape]; its bytes are payload frame i
 
 
 @dataclass(slots=True)
@@ -129,8 +129,8 @@ class TierFetch(Message):
     TYPE: ClassVar[str] = "tier_fetch"
     xfer: int
     namespace: str
-    keys: list
-    sizes: list
+    keys: list[Any]
+    sizes: list[Any]
 
 
 @dataclass(slots=True)
@@ -139,8 +139,8 @@ class TierPages(Chunk):
 
     TYPE: ClassVar[str] = "tier_pages"
     checksum: str = "xxh3_64"
-    found: list = field(default_factory=list)
-    pages: list = field(default_factory=list)  # per found page: [dtype, shape]
+    found: list[Any] = field(default_factory=list)
+    pages: list[Any] = field(default_factory=list)  # per found page: [dtype, shape]
 
 
 @dataclass(slots=True)
@@ -150,14 +150,14 @@ class TierAsk(Message):
     TYPE: ClassVar[str] = "tier_ask"
     xfer: int
     namespace: str
-    keys: list
+    keys: list[Any]
 
 
 @dataclass(slots=True)
 class TierHeld(Message):
     TYPE: ClassVar[str] = "tier_held"
     xfer: int
-    held: list  # per key: bool
+    held: list[Any]  # per key: bool
 
 
 @dataclass(slots=True)

@@ -212,7 +212,8 @@ class GatewayClient:
                 conn.close()
             if status != 200:
                 raise _error(status, data)
-            return json.loads(data)
+            reply: dict[str, Any] = json.loads(data)
+            return reply
         raise AssertionError("unreachable")
 
     def _tls_hint(self, answered: bool) -> str:
@@ -271,4 +272,5 @@ def _message(status: int, line: bytes) -> dict[str, Any]:
     if "error" in msg:
         err = msg["error"]
         raise GatewayError(status, int(err.get("grpc_code", err.get("code", 2))), str(err.get("message")))
-    return msg.get("result", msg)
+    result: dict[str, Any] = msg.get("result", msg)
+    return result

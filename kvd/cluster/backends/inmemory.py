@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ..records import HolderRecord, NodeRecord, encode_node
@@ -36,7 +36,7 @@ _POLL = 0.05  # watchers re-check lease expiry this often when nothing else happ
 
 
 class MemoryServer:
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.paused = False
         self.down = False

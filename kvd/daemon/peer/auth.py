@@ -24,13 +24,24 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from kvd.errors import BadRequest, KvdError
-from kvd.trust import Authority, CertError, NodeCert, NodeSigner, load_ca_public, load_cert, load_deny, load_node_keys
+from kvd.trust import (
+    Authority,
+    CertError,
+    NodeCert,
+    NodeKeys,
+    NodeSigner,
+    load_ca_public,
+    load_cert,
+    load_deny,
+    load_node_keys,
+)
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +175,8 @@ def load_keys(secret_key_file: str, allow: list[str], *, ca_file: str = "", cert
     return keys
 
 
-def _own_cert(authority: Authority, own, secret_key_file: str, cert_file: str, node_id: str | None) -> NodeSigner:
+def _own_cert(authority: Authority, own: NodeKeys, secret_key_file: str, cert_file: str,
+              node_id: str | None) -> NodeSigner:
     """Our cert, checked as a peer would check it: a daemon whose cert would be refused says so now."""
     path = cert_file or secret_key_file.removesuffix(".key_secret") + ".cert"
     if not os.path.exists(path):
@@ -253,7 +265,7 @@ class _AllowList:
         return ok
 
 
-def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:
+def start_authenticator(ctx: zmq.Context[Any], keys: CurveKeys) -> ThreadAuthenticator:
     """Run the ZAP handler that enforces the allow list; fail if it does not come up."""
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvd.daemon.peer.auth.zap"))
     auth.start()
@@ -263,14 +275,14 @@ def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticato
     return auth
 
 
-def make_server(sock: zmq.Socket, keys: CurveKeys) -> None:
+def make_server(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_server = True
     sock.zap_domain = ZAP_DOMAIN.encode()
 
 
-def make_client(sock: zmq.Socket, keys: CurveKeys, peer_name: str) -> bytes:
+def make_client(sock: zmq.Socket[Any], keys: CurveKeys, peer_name: str) -> bytes:
     """Make sock a CURVE client of peer_name; returns the server key it will hold the peer to."""
     server_key = keys.server_key_for(peer_name)
     sock.curve_secretkey = keys.secret

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvd.errors import NotFound
 
 from ..store.entries import Store
-from ..transfer.channel import Channel
+from ..transfer.channel import Channel, Sending
 from ..transfer.states import Outbound
 
 log = logging.getLogger(__name__)
@@ -32,12 +32,12 @@ class _Sent:
     lease_token: int
     channel: Channel
     request_id: str
-    sends: list  # the chunk send futures (resolving to MessageTrackers)
+    sends: list[Sending]  # the chunk send futures (resolving to MessageTrackers)
     cut_at: float  # its connection is cut if ZeroMQ still holds them then
     cut: bool = False
 
 
-def zmq_released(sends: list) -> bool:
+def zmq_released(sends: list[Sending]) -> bool:
     """True once ZeroMQ holds no reference to any frame of these sends (safe to reuse the blocks)."""
     for sent in sends:
         if not sent.done():
@@ -59,7 +59,7 @@ class FrameHolds:
     def close(self) -> None:
         if self._deferred_check is not None:
             self._deferred_check.cancel()
-    def unpin_when_sent(self, out: Outbound, sends: list) -> None:
+    def unpin_when_sent(self, out: Outbound, sends: list[Sending]) -> None:
         if zmq_released(sends):
             self._unpin(out.lease_token)
             return

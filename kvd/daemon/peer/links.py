@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -49,7 +50,7 @@ from .link_state import (
     State,
     Wait,
 )
-from .loopsocket import NOT_SENT, LoopSocket
+from .loopsocket import NOT_SENT, InFrames, LoopSocket, OutFrame
 from .owed import PEER_QUEUE_BYTES, Owed  # noqa: F401  (PEER_QUEUE_BYTES: read here by tests)
 from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
@@ -64,7 +65,7 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED
 PEER_SNDHWM = 10_000  # messages queued for one peer connection
 
 
-def tune_peer_socket(sock: zmq.Socket) -> None:
+def tune_peer_socket(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.LINGER, 500)  # let Abort messages out at shutdown, but not forever
     # flow control is the transfer window, not the HWM; the HWM only bounds how many messages a peer
     # that stops reading can make us queue for it (chunks in flight are at most a few windows'
@@ -88,7 +89,7 @@ class PeerLink:
     """Our DEALER to one peer's ROUTER: the shell of its handshake (`handshake.Handshake`), which
     decides; this class feeds it what the sockets and timers saw and carries out its actions."""
 
-    def __init__(self, ctx: zmq.Context, name: str, endpoint: str, node_id: str, incarnation: int,
+    def __init__(self, ctx: zmq.Context[Any], name: str, endpoint: str, node_id: str, incarnation: int,
                  on_message: Callable[[PeerLink, p.Message], None], curve: CurveKeys | None = None,
                  on_lost: Callable[[PeerLink, str], None] | None = None, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.monotonic, owed: Owed | None = None,
@@ -123,7 +124,7 @@ class PeerLink:
         self.socket.on_taken = self._account.taken
         # what this shell keeps of each waiter, by the handshake's waiter id
         self._waiter_ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, asyncio.Future[None]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._hellos: dict[int, Sending] = {}  # a waiter's hello send: called back if it gives up
         self._now = 0.0  # the heartbeat's time, for a ping's nonce
@@ -156,11 +157,11 @@ class PeerLink:
         self._now = now
         self._do(self.handshake.handle(Heartbeat(backlog=bool(self.socket.backlog))))
 
-    def ready(self, timeout: float) -> asyncio.Future:
+    def ready(self, timeout: float) -> asyncio.Future[None]:
         """Handshake once (again after a loss): a future that resolves once the peer answered our
         PeerHello (at once when it has), or fails within timeout with the reason it did not (within
         DOWN_GRACE when the link is known down)."""
-        result = asyncio.get_running_loop().create_future()
+        result: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self.handshake.state is State.UP:
             # the table's (up, Wait) row, resolve, taken here without a waiter id: every push asks
             # this of a link that is up, and the whole walk costs ~10 us more (measured) than this
@@ -178,7 +179,7 @@ class PeerLink:
         """The heartbeat heard nothing for heartbeat_timeout (it fails what ran on the link)."""
         self._do(self.handshake.handle(Silent()))
 
-    def _on_socket_event(self, frames: list) -> None:
+    def _on_socket_event(self, frames: InFrames) -> None:
         """ZeroMQ's monitor: the TCP connection closed (ZeroMQ reconnects by itself, but the peer
         will not know the new connection, and a transfer cannot move to it: what ran on the link
         fails now, not at the heartbeat timeout), or ZeroMQ's handshake failed: refused by the
@@ -199,7 +200,7 @@ class PeerLink:
         self._do(self.handshake.handle(Retrying(refusal) if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                                        else Refused(refusal, redial=True)))
 
-    def _on_frames(self, frames: list) -> None:
+    def _on_frames(self, frames: InFrames) -> None:
         self.last_seen = time.monotonic()
         try:
             msg = p.decode([f.buffer for f in frames])
@@ -287,7 +288,7 @@ class PeerLink:
             sock.disconnect(self.endpoint)
         sock.connect(self.endpoint)
 
-    def _send(self, frames: list, track: bool) -> Sending:
+    def _send(self, frames: list[OutFrame], track: bool) -> Sending:
         if self._account.backlog.cut:  # (cut for not reading, and ZeroMQ has not seen it yet)
             return NOT_SENT
         return self.socket.send(frames, copy=False, track=track)

@@ -20,8 +20,11 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable
+from typing import Any, cast
 
 import zmq
+
+from ..transfer.channel import Sending
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,16 @@ _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMO
 # (get() is typed int | bytes for any option; EVENTS is an int one, and an int() per call would cost)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _NOBLOCK_MORE = _NOBLOCK | _SNDMORE
-_send_frame = zmq.backend.Socket.send  # pyzmq's own, under the sugar layer's per-call checks
+OutFrame = bytes | bytearray | memoryview  # what a send takes
+# what a receive gives: bytes, or zmq.Frame where the socket receives without copying
+InFrames = list[Any]
+Tracker = zmq.MessageTracker | None  # what ZeroMQ returns for a message it took (track=True)
+# pyzmq's own send, under the sugar layer's per-call checks. Cast: its stub has one overload per
+# literal value of copy, and a copy that is a bool variable matches none of them
+_send_frame = cast("Callable[[zmq.Socket[Any], OutFrame, int, bool, bool], Tracker]", zmq.backend.Socket.send)
 
 
-def send_parts(sock: zmq.Socket, frames: list, copy: bool, track: bool):
+def send_parts(sock: zmq.Socket[Any], frames: list[OutFrame], copy: bool, track: bool) -> Tracker:
     """send_multipart(frames, NOBLOCK), without its per-part type checks and enum flag arithmetic
     (each costs more than the send itself for a small message). Frames are bytes or memoryviews.
     ZeroMQ takes the parts after the first without Again (a message is admitted whole or not at
@@ -57,7 +66,7 @@ class Sent:
 
     __slots__ = ("_result",)
 
-    def __init__(self, result) -> None:
+    def __init__(self, result: Tracker) -> None:
         self._result = result  # a MessageTracker (track=True), else None
 
     def done(self) -> bool:
@@ -72,10 +81,10 @@ class Sent:
     def exception(self) -> None:
         return None
 
-    def result(self):
+    def result(self) -> Tracker:
         return self._result
 
-    def add_done_callback(self, callback) -> None:
+    def add_done_callback(self, callback: Callable[[Any], object], /) -> None:
         callback(self)  # done already: now (asyncio would call it on the next loop iteration)
 
 
@@ -94,20 +103,20 @@ class NotSent:
     def cancel(self) -> bool:
         return False
 
-    def exception(self):
+    def exception(self) -> BaseException | None:
         raise asyncio.CancelledError()
 
-    def result(self):
+    def result(self) -> Tracker:
         raise asyncio.CancelledError()
 
-    def add_done_callback(self, callback) -> None:
+    def add_done_callback(self, callback: Callable[[Any], object], /) -> None:
         callback(self)
 
 
 NOT_SENT = NotSent()
 
 class LoopSocket:
-    def __init__(self, sock: zmq.Socket, on_message: Callable[[list], None], copy: bool = True,
+    def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[InFrames], None], copy: bool = True,
                  fail_when_full: bool = False, max_pending: int = MAX_PENDING) -> None:
         """fail_when_full: a send ZeroMQ cannot take fails at once (a ROUTER whose peer's queue is
         full: waiting would hold up every other peer behind it); else it waits its turn, up to
@@ -118,13 +127,14 @@ class LoopSocket:
         self._on_message = on_message
         self._copy = copy
         self._loop = asyncio.get_running_loop()
-        self._pending: collections.deque = collections.deque()  # (frames, copy, track, future)
+        self._pending: collections.deque[tuple[list[OutFrame], bool, bool, asyncio.Future[Tracker]]] = \
+            collections.deque()  # (frames, copy, track, future)
         self._check_scheduled = False
         self._retry_scheduled = False
         self._retry_delay = RETRY_FIRST
         self._closed = False
         # told of every message ZeroMQ takes (at once, or from the queue here): what it holds is counted
-        self.on_taken: Callable[[list], None] | None = None
+        self.on_taken: Callable[[list[OutFrame]], None] | None = None
         self._loop.add_reader(sock.FD, self._on_fd)
         self._schedule_check()
 
@@ -140,7 +150,7 @@ class LoopSocket:
             try:
                 if not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int option; see _EVENTS)
                     return
-                frames = [sock.recv(_NOBLOCK, copy=copy)]
+                frames: InFrames = [sock.recv(_NOBLOCK, copy=copy)]
                 while sock.get(_RCVMORE):  # (a message's parts arrive together)
                     frames.append(sock.recv(_NOBLOCK, copy=copy))
             except zmq.Again:
@@ -171,7 +181,7 @@ class LoopSocket:
 
     # --- sending -----------------------------------------------------------------------------------
 
-    def send(self, frames: list, copy: bool = True, track: bool = False) -> asyncio.Future | Sent:
+    def send(self, frames: list[OutFrame], copy: bool = True, track: bool = False) -> asyncio.Future[Tracker] | Sent:
         """Send now if possible; the future resolves (to a MessageTracker with track) once ZeroMQ
         has it: a `Sent`, done already, when it took the message at once."""
         if not self._pending and not self._closed:
@@ -185,7 +195,7 @@ class LoopSocket:
                 if self.on_taken is not None:
                     self.on_taken(frames)
                 return Sent(result)
-        future = self._loop.create_future()
+        future: asyncio.Future[Tracker] = self._loop.create_future()
         if self._closed:
             future.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "socket closed"))
             return future
@@ -211,11 +221,11 @@ class LoopSocket:
         """Messages waiting for the socket to accept them."""
         return len(self._pending)
 
-    def send_now(self, frames: list) -> None:
+    def send_now(self, frames: list[OutFrame]) -> None:
         """Fire and forget (control replies): a message that cannot go now is queued the same way."""
         self.send(frames).add_done_callback(_ignore_result)
 
-    def _try_send(self, frames: list, copy: bool, track: bool, future: asyncio.Future) -> bool:
+    def _try_send(self, frames: list[OutFrame], copy: bool, track: bool, future: asyncio.Future[Tracker]) -> bool:
         try:
             result = send_parts(self.sock, frames, copy, track)
         except zmq.Again as exc:
@@ -260,6 +270,6 @@ class LoopSocket:
         self.sock.close(linger)
 
 
-def _ignore_result(future: asyncio.Future) -> None:
+def _ignore_result(future: Sending) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.debug("send failed: %s", future.exception())

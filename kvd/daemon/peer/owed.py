@@ -32,6 +32,7 @@ from collections.abc import Callable
 from kvd.memory.heap import give_back_heap
 
 from ..logs import Throttle
+from .loopsocket import OutFrame
 from .tcpconn import TcpConnection
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,13 @@ def kernel_written(fd: int) -> int | None:
     try:
         with socket.socket(fileno=os.dup(fd)) as sock:
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-            queued = _OUTQ.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(_OUTQ.size)))[0]
+            queued: int = _OUTQ.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(_OUTQ.size)))[0]
     except OSError:
         return None
     if len(info) < _TCP_INFO_LEN:
         return None
-    return struct.unpack_from("=Q", info, _TCP_INFO_BYTES_ACKED)[0] + queued
+    acked: int = struct.unpack_from("=Q", info, _TCP_INFO_BYTES_ACKED)[0]
+    return acked + queued
 
 
 class Backlog:
@@ -113,7 +115,8 @@ class Backlog:
         self.own = 0  # bytes ZeroMQ wrote of its own, at least
         self.written = 0  # what the kernel said last
         self.check_at = cap  # look again once `copied` passes this: the queue may have passed the cap
-        self.lent: collections.deque = collections.deque()  # (handed at its end, its bytes) per lent frame
+        # (handed at its end, its bytes) per lent frame
+        self.lent: collections.deque[tuple[int, int]] = collections.deque()
         self.lent_queued = 0  # the bytes of those frames
         self.prune_at = self.PRUNE
         self._lend_from = lend_from
@@ -121,7 +124,7 @@ class Backlog:
         self.conn: object = None  # the connection the kernel's counts were of
         self.cut = False  # the connection was cut: what is sent for it now is dropped
 
-    def add(self, frames: list) -> bool:
+    def add(self, frames: list[OutFrame]) -> bool:
         """Count a message ZeroMQ took; True when it is time to ask the kernel (`settle`)."""
         handed, copied = self.handed, self.copied
         for frame in frames:
@@ -190,7 +193,7 @@ class Account:
         self.bound = 0
         self.stalled_since: float | None = None  # since when the kernel took none of what is queued
 
-    def taken(self, frames: list) -> None:
+    def taken(self, frames: list[OutFrame]) -> None:
         """ZeroMQ took a message for this connection (never one that was cut: nothing is sent to it)."""
         backlog, owed = self.backlog, self.owed
         copied = backlog.copied

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -26,6 +27,10 @@ from .auth import CurveKeys
 from .links import PeerLink
 from .owed import Owed
 from .tcpconn import TcpConnection
+
+# a channel's key, as the transfers know a connection: ("dealer", endpoint) for a link we dialled,
+# ("router", routing id) for a connection a peer made to us
+ChannelKey = tuple[str, str | bytes]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ class PeerSettings:
 class PeerSet:
     """Built before the transfers (they find links here), and given their handlers at `start`."""
 
-    def __init__(self, settings: PeerSettings, ctx: zmq.Context, incarnation: int, curve: CurveKeys | None,
+    def __init__(self, settings: PeerSettings, ctx: zmq.Context[Any], incarnation: int, curve: CurveKeys | None,
                  metrics: Metrics | None = None, resolve: Callable[[str], str | None] | None = None,
                  explain: Callable[[str], str] | None = None, plane: PlaneHandshake | None = None) -> None:
         """resolve: a node id -> its endpoint from the cluster registry; explain: why the registry
@@ -79,7 +84,7 @@ class PeerSet:
         self.incarnation = incarnation
         self.curve = curve
         self._on_message: Callable[[PeerLink, p.Message], None] = lambda link, msg: None
-        self._on_lost: Callable[[tuple, str], None] = lambda key, reason: None
+        self._on_lost: Callable[[ChannelKey, str], None] = lambda key, reason: None
         self.links: dict[str, PeerLink] = {}  # peer name or endpoint -> link
         self._router_peers: dict[bytes, str] = {}  # routing id -> node id, after PeerHello
         self._router_seen: dict[bytes, float] = {}  # routing id -> last message
@@ -94,7 +99,8 @@ class PeerSet:
 
     # --- outgoing links ----------------------------------------------------------------------
 
-    def start(self, on_message: Callable[[PeerLink, p.Message], None], on_lost: Callable[[tuple, str], None]) -> None:
+    def start(self, on_message: Callable[[PeerLink, p.Message], None],
+              on_lost: Callable[[ChannelKey, str], None]) -> None:
         """Link the configured peers; on_message gets what links receive, on_lost (channel key,
         reason) says a connection is gone, so what runs on it fails."""
         self._on_message, self._on_lost = on_message, on_lost
@@ -193,7 +199,7 @@ class PeerSet:
                     continue
                 log.info("peer %s added at %s", name, endpoint)
 
-    def states(self) -> dict[str, dict]:
+    def states(self) -> dict[str, dict[str, Any]]:
         states = {
             name: {"endpoint": link.endpoint, "connected": link.connected, "node_id": link.remote_node_id}
             for name, link in self.links.items()
@@ -280,7 +286,7 @@ class PeerSet:
 
     # --- liveness -----------------------------------------------------------------------------
 
-    def heartbeat(self, now: float, busy: set[tuple]) -> None:
+    def heartbeat(self, now: float, busy: set[ChannelKey]) -> None:
         """Ping every linked peer; a peer silent past heartbeat_timeout is lost. Ad-hoc links
         unused for ADHOC_IDLE with no transfer on them (`busy`: channel keys in use) are closed."""
         cfg = self.settings

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Container
+from typing import Any
 
 from kvd.errors import KvdError, NotFound, PeerUnavailable
 from kvd.wire import protocol as p
@@ -19,7 +20,7 @@ from ..plane.parking import Drain, Hold, Parked, PlaneLedger
 from ..plane.poller import PlaneOps
 from ..store.entries import Store
 from ..transfer.channel import Channel
-from ..transfer.states import Inbound, Kind, OpEnded, Outbound, PostOp, Transfer
+from ..transfer.states import Event, Inbound, Kind, OpEnded, Outbound, PostOp, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ MAX_UNSAID = 4096  # `released` words kept per peer until its link is back
 
 
 class PlaneIO:
-    def __init__(self, ops: PlaneOps | None, store: Store, metrics: Metrics, handle: Callable[[object], None],
+    def __init__(self, ops: PlaneOps | None, store: Store, metrics: Metrics, handle: Callable[[Event], None],
                  send: Callable[[Channel, p.Message], object], link_up: Callable[[str], Channel | None],
                  transfer_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ops = ops
@@ -155,7 +156,7 @@ class PlaneIO:
         for xfer in self._unsaid.pop(peer, ()):
             self._send(channel, p.Released(xfer=xfer))
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return self.ledger.summary()
 
 

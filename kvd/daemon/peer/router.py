@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -25,13 +26,13 @@ from kvd.wire import protocol as p
 from ..config import Config
 from ..logs import Throttle
 from ..metrics import Metrics
-from ..transfer.channel import Channel
+from ..transfer.channel import Channel, Sending
 from .admission import Admissions
 from .auth import CurveKeys, make_server
 from .links import tune_peer_socket
-from .loopsocket import NOT_SENT, LoopSocket, Sent
+from .loopsocket import NOT_SENT, InFrames, LoopSocket, OutFrame, Sent
 from .owed import Account
-from .peers import PeerSet
+from .peers import ChannelKey, PeerSet
 from .tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,8 @@ class Router:
     monitor also says when a connection closes, so a peer that left is forgotten at once, not
     reported lost at the heartbeat timeout."""
 
-    def __init__(self, settings: RouterSettings, ctx: zmq.Context, curve: CurveKeys | None, peers: PeerSet,
-                 metrics: Metrics, incarnation: int, on_gone: Callable[[tuple, str], None] | None = None,
+    def __init__(self, settings: RouterSettings, ctx: zmq.Context[Any], curve: CurveKeys | None, peers: PeerSet,
+                 metrics: Metrics, incarnation: int, on_gone: Callable[[ChannelKey, str], None] | None = None,
                  max_connections: int | None = None) -> None:
         self.settings = settings
         # --max-peer-connections, or fewer where the open-file limit cannot hold that many
@@ -117,7 +118,7 @@ class Router:
                                      socket.sock.copy_threshold, self.curve is not None)
         backlog, taken, socket_send = account.backlog, account.taken, socket.send
 
-        def send(frames: list, track: bool):
+        def send(frames: list[OutFrame], track: bool) -> Sending:
             if backlog.cut:
                 return NOT_SENT
             sent = socket_send([rid, *frames], copy=False, track=track)
@@ -130,13 +131,13 @@ class Router:
         return RouterChannel(("router", rid), self.peers.router_name(rid), send,
                              lambda: self.peers.cut_router(rid))
 
-    def _check_sent(self, sent, account: Account) -> None:
+    def _check_sent(self, sent: Sending, account: Account) -> None:
         if not sent.cancelled() and isinstance(sent.exception(), zmq.Again):
             self.peers.owed.cut(account, "its queue is full")
 
     # --- connections ------------------------------------------------------------------------------
 
-    def _on_socket_event(self, frames: list) -> None:
+    def _on_socket_event(self, frames: InFrames) -> None:
         event = parse_monitor_message(frames)
         fd = event["value"]
         if event["event"] == zmq.EVENT_ACCEPTED:
@@ -206,7 +207,7 @@ class Router:
                 self._refuse(rid, Unauthorized(f"this daemon no longer admits {node_id!r}: {why}"),
                              self.peers.router_connection(rid))
 
-    def _on_frames(self, frames: list) -> None:
+    def _on_frames(self, frames: InFrames) -> None:
         rid = frames[0].bytes
         self.peers.router_seen(rid)
         channel = self.peers.router_channel(rid)
@@ -252,7 +253,7 @@ class Router:
 class RouterChannel(Channel):
     """A channel on the ROUTER: an abort's message is cut to MAX_ABORT_TEXT characters."""
 
-    def send(self, msg: p.Message, track: bool = False):
+    def send(self, msg: p.Message, track: bool = False) -> Sending:
         if type(msg) is p.Abort and len(msg.message) > MAX_ABORT_TEXT:
             msg = p.Abort(xfer=msg.xfer, code=msg.code, message=clip(msg.message))
         return super().send(msg, track)

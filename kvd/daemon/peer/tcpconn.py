@@ -14,6 +14,7 @@ import socket
 import struct
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from kvd.errors import Unauthorized
 
@@ -73,6 +74,8 @@ class TcpConnection:
             return None
         if len(info) < TCP_INFO_BYTES:
             return None
+        acked: int
+        received: int
         acked, received = struct.unpack_from("=QQ", info, TCP_INFO_BYTES_ACKED)
         return acked + received
 
@@ -114,7 +117,7 @@ def foreign_user_refusal(uid: int, what: str,
                         f"{os.getuid()}): {remedy}")
 
 
-def _host_port(address: tuple) -> tuple[str, int]:
+def _host_port(address: tuple[Any, ...]) -> tuple[str, int]:
     return address[0], address[1]
 
 

@@ -34,6 +34,7 @@ from ..transfer.channel import Channel, Sending
 from ..transfer.limits import Limits
 from ..transfer.machine import Machine
 from ..transfer.states import (
+    Action,
     Cancel,
     ChannelLost,
     Commit,
@@ -42,6 +43,7 @@ from ..transfer.states import (
     Dropped,
     EntryMissing,
     EntryReady,
+    Event,
     Finished,
     Inbound,
     Kind,
@@ -59,7 +61,7 @@ from ..transfer.states import (
 )
 from .frameholds import FrameHolds
 from .links import PeerLink
-from .peers import PeerSet
+from .peers import ChannelKey, PeerSet
 from .planeio import PlaneIO, on_plane
 
 log = logging.getLogger(__name__)
@@ -84,8 +86,9 @@ class Push:
     """What a local put holds of its push: its transfer, and how it hears the end of it."""
 
     transfer: Outbound
-    outcome: asyncio.Future  # resolves (None, or the error) when the push ends
-    on_end: list = field(default_factory=list)  # called with its error (or None) as it ends
+    outcome: asyncio.Future[None]  # resolves (None, or the error) when the push ends
+    # called with its error (or None) as it ends
+    on_end: list[Callable[[KvdError | None], None]] = field(default_factory=list)
 
 
 class EntryEvents(Protocol):
@@ -156,9 +159,9 @@ class Transfers:
         self.machine = Machine(settings.node_id, settings.limits, store, io, clock)
         # what this layer keeps of a live transfer, by its id (dropped as it ends)
         self._pushes: dict[int, Push] = {}  # pushes a local put waits on
-        self._pulls: dict[int, asyncio.Future] = {}  # pulls a local get waits on
-        self._sends: dict[int, list] = {}  # the chunk sends of a sender, for their trackers
-        self._waiting: dict[int, asyncio.Task] = {}  # served pulls waiting for their entry
+        self._pulls: dict[int, asyncio.Future[Entry]] = {}  # pulls a local get waits on
+        self._sends: dict[int, list[Sending]] = {}  # the chunk sends of a sender, for their trackers
+        self._waiting: dict[int, asyncio.Task[None]] = {}  # served pulls waiting for their entry
         self.frames = FrameHolds(store, settings.transfer_timeout, clock)  # ended sends ZeroMQ may still hold
         self.plane = PlaneIO(plane_ops, store, metrics, self._handle, self._send, self._link_up,
                              settings.transfer_timeout, clock)
@@ -185,7 +188,7 @@ class Transfers:
             ready.add_done_callback(lambda ready: self._on_link(out, ready))
         return push
 
-    def _on_link(self, out: Outbound, ready: asyncio.Future) -> None:
+    def _on_link(self, out: Outbound, ready: asyncio.Future[None]) -> None:
         error = _kvd_error(ready.exception())
         self._run(self.machine.handle(ConnectFailed(out.xfer, error) if error else Connected(out.xfer)))
 
@@ -214,7 +217,7 @@ class Transfers:
     def _sending(self, entry: Entry) -> list[Outbound]:
         return [t for t in self.machine.carrying(entry) if isinstance(t, Outbound)]
 
-    def outcome(self, push: Push) -> asyncio.Future:
+    def outcome(self, push: Push) -> asyncio.Future[None]:
         """Resolves (to None, or fails with the error) when the push has ended."""
         return push.outcome
 
@@ -230,17 +233,17 @@ class Transfers:
         push.on_end.append(callback)
 
     def pull(self, request_id: str, source: str, timeout: float, keep: bool,
-             expect: Expectation | None = None, connect_within: float | None = None) -> asyncio.Future:
+             expect: Expectation | None = None, connect_within: float | None = None) -> asyncio.Future[Entry]:
         """Fetch request_id from source into our pool; the future resolves to the published entry.
         Cancelling it (nobody waits any more) calls the pull off: the holder keeps its copy.
         With `expect` (a registry's hint), only that node incarnation's entry of that generation
         will do: anything else fails with NotFound before a byte moves. `connect_within` bounds the
         link's handshake (a get's remaining time, when less than connect_timeout)."""
         link = self.peers.link_for(source)
-        result = asyncio.get_running_loop().create_future()
+        result: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         started: list[Inbound] = []
 
-        def linked(ready: asyncio.Future) -> None:
+        def linked(ready: asyncio.Future[None]) -> None:
             if result.done():
                 return  # called off while connecting
             if (error := ready.exception()) is not None:
@@ -258,7 +261,7 @@ class Transfers:
             started.append(inbound)
             self._run(actions)
 
-        def called_off(done: asyncio.Future) -> None:
+        def called_off(done: asyncio.Future[Entry]) -> None:
             if done.cancelled() and started:
                 self.abort(started[0], NotFound(f"no reader on {self.settings.node_id} waits for {request_id!r} "
                                                 "any more"))
@@ -287,7 +290,7 @@ class Transfers:
             return
         self._run(self.machine.handle(msg, channel))
 
-    def _handle(self, event) -> None:
+    def _handle(self, event: Event) -> None:
         self._run(self.machine.handle(event))
 
     def _link_up(self, peer: str) -> Channel | None:
@@ -298,7 +301,7 @@ class Transfers:
     def on_link_message(self, link: PeerLink, msg: p.Message) -> None:
         self.on_message(link.channel, msg)
 
-    def on_lost(self, key: tuple, reason: str) -> None:
+    def on_lost(self, key: ChannelKey, reason: str) -> None:
         """A connection closed or went silent: fail what ran on it."""
         self._run(self.machine.handle(ChannelLost(key, reason)))
 
@@ -311,7 +314,7 @@ class Transfers:
         """Transfers are in flight or connecting (a drain waits for them)."""
         return bool(self.machine.transfers)
 
-    def busy_channels(self) -> set[tuple]:
+    def busy_channels(self) -> set[ChannelKey]:
         return {transfer.channel.key for transfer in self.machine.transfers.values()}
 
     def in_flight(self) -> dict[str, int]:
@@ -330,7 +333,7 @@ class Transfers:
 
     # --- carrying out the machine's actions -----------------------------------------------------------
 
-    def _run(self, actions: list) -> None:
+    def _run(self, actions: list[Action]) -> None:
         for action in actions:
             match action:
                 case SendChunk(transfer=out, msg=chunk, hold=hold):
@@ -385,6 +388,7 @@ class Transfers:
                     result.set_exception(error)
                     result.exception()  # retrieved: a pull nobody waits for any more must not warn
                 else:
+                    assert transfer.entry is not None  # (a pull that ended well published its entry)
                     result.set_result(transfer.entry)
             return
         sends = self._sends.pop(transfer.xfer, [])

@@ -22,6 +22,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvd.errors import AlreadyExists, BadRequest, NotFound, PoolFull
 from kvd.wire.layout import (
@@ -82,7 +83,7 @@ class Store:
     # --- reservation and publication ---------------------------------------------------
 
     def reserve(
-        self, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict | None,
+        self, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict[str, Any] | None,
         state: State, write_deadline: float | None,
     ) -> Entry:
         offsets, total = self._check_new(request_id, specs, ttl, meta)
@@ -103,7 +104,7 @@ class Store:
         return entry
 
     def _check_new(self, request_id: str, specs: list[TensorSpec], ttl: float | None,
-                   meta: dict | None) -> tuple[list[int], int]:
+                   meta: dict[str, Any] | None) -> tuple[list[int], int]:
         """Validate a new entry; returns its tensor offsets and total size."""
         validate_request_id(request_id)
         validate_specs(specs)
@@ -121,7 +122,7 @@ class Store:
         return tensor_offsets(specs)
 
     def _check_answerable(self, request_id: str, specs: list[TensorSpec], offsets: list[int],
-                          extents: list[Extent], meta: dict | None) -> None:
+                          extents: list[Extent], meta: dict[str, Any] | None) -> None:
         """Refuse an entry whose get_slots would not fit in a header (a bound first, the exact
         size only when the bound is near: most entries are far from it)."""
         bound = sum(len(s.name.encode()) + 16 + 10 * len(s.shape) for s in specs) \
@@ -137,7 +138,7 @@ class Store:
                              "a smaller meta")
 
     def _add(self, request_id: str, specs: list[TensorSpec], offsets: list[int], total: int,
-             extents: list[Extent], ttl: float | None, meta: dict | None, state: State,
+             extents: list[Extent], ttl: float | None, meta: dict[str, Any] | None, state: State,
              write_deadline: float | None) -> Entry:
         ttl = self.default_ttl if ttl is None else ttl
         expires = time.monotonic() + ttl if ttl else None
@@ -172,7 +173,7 @@ class Store:
         return extents
 
     def reserve_in_scratch(
-        self, token: int, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict | None,
+        self, token: int, request_id: str, specs: list[TensorSpec], ttl: float | None, meta: dict[str, Any] | None,
         state: State, write_deadline: float | None,
     ) -> Entry:
         """Turn lent scratch blocks, already written, into an entry; blocks it does not need go

@@ -8,6 +8,7 @@ import bisect
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvd.errors import BadRequest
 from kvd.wire.layout import Extent, TensorSpec, physical_segments
@@ -42,7 +43,7 @@ class Entry:
     offsets: list[int]
     total_bytes: int
     extents: list[Extent]
-    meta: dict | None
+    meta: dict[str, Any] | None
     state: State
     expires_at: float | None  # monotonic ttl deadline
     write_deadline: float | None = None  # WRITING/RECEIVING must finish by then
@@ -84,7 +85,7 @@ class Entry:
                     done.append(index)
         return done
 
-    def mark_tensors(self, indices: list) -> list[tuple[int, int]]:
+    def mark_tensors(self, indices: list[int]) -> list[tuple[int, int]]:
         """A local producer wrote these tensors; returns their (merged) byte ranges."""
         ranges = self.tensor_ranges()
         if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < len(ranges) for i in indices):
@@ -119,7 +120,7 @@ class Entry:
             for spec, offset in zip(self.specs, self.offsets, strict=True)
         ]
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id,
             "state": self.state.value,
