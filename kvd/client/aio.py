@@ -20,8 +20,8 @@ from kvd.wire import protocol as p
 from .blocks import get_blocks, put_blocks
 from .cache import Parts, cache_exists, cache_get, cache_put
 from .connection import StreamConnection, peer_port_error
-from .core import CONNECT_TIMEOUT, REPLY_GRACE, _ClientCore
-from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed
+from .core import CONNECT_TIMEOUT, REPLY_GRACE, ConnectionLost, _ClientCore
+from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed, req_of
 from .streaming import StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,8 @@ class AsyncClient(_ClientCore):
         super().__init__(socket, reply_timeout, connect_timeout)
         self._sock: StreamConnection | None = None
         self._lost: KvdError | None = None  # why the connection ended; the next call reconnects
-        self._pending: dict[int, asyncio.Future] = {}
-        self._streams: dict[int, asyncio.Queue] = {}  # get_stream req -> its later messages
+        self._pending: dict[int, asyncio.Future[p.Message]] = {}
+        self._streams: dict[int, asyncio.Queue[p.Message | KvdError]] = {}  # get_stream req -> its later messages
         self._connecting: asyncio.Lock | None = None
 
     async def _steps(self, op: Operation):
@@ -110,9 +110,12 @@ class AsyncClient(_ClientCore):
         return self._raise_if_error(reply)
 
     async def _call(self, msg: p.Message, wait: float) -> p.Message:
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[msg.req] = fut
+        fut: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
+        req = req_of(msg)
+        self._pending[req] = fut
         try:
+            if self._sock is None:  # closed under the operation (close() from another task)
+                raise ConnectionLost(f"the connection to the kvd daemon at {self.endpoint} was lost")
             self._sock.send_now(p.encode(msg))
             reply = await asyncio.wait_for(fut, wait + self.reply_timeout)
         except TimeoutError:
@@ -122,7 +125,7 @@ class AsyncClient(_ClientCore):
             self._abandon(msg)
             raise
         finally:
-            self._pending.pop(msg.req, None)
+            self._pending.pop(req, None)
         return self._raise_if_error(reply)
 
     def _on_reply(self, frames: list) -> None:

@@ -66,7 +66,7 @@ def gather_rows(pool: torch.Tensor, segments: list, spec: TensorSpec, cache: tor
     """cache[ids] -> the tensor's pool segments: one gather kernel into the pool where possible."""
     target = _pool_view(pool, segments, spec)
     source, out = byte_view(cache), byte_view(target) if target is not None else None
-    if out is not None and source is not None and target.device == cache.device:
+    if target is not None and out is not None and source is not None and target.device == cache.device:
         torch.index_select(source, 0, ids, out=out)  # straight into the pool, no temporary
         return
     rows = source.index_select(0, ids).view(cache.dtype) if source is not None else cache.index_select(0, ids)

@@ -23,7 +23,7 @@ import torch
 from kvd.errors import BadRequest, ProtocolError
 from kvd.wire import protocol as p
 
-from .ops import NO_REPLY, Operation
+from .ops import NO_REPLY, Operation, reply_as
 from .tensors import DTYPE_NAMES, copy_in, host_strided_bytes, memory_problem
 
 MAX_BATCH = 4096  # keys per request, the daemon's cap (kvd.daemon.tier.page_store.MAX_BATCH)
@@ -146,8 +146,8 @@ def cache_put(core: Any, keys: Sequence[str], pages: Sequence[Page], namespace: 
     results: list[bool] = []
     for batch_keys, batch in _batches(keys, pages, namespace, "pages"):
         generation = core._generation
-        reply = yield p.CachePut(req=next(core._reqs), namespace=namespace, keys=batch_keys,
-                                 pages=[_declared(page) for page in batch]), 0.0
+        reply = reply_as(p.CacheSlots, (yield p.CachePut(req=next(core._reqs), namespace=namespace, keys=batch_keys,
+                                                         pages=[_declared(page) for page in batch]), 0.0))
         slots = reply.slots
         if not isinstance(slots, list) or len(slots) != len(batch):
             raise ProtocolError(f"cache_slots has {len(slots)} slots for {len(batch)} pages")
@@ -164,7 +164,7 @@ def cache_put(core: Any, keys: Sequence[str], pages: Sequence[Page], namespace: 
             except BaseException:
                 yield p.CacheCommit(req=next(core._reqs), token=reply.token, ok=False), NO_REPLY
                 raise
-            done = yield p.CacheCommit(req=next(core._reqs), token=reply.token), 0.0
+            done = reply_as(p.Ok, (yield p.CacheCommit(req=next(core._reqs), token=reply.token), 0.0))
             published = done.value  # per page written; None: the reservation ran out before the commit
             if published is None:
                 published = [False] * len(writes)
@@ -219,7 +219,8 @@ def cache_get(core: Any, keys: Sequence[str], outs: Sequence[Page], namespace: s
     for batch_keys, batch in _batches(keys, outs, namespace, "outs"):
         sizes = [_nbytes(page) for page in batch]
         generation = core._generation
-        reply = yield p.CacheGet(req=next(core._reqs), namespace=namespace, keys=batch_keys, sizes=sizes), 0.0
+        reply = reply_as(p.CacheSlots, (yield p.CacheGet(req=next(core._reqs), namespace=namespace, keys=batch_keys,
+                                                         sizes=sizes), 0.0))
         slots = reply.slots
         hits = [i for i, slot in enumerate(slots)
                 if slot is not None] if isinstance(slots, list) and len(slots) == len(batch) else None
@@ -246,7 +247,7 @@ def cache_exists(core: Any, keys: Sequence[str], namespace: str) -> Operation:
     total = 0
     for start in range(0, len(keys), MAX_BATCH):
         batch = keys[start:start + MAX_BATCH]
-        reply = yield p.CacheExists(req=next(core._reqs), namespace=namespace, keys=batch), 0.0
+        reply = reply_as(p.Ok, (yield p.CacheExists(req=next(core._reqs), namespace=namespace, keys=batch), 0.0))
         if type(reply.value) is not int or not 0 <= reply.value <= len(batch):
             raise ProtocolError(f"cache_exists answered {reply.value!r} for {len(batch)} keys")
         total += reply.value

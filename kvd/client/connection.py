@@ -21,6 +21,8 @@ from kvd.wire import protocol as p
 from kvd.wire.endpoints import default_socket, tcp_address, unix_path
 from kvd.wire.framing import PEER_PORT, MessageReader, encode_message, zmtp_greeting
 
+from .ops import reply_as, req_of
+
 RECEIVE_BYTES = 1 << 16
 PROBE_TIMEOUT = 0.25  # s: how long a probe of a tcp:// endpoint waits for ZeroMQ's greeting (sent at once)
 
@@ -165,14 +167,17 @@ class StreamConnection(asyncio.Protocol):
         return conn
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # a stream socket's transport is an asyncio.Transport (asyncio.Protocol's signature says
+        # BaseTransport, for every kind); uvloop's is one without deriving from it
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        head, self._head = self._head, None
+        head, self._head = self._head, False
         try:
             messages = self._reader.feed(data)
         except ProtocolError as exc:
-            self.transport.abort()
+            if self.transport is not None:
+                self.transport.abort()
             wrong = peer_port_error(self.endpoint, data[:10]) if head else None
             self._on_lost(wrong or KvdError(f"the kvd daemon at {self.endpoint} sent a malformed stream: {exc}"))
             return
@@ -180,7 +185,7 @@ class StreamConnection(asyncio.Protocol):
             self._on_message(frames)
 
     def send_now(self, frames: list) -> None:
-        if self.transport.is_closing():
+        if self.transport is None or self.transport.is_closing():
             raise KvdError(f"the connection to the kvd daemon at {self.endpoint} was lost")
         self.transport.write(encode_message(frames))
 
@@ -201,11 +206,11 @@ def ask(msg: p.Message, endpoint: str | None = None, timeout: float = 10.0) -> A
         conn.send(p.encode(msg))
         while (frames := conn.receive(timeout)) is not None:
             reply = p.decode(frames)
-            if getattr(reply, "req", None) != msg.req:
+            if req_of(reply) != req_of(msg):
                 continue
             if isinstance(reply, p.Error):
                 raise error_from_code(reply.code, reply.message, remote=reply.origin)
-            return reply.value
+            return reply_as(p.Ok, reply).value
         raise Timeout(f"the kvd daemon at {endpoint} did not answer {msg.TYPE} within {timeout:g}s")
     finally:
         conn.close()

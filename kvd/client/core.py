@@ -13,14 +13,15 @@ import collections
 import contextlib
 import itertools
 import logging
+import mmap
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import torch
 
-from kvd.errors import BadRequest, KvdError, ProtocolError, error_from_code
+from kvd.errors import BadRequest, KvdError, error_from_code
 from kvd.memory.host import map_pool
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import default_socket, unix_path
@@ -35,7 +36,7 @@ from kvd.wire.layout import (
 )
 
 from .cache import give_back
-from .ops import NO_REPLY, WAIT_FOREVER, Emit, Operation, Receive, StreamClosed
+from .ops import NO_REPLY, WAIT_FOREVER, Emit, Operation, Receive, StreamClosed, reply_as, req_of
 from .streaming import StreamState
 from .tensors import as_tensor, check_out, copy_in, copy_out, spec_of
 
@@ -53,6 +54,12 @@ class ConnectionLost(KvdError):
     """The daemon connection an operation started on is gone (a reconnect maps a new pool)."""
 
 
+class _Transport(Protocol):
+    """What the core closes of a face's connection (kvd.client.connection)."""
+
+    def close(self) -> None: ...
+
+
 class _ClientCore:
     """What both faces share: the operations, request ids, and the mapped pool."""
 
@@ -61,11 +68,11 @@ class _ClientCore:
         self.reply_timeout = reply_timeout
         self.connect_timeout = connect_timeout
         self._reqs = itertools.count(1)
-        self._mapping = None
+        self._mapping: mmap.mmap | None = None
         self._pool: torch.Tensor | None = None
         self.info: p.HelloOk | None = None
-        self._sock = None  # the connection (kvd.client.connection)
-        self._ipc_close = None  # closes a CUDA IPC mapping
+        self._sock: _Transport | None = None  # the connection (kvd.client.connection)
+        self._ipc_close: Callable[[], None] | None = None  # closes a CUDA IPC mapping
         # blocks the daemon lent this connection for its next small puts: (token, extents, blocks)
         # each, one per put in flight (a put takes one out while it writes)
         self._scratch: list[tuple[int, list[Extent], int]] = []
@@ -83,8 +90,8 @@ class _ClientCore:
     def _stream_notice(self, msg: p.Message) -> bool:
         """An error about an open stream (its lease ran out, it was deleted, its push failed):
         kept for the stream's next write, which raises it. True if msg was one."""
-        state = self._writes.get(getattr(msg, "req", None)) if isinstance(msg, p.Error) else None
-        if state is None:
+        state = self._writes.get(msg.req) if isinstance(msg, p.Error) else None
+        if state is None or not isinstance(msg, p.Error):
             return False
         state.failed = error_from_code(msg.code, msg.message, remote=msg.origin)
         return True
@@ -94,22 +101,22 @@ class _ClientCore:
         read; AsyncClient's loop takes messages in as they come)."""
 
     def _abandon(self, msg: p.Message) -> None:
-        self._abandoned[msg.req] = msg
+        self._abandoned[req_of(msg)] = msg
         if len(self._abandoned) > MAX_ABANDONED:  # replies that never came (the connection ended)
             self._abandoned.popitem(last=False)
 
     def _late_reply(self, reply: p.Message) -> p.Message | None:
         """A reply to an abandoned request: keep what is useful, return the message that gives
         back what it holds (sent without a reply), if any."""
-        request = self._abandoned.pop(getattr(reply, "req", None), None)
+        request = self._abandoned.pop(req_of(reply), None)
         if isinstance(reply, p.PutOk):
             self._keep_scratch(reply)  # its put is over, and the blocks lent with it are ours to use
         if request is None:
             return None
-        if isinstance(reply, p.GetSlots):
+        if isinstance(reply, p.GetSlots) and isinstance(request, (p.Get, p.GetStream)):
             return p.GetDone(req=next(self._reqs), request_id=request.request_id, token=reply.token,
                              consume=False, reply=False)
-        if isinstance(reply, p.PutSlots):  # a reservation nobody will write
+        if isinstance(reply, p.PutSlots) and isinstance(request, p.PutAlloc):  # a reservation nobody will write
             return p.Delete(req=next(self._reqs), request_id=request.request_id, token=reply.token)
         if isinstance(reply, p.CacheSlots):  # tier room nobody will write, or pins nobody reads
             return give_back(request, reply, next(self._reqs))
@@ -117,10 +124,11 @@ class _ClientCore:
 
     def _pool_of(self, generation: int) -> torch.Tensor:
         """The mapped pool, if it is still that of the connection an operation started on."""
-        if not self._same_connection(generation):
+        pool = self._pool
+        if pool is None or not self._same_connection(generation):
             raise ConnectionLost("the connection to the daemon was lost during this operation (did the daemon "
                                  "restart?): nothing more was copied; start it over")
-        return self._pool
+        return pool
 
     def _same_connection(self, generation: int) -> bool:
         # (in a fork()ed child, whatever the parent opened is the parent's)
@@ -136,6 +144,12 @@ class _ClientCore:
         self.info = None
         return True
 
+    def _hello_ok(self) -> p.HelloOk:
+        """What the daemon said as this connection opened (its pool and block size)."""
+        if self.info is None:
+            raise ConnectionLost(f"not connected to the kvd daemon at {self.endpoint}")
+        return self.info
+
     @property
     def node_id(self) -> str | None:
         return self.info.node_id if self.info else None
@@ -144,15 +158,6 @@ class _ClientCore:
         path = unix_path(self.endpoint)
         if path is not None and not os.path.exists(path):
             raise KvdError(f"no kvd daemon at {self.endpoint} (start one with `kvd serve`)")
-
-    def _connected(self) -> bool:
-        """Connected to a live daemon; a lost connection is closed here, so the caller reconnects."""
-        if self._forked() or self._pool is None:
-            return False
-        if self._sock is None or not self._sock.alive():
-            self._close_transport()  # the daemon went away (restarted?): map its new pool
-            return False
-        return True
 
     # --- checks before anything is sent: what the daemon could not decode would come back as a
     # ProtocolError (and a warning in its log), what msgpack cannot encode as a bare TypeError
@@ -186,9 +191,8 @@ class _ClientCore:
     # --- operations (no I/O) -------------------------------------------------------------------
 
     def _hello(self) -> Operation:
-        hello = yield p.Hello(req=next(self._reqs), client=f"pid-{os.getpid()}"), self.connect_timeout
-        if not isinstance(hello, p.HelloOk):
-            raise ProtocolError(f"expected hello_ok, got {hello.TYPE}")
+        hello = reply_as(p.HelloOk, (yield p.Hello(req=next(self._reqs), client=f"pid-{os.getpid()}"),
+                                     self.connect_timeout))
         if hello.pool_handle is not None:  # a GPU pool: map it by CUDA IPC, copy device to device
             from kvd.memory.cuda import open_ipc_pool
 
@@ -232,11 +236,12 @@ class _ClientCore:
         wire_specs = [s.to_wire() for s in specs]
         wait = WAIT_FOREVER if dest else 0.0
         offsets, total = tensor_offsets(specs)
-        scratch = self._take_scratch(blocks_needed(total, self.info.block_size))
+        block_size = self._hello_ok().block_size
+        scratch = self._take_scratch(blocks_needed(total, block_size))
         if scratch is not None:  # taken: no other operation writes into it now
             token, extents, _ = scratch
             try:
-                write([physical_segments(extents, self.info.block_size, offset, spec.nbytes)
+                write([physical_segments(extents, block_size, offset, spec.nbytes)
                        for spec, offset in zip(specs, offsets, strict=True)])
                 self._sync_device()
             except BaseException:
@@ -248,8 +253,9 @@ class _ClientCore:
             # every loan is too small for this put (or in use): the biggest goes back, so that the
             # reply may lend one this size within the daemon's bound per connection
             small = self._take_scratch(0, biggest=True)
-            slots = yield p.PutAlloc(req=next(self._reqs), request_id=request_id, tensors=wire_specs, ttl=ttl,
-                                     meta=meta, give_back=small[0] if small else None), 0.0
+            slots = reply_as(p.PutSlots, (yield p.PutAlloc(req=next(self._reqs), request_id=request_id,
+                                                           tensors=wire_specs, ttl=ttl, meta=meta,
+                                                           give_back=small[0] if small else None), 0.0))
             try:
                 write(slots.segments)
                 self._sync_device()
@@ -269,7 +275,7 @@ class _ClientCore:
             return None
         return self._scratch.pop((max if biggest else min)(fits, key=lambda i: self._scratch[i][2]))
 
-    def _keep_scratch(self, reply: p.Message) -> None:
+    def _keep_scratch(self, reply: p.Message | None) -> None:
         """Remember blocks the daemon lent for a next put (checked: they must lie in the pool)."""
         if not isinstance(reply, p.PutOk) or reply.scratch is None:
             return
@@ -277,7 +283,8 @@ class _ClientCore:
             extents = [(int(first), int(count)) for first, count in reply.extents]
         except (TypeError, ValueError):
             return
-        pool_blocks = self.info.pool_size // self.info.block_size
+        info = self._hello_ok()
+        pool_blocks = info.pool_size // info.block_size
         if all(first >= 0 and count > 0 and first + count <= pool_blocks for first, count in extents):
             self._scratch.append((reply.scratch, extents, sum(count for _, count in extents)))
 
@@ -285,8 +292,8 @@ class _ClientCore:
              keep: bool, with_meta: bool = False) -> Operation:
         self._check_request_id(request_id)
         generation = self._generation
-        slots = yield p.Get(req=next(self._reqs), request_id=request_id, timeout=float(timeout),
-                            source=source, keep=keep), float(timeout)
+        slots = reply_as(p.GetSlots, (yield p.Get(req=next(self._reqs), request_id=request_id,
+                                                  timeout=float(timeout), source=source, keep=keep), float(timeout)))
         consume = not keep
         try:
             pool = self._pool_of(generation)
@@ -316,7 +323,7 @@ class _ClientCore:
         entries: list[dict] = []
         after = None
         while True:
-            reply = yield p.ListEntries(req=next(self._reqs), after=after, limit=p.LIST_PAGE), 0.0
+            reply = reply_as(p.Ok, (yield p.ListEntries(req=next(self._reqs), after=after, limit=p.LIST_PAGE), 0.0))
             entries += reply.value
             after = p.next_page_after(reply.value, after)
             if after is None:
@@ -325,7 +332,7 @@ class _ClientCore:
     def _simple(self, msg: p.Message) -> Operation:
         if hasattr(msg, "request_id"):  # (delete)
             self._check_request_id(msg.request_id)
-        reply = yield msg, 0.0
+        reply = reply_as(p.Ok, (yield msg, 0.0))
         return reply.value
 
     def _send_nowait(self, msg: p.Message) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from kvd.errors import ProtocolError
 from kvd.wire import protocol as p
 
 NO_REPLY = None  # yield (msg, NO_REPLY): send and do not wait
@@ -20,7 +21,24 @@ NO_REPLY = None  # yield (msg, NO_REPLY): send and do not wait
 WAIT_FOREVER = 3600.0
 
 # an operation yields (request, seconds to wait for the reply or NO_REPLY) and gets the reply back
-Operation = Generator[tuple[p.Message, float | None], p.Message | None, Any]
+# (None after NO_REPLY), or a Receive (gets the next message) or an Emit (gets None)
+Operation = Generator["tuple[p.Message, float | None] | Receive | Emit", p.Message | None, Any]
+M = TypeVar("M", bound=p.Message)
+
+
+def reply_as(kind: type[M], reply: p.Message | None) -> M:
+    """The reply an operation waited for, as the type its request is answered with (the driver has
+    raised an error reply already): any other is the daemon's protocol error."""
+    if not isinstance(reply, kind):
+        raise ProtocolError(f"expected {kind.TYPE}, got {reply.TYPE if reply is not None else 'no reply'}")
+    return reply
+
+
+def req_of(msg: p.Message) -> int:
+    """The request id a client <-> daemon message carries (`req`: every one has it; a daemon's
+    notice not about a request says 0, and a requests's ids start at 1)."""
+    req = getattr(msg, "req", 0)
+    return req if type(req) is int else 0
 
 
 @dataclass

@@ -36,7 +36,7 @@ from kvd.wire import protocol as proto
 from kvd.wire.layout import TensorSpec
 
 from .blocks import block_index, scatter_rows
-from .ops import NO_REPLY, Operation, Receive
+from .ops import NO_REPLY, Operation, Receive, reply_as
 from .tensors import DTYPE_NAMES, TORCH_DTYPES, as_tensor, copy_out
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def get_shard(client: Client, request_id: str, layout: KVLayout, src_tp_size: in
     held = {rank: check_shard(_fetch(client, keys[rank], source, deadline, keep=not consume), srcs[rank], head_axis)
             for rank in needed}
     targets = _target_shapes(pieces, held, layout, head_axis, out)  # all checks done before any copy
-    dtype, result = TORCH_DTYPES[layout.dtype], {}
+    dtype, result = TORCH_DTYPES[layout.dtype], dict[str, torch.Tensor]()
     for kind in KINDS:  # k and v are assembled alike, each as a list of per-layer tensors
         names = [f"layer.{g}.{kind}" for g in range(*layout.layer_range())]
         layers = {rank: [held[rank][f"layer.{g}.{kind}"] for g in range(*srcs[rank].layer_range())]
@@ -290,8 +290,9 @@ def _scatter_op(core, fetches: list[ShardFetch], block_ids: list[int], rows: tup
             # a stream's lease never hides the entry from the other readers (a get's consuming lease
             # would, until its release); whether this read consumes is said at its release
             req = next(core._reqs)
-            slots = yield proto.GetStream(req=req, request_id=fetch.key, timeout=wait, source=source,
-                                      keep=not (fetch.consume or fetch.move)), wait
+            slots = reply_as(proto.GetSlots, (yield proto.GetStream(req=req, request_id=fetch.key, timeout=wait,
+                                                                    source=source,
+                                                                    keep=not (fetch.consume or fetch.move)), wait))
             held.append((fetch, slots))
             # checked as soon as it is leased: a refusal need not wait for the other shards
             specs = {spec.name: (spec, segments) for spec, segments in
@@ -304,7 +305,7 @@ def _scatter_op(core, fetches: list[ShardFetch], block_ids: list[int], rows: tup
                 work.append((piece, spec, segments))
             complete = False
             while not complete:  # (checked before its bytes are here: a refusal costs no transfer)
-                ready = yield Receive(req, max(1.0, deadline - time.monotonic()))
+                ready = reply_as(proto.TensorsReady, (yield Receive(req, max(1.0, deadline - time.monotonic()))))
                 complete = ready.complete
         pool = core._pool_of(generation)
         ids = {}

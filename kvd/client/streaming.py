@@ -58,14 +58,14 @@ class StreamState:
         self.failed: Exception | None = None  # why the daemon ended it (lease ran out, deleted, push failed)
 
 
-def _give_up(core, state: StreamState):
+def _give_up(core, state: StreamState, failed: Exception):
     """The daemon ended this stream: stop writing, say so (the daemon keeps its blocks parked until
     then, as we might still be copying), and raise why."""
     state.closed = True
     core._writes.pop(state.req, None)
     if core._same_connection(state.generation):
         yield p.Delete(req=next(core._reqs), request_id=state.request_id, token=state.token), NO_REPLY
-    raise state.failed
+    raise failed
 
 
 def open_stream(core, state: StreamState, ttl: float | None, meta: dict | None):
@@ -86,7 +86,7 @@ def write_stream(core, state: StreamState, kv: Mapping[str, Any]):
         raise BadRequest("stream already committed or aborted")
     core._read_notices()
     if state.failed is not None:
-        yield from _give_up(core, state)
+        yield from _give_up(core, state, state.failed)
     indices = []
     for name, value in kv.items():
         if name not in state.index:
@@ -120,7 +120,7 @@ def commit_stream(core, state: StreamState):
         raise BadRequest("stream already committed or aborted")
     core._read_notices()
     if state.failed is not None:
-        yield from _give_up(core, state)
+        yield from _give_up(core, state, state.failed)
     state.closed = True
     core._writes.pop(state.req, None)
     core._pool_of(state.generation)  # opened on a connection that is gone: nothing to commit here

@@ -19,8 +19,8 @@ from kvd.wire import protocol as p
 from .blocks import get_blocks, put_blocks
 from .cache import Parts, cache_exists, cache_get, cache_put
 from .connection import BlockingConnection
-from .core import CONNECT_TIMEOUT, REPLY_GRACE, _ClientCore, log
-from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed
+from .core import CONNECT_TIMEOUT, REPLY_GRACE, ConnectionLost, _ClientCore, log
+from .ops import NO_REPLY, Emit, Operation, Receive, StreamClosed, req_of
 from .streaming import StreamState, abort_stream, commit_stream, open_stream, read_stream, specs_from, write_stream
 
 
@@ -97,7 +97,7 @@ class Client(_ClientCore):
         if kept:
             return self._raise_if_error(kept.popleft())
         while True:
-            frames = self._sock.receive(wait + self.reply_timeout)
+            frames = self._connection().receive(wait + self.reply_timeout)
             if frames is None:
                 try:
                     self._reset_socket()
@@ -118,8 +118,8 @@ class Client(_ClientCore):
 
     def _route(self, reply: p.Message) -> None:
         """A message that is not the reply awaited now."""
-        if getattr(reply, "req", None) in self._inbox:  # a stream's, read by a call inside its loop
-            self._inbox[reply.req].append(reply)
+        if (req := req_of(reply)) in self._inbox:  # a stream's, read by a call inside its loop
+            self._inbox[req].append(reply)
         elif not self._stream_notice(reply):
             give_back = self._late_reply(reply)  # a stale reply, to a request given up on
             if give_back is not None:
@@ -133,13 +133,29 @@ class Client(_ClientCore):
                 log.warning("undecodable message from the daemon: %s", exc)
 
     def _call(self, msg: p.Message, wait: float) -> p.Message:
-        self._sock.send(p.encode(msg))
+        self._connection().send(p.encode(msg))
         try:
             # skips stale replies to abandoned requests; a Timeout the daemon reports passes unchanged
-            return self._receive(msg.req, wait, f"its answer to {msg.TYPE}")
+            return self._receive(req_of(msg), wait, f"its answer to {msg.TYPE}")
         except (KeyboardInterrupt, SystemExit):  # interrupted while waiting: the reply comes later
             self._abandon(msg)
             raise
+
+    def _connected(self) -> bool:
+        """Connected to a live daemon; a lost connection is closed here, so the caller reconnects."""
+        if self._forked() or self._pool is None:
+            return False
+        if self._sock is None or not self._sock.alive():
+            self._close_transport()  # the daemon went away (restarted?): map its new pool
+            return False
+        return True
+
+    def _connection(self) -> BlockingConnection:
+        """The connection an operation talks on; closed under it (close() from another thread), it
+        fails as a lost connection does."""
+        if self._sock is None:
+            raise ConnectionLost(f"the connection to the kvd daemon at {self.endpoint} was lost")
+        return self._sock
 
     def _reset_socket(self) -> None:
         """A fresh connection (after a timeout, late replies would otherwise still arrive); the

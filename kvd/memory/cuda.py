@@ -17,6 +17,7 @@ without a GPU; tests marked `cuda` exercise it on one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -173,7 +174,7 @@ def _released(future) -> bool:
     return future.result().done
 
 
-def open_ipc_pool(handle: bytes, size: int, device: str) -> tuple[torch.Tensor, object]:
+def open_ipc_pool(handle: bytes, size: int, device: str) -> tuple[torch.Tensor, Callable[[], None]]:
     """Client side: map the daemon's GPU pool once. Returns the tensor and a closer."""
     cupy = _cupy()
     index = _device_index(device)
