@@ -5,7 +5,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 
 from .daemon.config import (
@@ -145,13 +144,18 @@ def _client_parser(sub, name: str, help_text: str):
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    # "status", "cluster ls", ...: each command's own parser, for its errors
+    commands: dict[str, argparse.ArgumentParser]
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(
         prog="kvd", description="kvd: KV-cache transfer daemon for disaggregated LLM inference.",
         epilog="Run `kvd serve --help` for the daemon's options. " + PRECEDENCE,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    commands = parser.commands = {}  # "status", "cluster ls", ...: each command's own parser, for its errors
+    commands = parser.commands = {}
     commands["serve"] = _serve_parser(sub)
     commands["status"] = _client_parser(sub, "status", "summary of a running daemon: pool, entries, peers")
     commands["ls"] = _client_parser(sub, "ls", "list the entries a running daemon holds")
@@ -240,142 +244,6 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pairs(values: dict) -> str:
-    """{'puts': 3, 'sent_bytes': 4096} -> 'puts 3, sent 4.0KiB': a status line for people, not a repr."""
-    from .units import format_size
-
-    shown = []
-    for key, value in values.items():
-        if key.endswith("_bytes") and isinstance(value, int):
-            key, value = key.removesuffix("_bytes"), format_size(value)
-        shown.append(f"{key} {value}")
-    return ", ".join(shown) or "none"
-
-
-def client_command(args: argparse.Namespace) -> int:
-    """status, ls, rm: one request each over the bare connection (no torch, no pool mapping)."""
-    from .client.connection import ask
-    from .errors import KvdError
-    from .units import format_size
-    from .wire import protocol as p
-
-    try:
-        if args.command == "status":
-            stats = ask(p.Stats(req=1), args.socket)
-            if args.json:
-                print(json.dumps(stats, indent=2))
-                return 0
-            pool = stats["pool"]
-            print(f"node       {stats['node_id']}  (device {stats['device']}, up {stats['uptime_s']:.0f}s)")
-            print(f"pool       {format_size(pool['used_bytes'])} used of {format_size(pool['capacity_bytes'])}"
-                  f" ({100 * pool['used_bytes'] / max(1, pool['capacity_bytes']):.1f}%),"
-                  f" {format_size(pool['scratch_bytes'])} lent to clients for their next put,"
-                  f" {format_size(pool['parked_bytes'])} parked (removed; a client or ZeroMQ may still touch it)")
-            print(f"entries    {stats['entries']}  ({_pairs(stats['entries_by_state'])})")
-            print(f"transfers  {stats['transfers_in_flight']} in flight")
-            print(f"clients    {stats['local_clients']} connected (this one included)")
-            print(f"listen     {stats['listen']}")
-            for name, peer in sorted(stats["peers"].items()):
-                state = "connected" if peer["connected"] else "not connected"
-                if peer.get("not_linked"):  # (configured, but it cannot even be dialled)
-                    state = f"not linked: {peer['not_linked']}"
-                print(f"peer       {name} {peer['endpoint']} {state}")
-            print(f"metrics    {stats['metrics'] or 'off'}")
-            registry = stats.get("registry")
-            if registry:
-                print(f"registry   {registry['url']} {registry['state']} ("
-                      f"{'up' if registry['up'] else 'unreachable'}, {registry['nodes']} nodes seen, "
-                      f"{registry['listed']} entries listed"
-                      f"{', records signed and verified' if registry.get('signed') else ''})")
-                if registry.get("last_error") and not registry["up"]:
-                    print(f"           last error: {registry['last_error']}")
-                if registry.get("dropped"):
-                    print(f"           records dropped: {_pairs(registry['dropped'])}")
-            cache = stats.get("cache")
-            if cache:
-                print(f"kv tier    {cache['entries']} pages, {format_size(cache['bytes'])} in "
-                      f"{format_size(cache['used_bytes'])} of {format_size(cache['budget'])} budget; "
-                      f"{cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions, "
-                      f"{cache['refused']} refused, {cache['namespaces']} namespaces")
-                for medium, m in (cache.get("media") or {}).items():
-                    print(f"  {medium:<8} {m['pages']} pages, {format_size(m['bytes'])} in "
-                          f"{format_size(m['used_bytes'])} of {format_size(m['budget'])}; {m['hits']} hits, "
-                          f"{m['misses']} misses, "
-                          f"{m['evictions']} evictions, {m['corrupt']} corrupt dropped" + (
-                              f"; read {m['read']['mean_ms']} ms (p99 {m['read']['p99_ms']}), write "
-                              f"{m['write']['mean_ms']} ms (p99 {m['write']['p99_ms']}) a page; {m['refused']} "
-                              f"refused; {m['dir']}" if medium == "disk" else ""))
-            plane = stats.get("plane")
-            if plane:
-                peers = ", ".join(plane["peers"]) or "none yet"
-                print(f"data plane {plane['plane']} ({plane['mode']}), agent {plane['agent']}, {plane['memory']} pool "
-                      f"registered; peers {peers}; operations {plane['posted']} posted, {plane['done']} done, "
-                      f"{plane['failed']} failed, {plane['ops_running']} running")
-                if plane["parked"] or plane["draining"]:
-                    held = ", ".join(f"{agent} {format_size(p['parked_bytes'])} in {p['parked']}"
-                                     for agent, p in plane["parked_by_peer"].items())
-                    print(f"           held for peers' planes: {held or 'none'}; {plane['draining']} waiting for "
-                          "our own operations to end")
-            print(f"counters   {_pairs(stats['counters'])}")
-            for error in stats["recent_errors"][-5:]:
-                when = time.strftime("%H:%M:%S", time.localtime(error["time"]))
-                print(f"error      {when} {error['request']} {error['request_id'] or ''}: {error['message']}")
-        elif args.command == "ls":
-            entries, after = [], None
-            while True:  # a page at a time
-                page = ask(p.ListEntries(req=1, after=after, limit=p.LIST_PAGE), args.socket)
-                entries += page
-                if (after := p.next_page_after(page, after)) is None:
-                    break
-            if args.json:
-                print(json.dumps(entries, indent=2))
-                return 0
-            print(f"{'REQUEST ID':40} {'STATE':10} {'BYTES':>10} {'TENSORS':>7} {'AGE':>8}")
-            for e in entries:
-                print(f"{e['request_id']:40} {e['state']:10} {format_size(e['bytes']):>10} "
-                      f"{e['tensors']:>7} {e['age_s']:>7.1f}s")
-            cache = ask(p.Stats(req=1), args.socket).get("cache")
-            if cache:  # the tier's pages are many and small: by namespace, not one by one
-                print(f"kv tier: {cache['entries']} pages, {format_size(cache['bytes'])} "
-                      f"(budget {format_size(cache['budget'])})")
-                for namespace, counts in cache["top_namespaces"].items():
-                    if counts["entries"]:
-                        print(f"  namespace {namespace!r}: {counts['entries']} pages, {format_size(counts['bytes'])}")
-        elif args.command == "cluster" and args.cluster_command == "ls":
-            nodes = ask(p.ClusterNodes(req=1), args.socket)
-            if args.json:
-                print(json.dumps(nodes, indent=2))
-                return 0
-            registry = ask(p.Stats(req=1), args.socket).get("registry") or {}
-            if not registry.get("up", True):
-                print(f"(the registry {registry.get('url')} is unreachable: these are the nodes this daemon saw "
-                      f"last; {registry.get('last_error') or ''})", file=sys.stderr)
-            print(f"{'NODE':24} {'ROLE':8} {'ENDPOINT':28} {'POOL':>9}  LABELS")
-            for n in nodes:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items()))
-                print(f"{n['node_id']:24} {n['role']:8} {n['endpoint']:28} {format_size(n['pool_bytes']):>9}  {labels}")
-        elif args.command == "cluster":
-            holders = ask(p.ClusterLocate(req=1, request_id=args.request_id), args.socket)
-            if args.json:
-                print(json.dumps(holders, indent=2))
-            for h in [] if args.json else holders:
-                print(f"{h['node_id']:24} {h['endpoint']:28} {format_size(h['bytes']):>9} {h['state']}")
-            if not holders and not args.json:
-                print(f"no holder of {args.request_id} in the cluster registry", file=sys.stderr)
-            return 0 if holders else 1
-        elif args.command == "rm":
-            removed = bool(ask(p.Delete(req=1, request_id=args.request_id), args.socket))
-            if args.json:
-                print(json.dumps({"removed": removed}))
-            else:
-                print(f"removed {args.request_id}" if removed else f"{args.request_id}: not found")
-            return 0 if removed else 1
-    except KvdError as exc:
-        print(f"kvd: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def keygen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .errors import KvdError
     from .trust.keygen import keygen_ca, keygen_node
@@ -429,4 +297,6 @@ def _main(argv: Sequence[str] | None) -> int:
         return serve(args)
     if args.command == "keygen":
         return keygen(parser, args)
+    from .cli_client import client_command  # (status, ls, ...: no daemon modules imported)
+
     return client_command(args)

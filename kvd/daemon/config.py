@@ -391,7 +391,9 @@ _SIZE_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 def config_default(name: str) -> Any:
     """A field's default value (computed for the fields with a default_factory)."""
     f = _FIELDS[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def shown_default(name: str) -> str | None:

@@ -84,10 +84,11 @@ class Directory:
                                    cert_file=config.cert_file, key_file=config.key_file)
         except (RuntimeError, ValueError) as exc:  # a backend's library missing; a bad TLS or password file
             raise BadRequest(f"--registry {redact(config.registry)}: {exc}") from None
-        signed = curve is not None and curve.authority is not None and curve.signer is not None
+        signer, verifier = None, None
+        if curve is not None and curve.authority is not None and curve.signer is not None:  # records signed
+            signer, verifier = RecordSigner(curve.signer), RecordVerifier(curve.authority)
         self.member = ClusterMember(backend, record, ttl=config.registry_ttl, snapshot=self.snapshot,
-                                    signer=RecordSigner(curve.signer) if signed else None,
-                                    verifier=RecordVerifier(curve.authority) if signed else None)
+                                    signer=signer, verifier=verifier)
         self._refused_endpoints = Throttle()
         self._located: dict[str, tuple[float, list[dict]]] = {}  # request id -> (when, holders): /cluster/locate
         self._locating = 0

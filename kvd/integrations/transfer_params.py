@@ -76,7 +76,7 @@ class LocalDaemon:
 def local_daemon(stats: dict[str, Any], endpoint: str | None) -> LocalDaemon:
     """From a daemon's stats: a daemon with a registry lists the entries put with no destination
     (unless started with --registry-publish none; stats name the policy as "publish" where they do)."""
-    registry = stats.get("registry")
+    registry = stats.get("registry") or {}
     lists = bool(registry) and registry.get("publish", "pullable") != "none"
     return LocalDaemon(endpoint or stats.get("listen"), lists)
 

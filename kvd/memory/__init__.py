@@ -20,7 +20,10 @@ class StagingMemory(typing.Protocol):
     kind: str  # "cpu" or "cuda:N"
     size: int
     client_path: str  # what a local client opens to map a host pool ("" for a GPU pool)
-    ipc_handle: bytes | None  # CUDA IPC handle of a GPU pool (None for a host pool)
+    @property
+    def ipc_handle(self) -> bytes | None:
+        """CUDA IPC handle of a GPU pool (None for a host pool)."""
+        ...
 
     def io(self, chunk_size: int, window: int) -> PoolIO:
         """How peer transfers move chunk bytes between this memory and the network."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -88,7 +89,7 @@ class CudaMemory:
         if getattr(self, "_ptr", 0):
             cupy = _cupy()
             torch.cuda.synchronize(self.index)
-            self.tensor = None
+            del self.tensor
             with cupy.cuda.Device(self.index):
                 cupy.cuda.runtime.free(self._ptr)
             self._ptr = 0
@@ -101,7 +102,7 @@ class CudaPoolIO:
         self.pool = pool
         self.stream = torch.cuda.Stream(device=pool.device)  # copies run beside the compute stream
         self.slots = [torch.empty(chunk_size, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
-        self.busy: list = [None] * slots  # per slot: the send future whose tracker still holds it
+        self.busy: list[Any] = [None] * slots  # per slot: the send future whose tracker still holds it
         self.next = 0
         self.inbound_slot = torch.empty(chunk_size, dtype=torch.uint8, pin_memory=True)
 
@@ -129,10 +130,10 @@ class CudaPoolIO:
                 slot[pos:pos + n].copy_(self.pool[off:off + n], non_blocking=True)
                 pos += n
         self.stream.synchronize()
-        return [memoryview(slot.numpy())[:pos]], index
+        return [slot.numpy().data[:pos]], index
 
     def sent(self, hold: object, tracker_future) -> None:
-        self.busy[hold] = tracker_future
+        self.busy[cast(int, hold)] = tracker_future  # (a hold here is its slot's index)
 
     def inbound(self, segments: Segments, frames: list, checksum: str) -> int:
         received = digest(checksum, frames)
@@ -160,7 +161,7 @@ class CudaPoolIO:
                 with torch.cuda.stream(self.stream):
                     staged[:take].copy_(self.pool[off + pos:off + pos + take], non_blocking=True)
                 self.stream.synchronize()
-                running.update(memoryview(staged.numpy())[:take])
+                running.update(staged.numpy().data[:take])
         return running.intdigest()
 
 

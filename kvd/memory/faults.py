@@ -32,7 +32,7 @@ class CorruptingPoolIO:
         self.digests += 1
         if self.every_digest and self.digests % self.every_digest == 0 and segments:
             offset, length = segments[0]
-            pool = self.inner.pool  # type: ignore[attr-defined]  (a host pool's view)
+            pool = self.inner.pool  # type: ignore[attr-defined]  # (faults wrap a host pool's io: its view)
             pool[offset + length // 2] ^= 0x10
         return value
 

@@ -21,11 +21,15 @@ import logging
 import mmap
 import os
 import time
+from typing import TYPE_CHECKING
 
 from kvd.errors import BadRequest
 from kvd.units import format_size
 
 from .io import HostPoolIO, PoolIO
+
+if TYPE_CHECKING:
+    import ctypes  # (imported where a plane needs it)
 
 log = logging.getLogger(__name__)
 PREFAULT_LOG_BYTES = 1 << 30  # a pool this big says it is prefaulting, and how long it took (~3 s a GiB)
@@ -36,6 +40,7 @@ class HostMemory:
 
     kind = "cpu"
     ipc_handle = None
+    _anchor: ctypes.c_char | None = None  # the mapping exported to a one-sided plane (plane_region)
 
     def __init__(self, size: int, path: str = "", prefault: bool = True) -> None:
         self.size = size
@@ -90,7 +95,7 @@ class HostMemory:
         """Where a one-sided plane registers the pool: (address, size, "DRAM", device 0)."""
         import ctypes
 
-        if getattr(self, "_anchor", None) is None:  # (an export of the mapping: released at close)
+        if self._anchor is None:  # (an export of the mapping: released at close)
             self._anchor = ctypes.c_char.from_buffer(self._map)
         return ctypes.addressof(self._anchor), self.size, "DRAM", 0
 
@@ -102,14 +107,14 @@ class HostMemory:
         view = getattr(self, "_view", None)
         if view is not None:
             view.release()
-            self._view = None
+            del self._view
         mapping = getattr(self, "_map", None)
         if mapping is not None:
             try:
                 mapping.close()
             except BufferError:
                 log.warning("pool mapping still referenced at close; leaving it to process exit")
-            self._map = None
+            del self._map
         if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -29,6 +29,7 @@ class MHAHostPool:
         self.page_num = pages
         self.size = pages * page_size
         self.device, self.pin_memory = "cpu", False
+        dims: tuple[int, ...]
         if layout == "layer_first":
             dims = (2, layer_num, self.size, head_num, head_dim)
         elif layout == "page_first":
@@ -57,6 +58,7 @@ class MHAHostPool:
         return torch.zeros(shape, dtype=self.dtype).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        shape: tuple[int, ...]
         if self.layout == "layer_first":
             shape = (2, self.layer_num, self.page_size, self.head_num, self.head_dim)
             self.kv_buffer[:, :, index:index + self.page_size] = data_page.reshape(shape)

@@ -92,7 +92,7 @@ class DataPlane(Protocol):
         """Tear the peer's agent down: its connection goes, our operations towards it fail."""
         ...
 
-    def post(self, op: str, agent: str, local: Ranges, remote: Ranges, remote_base: int) -> object:
+    def post(self, op: str, agent: str, local: Ranges, remote: Ranges) -> object:
         """Start a "write" (local pool ranges -> the peer's) or a "read" (the peer's -> ours); the
         lists pair up range by range. Returns a handle for `state` and `release`."""
         ...

@@ -27,6 +27,7 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvd.errors import BadRequest
 
@@ -109,7 +110,7 @@ class NixlPlane:
     size: int
     memory: str  # DRAM or VRAM
     device: int
-    agent: object = None
+    agent: Any = None  # NIXL's nixl_agent (NIXL ships no type information)
     _registration: object = None
     _metadata: bytes = b""
     _peers: dict[str, _Peer] = field(default_factory=dict)
@@ -257,7 +258,7 @@ def _build_agent_masked(name: str):
         raise PlaneError("this NIXL's Python API is not the one kvd was tested with (pinned in pyproject.toml)")
     original = bind.nixlAgentConfig
 
-    class EventDrivenConfig(original):  # type: ignore[misc,valid-type]  (a pybind11 class)
+    class EventDrivenConfig(original):  # type: ignore[misc,valid-type]  # (a pybind11 class, found at run time)
         def __setattr__(self, key: str, value: object) -> None:
             super().__setattr__(key, PROGRESS_DELAY_US if key == "pthrDelay" else value)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ...errors import BadRequest, LayoutMismatch
 
@@ -71,6 +71,8 @@ class KVGroup:
     def skipped_tokens(self, num_tokens: int) -> int:
         """Tokens the next query (token num_tokens) no longer attends to (vLLM's
         get_num_skipped_tokens): their blocks are freed."""
+        if self.window is None:  # (full attention, Mamba: a window only for the two kinds below)
+            return 0
         if self.kind == SLIDING:
             return max(0, num_tokens - self.window + 1)
         if self.kind == CHUNKED:
@@ -130,8 +132,8 @@ def per_group(value: int | Sequence[int], groups: int, what: str) -> tuple[int, 
 def as_tables(block_ids: Sequence[int] | Sequence[Sequence[int]]) -> Blocks:
     """Per-group block tables; a flat list of block ids is the table of a model's one group."""
     if len(block_ids) and all(isinstance(b, int) for b in block_ids):
-        return (list(block_ids),)
-    return tuple(list(table) for table in block_ids) or ([],)
+        return (list(cast("Sequence[int]", block_ids)),)
+    return tuple(list(table) for table in cast("Sequence[Sequence[int]]", block_ids)) or ([],)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -161,7 +161,7 @@ class PagedKVWorker:
         self._streams[spec.req_id] = (stream, set(), list(shapes))
         return self._streams[spec.req_id]
 
-    def finish_saves(self, specs: list[SaveSpec] = ()) -> set[str]:
+    def finish_saves(self, specs: Sequence[SaveSpec] = ()) -> set[str]:
         """Save the state layers of `specs` (the forward is over) and commit every stream opened this
         step; returns the request ids whose save failed."""
         started = time.monotonic()
@@ -173,7 +173,7 @@ class PagedKVWorker:
                 with self._stats_lock:
                     self._stats.save_seconds.append((saving or 0.0) + time.monotonic() - started)
 
-    def _finish_saves(self, specs: list[SaveSpec]) -> set[str]:
+    def _finish_saves(self, specs: Sequence[SaveSpec]) -> set[str]:
         for name in self._states:
             self.save_layer(list(specs), name, self.caches[name])
         streams, self._streams = self._streams, {}
@@ -242,7 +242,8 @@ class PagedKVWorker:
     def _fail_save(self, req_id: str, exc: BaseException, stream: PutStream | None = None) -> None:
         self._failed_saves.add(req_id)
         if isinstance(exc, KvdError) and not isinstance(exc, (BadRequest, PoolFull)):
-            self._client = _discard(self._client)  # gone or stuck: reconnect, not before retry_after
+            _discard(self._client)  # gone or stuck: reconnect, not before retry_after
+            self._client = None
             self._down_until = time.monotonic() + self.retry_after
             log.error("kvd: saving the KV of request %s failed: %s; saves skipped for %gs", req_id, exc,
                       self.retry_after)
@@ -254,7 +255,8 @@ class PagedKVWorker:
             try:
                 stream.abort()
             except Exception:
-                self._client = _discard(self._client)  # the connection is in an unknown state
+                _discard(self._client)  # the connection is in an unknown state
+                self._client = None
 
     # -- loads (background threads) --------------------------------------------------------
     def start_load(self, spec: LoadSpec) -> None:
@@ -281,7 +283,7 @@ class PagedKVWorker:
         started = time.monotonic()
         deadline = started + self.load_timeout
         reads = plan_loads(self.layout, spec.producer)  # LayoutMismatch before anything is fetched
-        groups = group_reads(self.groups, spec.block_ids, spec.first_block, spec.num_tokens)
+        groups = group_reads(self.groups, spec.block_ids, spec.first_blocks, spec.num_tokens)
         # one scatter per group (each its own blocks and rows), every shard leased and checked in
         # each: the first checks all of every shard before a byte is copied; the last consumes
         calls: list[GroupRead | None] = list(groups) or [None]
@@ -375,7 +377,8 @@ class PagedKVWorker:
         self.flush_commits()
         if self._committer is not None:
             self._committer.shutdown(wait=True)
-        self._client = _discard(self._client)
+        _discard(self._client)
+        self._client = None
         for client in self._spare:
             _discard(client)
         self._spare.clear()

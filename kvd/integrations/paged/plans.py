@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from ...errors import BadRequest, LayoutMismatch
 from ...parallel.kv_layout import KVLayout, shard_layouts
@@ -46,6 +46,11 @@ def layer_index(name: str) -> int:
     return int(found[0])
 
 
+
+def _is_count(value: object) -> TypeGuard[int]:
+    """A tp or pp size from a peer's kvd_layout: an int (not a bool) in [1, 4096]."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096
+
 @dataclass(frozen=True)
 class SourceDeployment:
     """The producer instance's parallel layout, as the handshake carries it."""
@@ -62,7 +67,7 @@ class SourceDeployment:
         if not isinstance(raw, dict):
             raise ValueError(f"kvd_layout must be a map, got {raw!r:.80}")
         tp, pp, part = raw.get("tp_size"), raw.get("pp_size", 1), raw.get("pp_partition")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 4096 for v in (tp, pp)):
+        if not _is_count(tp) or not _is_count(pp):
             raise ValueError(f"kvd_layout tp_size and pp_size must be ints in [1, 4096]: {raw!r:.120}")
         if part is not None and not (isinstance(part, str) and len(part) <= 256):
             raise ValueError(f"kvd_layout pp_partition must be a string like '3,3,2': {part!r:.80}")

@@ -6,6 +6,7 @@ step's results and the worker's counters. The scheduler side of a connector buil
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from ...client.reshard import shard_key
 from .groups import Blocks, as_tables, per_group
@@ -56,9 +57,14 @@ class LoadSpec:
         self.block_ids = as_tables(self.block_ids)
         self.first_block = per_group(self.first_block, len(self.block_ids), "first_block")
 
+    @property
+    def first_blocks(self) -> tuple[int, ...]:
+        """first_block per group (a tuple since construction)."""
+        return cast(tuple[int, ...], self.first_block)
+
     def filled_blocks(self) -> set[int]:
         """The blocks a load writes, every group's."""
-        return {b for table, first in zip(self.block_ids, self.first_block, strict=True) for b in table[first:]}
+        return {b for table, first in zip(self.block_ids, self.first_blocks, strict=True) for b in table[first:]}
 
 
 @dataclass

@@ -90,7 +90,8 @@ class TierWorker:
                 self._client = self._take_save_client()
             stored = self._client.cache_put(keys, pages, namespace=self.namespace)
         except Exception as exc:
-            self._client = _discard(self._client)
+            _discard(self._client)
+            self._client = None
             self._down(exc)
             with self._lock:
                 self.stats.tier_save_failures += len(keys)
@@ -194,7 +195,8 @@ class TierWorker:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
-        self._client = _discard(self._client)
+        _discard(self._client)
+        self._client = None
         if self._save_client is not None and self._save_client.done() and self._save_client.exception() is None:
             _discard(self._save_client.result())
         for client in self._clients:

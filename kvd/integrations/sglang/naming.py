@@ -44,7 +44,9 @@ class RankIdentity:
     @classmethod
     def of(cls, storage_config: Any) -> RankIdentity:
         """From an SGLang HiCacheStorageConfig (read by name: this module does not import SGLang)."""
-        get = lambda name, default: getattr(storage_config, name, default)  # noqa: E731
+        def get(name: str, default: Any) -> Any:
+            return getattr(storage_config, name, default)
+
         return cls(model_name=get("model_name", None), tp_rank=int(get("tp_rank", 0)), tp_size=int(get("tp_size", 1)),
                    pp_rank=int(get("pp_rank", 0)), pp_size=int(get("pp_size", 1)),
                    attn_cp_rank=int(get("attn_cp_rank", 0)), attn_cp_size=int(get("attn_cp_size", 1)),

@@ -256,7 +256,7 @@ class PrefixTier:
         if not self.saves or not self._requests:
             return None
         scheduled = output.num_scheduled_tokens
-        step: list[tuple[int, str, int]] = []  # (request, block, computed after this step)
+        step: list[tuple[str, int]] = []  # (request, tokens computed after this step)
         for new in output.scheduled_new_reqs:
             if new.req_id in self._requests:
                 self._tables[new.req_id] = [list(new.block_ids[gid]) for gid in self.group_ids]

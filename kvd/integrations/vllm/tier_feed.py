@@ -204,7 +204,8 @@ class TierFeed:
                 break
             except Exception as exc:
                 log.debug("kvd: following the tier failed: %s", exc)
-                client = _close(client)
+                _close(client)
+                client = None
                 self._stop.wait(RETRY_AFTER)
                 continue
             self._cursor = (answer["epoch"], answer["next"])

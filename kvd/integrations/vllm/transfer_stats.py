@@ -37,7 +37,7 @@ class KVDConnectorStats(KVConnectorStats):
             self.data.setdefault(name, [])
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
         self.__post_init__()
 
     def aggregate(self, other: KVConnectorStats) -> KVDConnectorStats:
