@@ -90,6 +90,14 @@ class Config:
     labels: Mapping[str, str] = field(default_factory=dict)  # zone=..., host=...: free-form, published
 
     def __post_init__(self) -> None:
+        # each group checks its own fields, in the order the message lists them
+        problems = [*self._endpoint_problems(), *self._pool_problems(), *self._process_problems(),
+                    *self._peer_problems(), *self._tier_problems(), *self._cluster_problems()]
+        if problems:
+            raise ValueError("invalid configuration: " + "; ".join(problems))
+
+    def _endpoint_problems(self) -> list[str]:
+        """The node id and the endpoints it listens at."""
         problems = []
         if not self.node_id or len(self.node_id) > 128:
             problems.append("node_id must be 1-128 characters")
@@ -106,6 +114,11 @@ class Config:
             elif len(os.fsencode(path)) >= UNIX_PATH_MAX:
                 problems.append(f"socket path {path} is {len(os.fsencode(path))} bytes; a unix socket path has at most "
                                 f"{UNIX_PATH_MAX - 1}: choose a shorter --socket (or KVD_RUNTIME_DIR)")
+        return problems
+
+    def _pool_problems(self) -> list[str]:
+        """The pool, its blocks and chunks, and how transfers use them."""
+        problems = []
         if self.block_size < 4096 or self.block_size & (self.block_size - 1):
             problems.append(f"block_size must be a power of two >= 4096, got {self.block_size}")
         if self.pool_size < self.block_size:
@@ -122,12 +135,22 @@ class Config:
             problems.append(f"checksum must be one of {ALGORITHMS}")
         if self.data_plane not in ("auto", "zmq", "nixl"):
             problems.append(f"data_plane must be auto, zmq or nixl, got {self.data_plane!r}")
+        return problems
+
+    def _process_problems(self) -> list[str]:
+        """Logging and the device."""
+        problems = []
         if self.log_format not in ("text", "json"):
             problems.append("log_format must be text or json")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             problems.append(f"unknown log_level {self.log_level!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             problems.append(f"device must be cpu or cuda:N, got {self.device!r}")
+        return problems
+
+    def _peer_problems(self) -> list[str]:
+        """Static peers, liveness, timeouts, CURVE and metrics."""
+        problems = []
         for name, endpoint in self.peers.items():
             if not name or not endpoint.startswith("tcp://"):
                 problems.append(f"peer {name!r} needs a tcp:// endpoint, got {endpoint!r}")
@@ -142,6 +165,11 @@ class Config:
             problems.append("curve_allow needs curve_secret_key (our own key pair)")
         if not 0 <= self.metrics_port < 65536:
             problems.append("metrics_port must be 0-65535")
+        return problems
+
+    def _tier_problems(self) -> list[str]:
+        """The KV tier and the limits on what clients and peers may hold."""
+        problems = []
         if not (self.cache_size >= 0 and self.cache_size != float("inf")):
             problems.append(f"cache_size must be a fraction of the pool (0-1) or a size, got {self.cache_size!r}")
         for name in ("max_clients", "max_peer_connections", "max_entries", "cache_max_pages"):
@@ -157,9 +185,7 @@ class Config:
             problems.append("cache_disk_size needs cache_dir (the directory it budgets)")
         if self.cache_dir and self.device != "cpu":
             problems.append("cache_dir needs a host pool (device cpu): a CUDA pool's tier has no disk level")
-        problems += self._cluster_problems()
-        if problems:
-            raise ValueError("invalid configuration: " + "; ".join(problems))
+        return problems
 
     def _cluster_problems(self) -> list[str]:
         from kvd.cluster.records import ROLES, check_cluster

@@ -382,15 +382,23 @@ class Transfers:
         if error is not None and on_plane(transfer):
             self.plane.failed(transfer)  # (its blocks wait for what a plane may still do to them)
         if isinstance(transfer, Inbound):
-            result = self._pulls.pop(transfer.xfer, None)
-            if result is not None and not result.done():
-                if error is not None:
-                    result.set_exception(error)
-                    result.exception()  # retrieved: a pull nobody waits for any more must not warn
-                else:
-                    assert transfer.entry is not None  # (a pull that ended well published its entry)
-                    result.set_result(transfer.entry)
-            return
+            self._pull_ended(transfer, error)
+        else:
+            self._send_ended(transfer, error)
+
+    def _pull_ended(self, transfer: Inbound, error: KvdError | None) -> None:
+        """Tell the local get waiting on this pull, if it still waits."""
+        result = self._pulls.pop(transfer.xfer, None)
+        if result is not None and not result.done():
+            if error is not None:
+                result.set_exception(error)
+                result.exception()  # retrieved: a pull nobody waits for any more must not warn
+            else:
+                assert transfer.entry is not None  # (a pull that ended well published its entry)
+                result.set_result(transfer.entry)
+
+    def _send_ended(self, transfer: Outbound, error: KvdError | None) -> None:
+        """Let the entry's blocks go once ZeroMQ has, say where the entry went, tell the put of a push."""
         sends = self._sends.pop(transfer.xfer, [])
         if transfer.entry is not None:
             if error is None or not on_plane(transfer):
