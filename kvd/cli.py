@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from .daemon.config import (
     FIELD_NAMES,
@@ -17,10 +18,12 @@ from .daemon.config import (
     unknown_variables,
 )
 
+if TYPE_CHECKING:  # (not subscriptable at run time)
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]  # what add_subparsers returns
 PRECEDENCE = "Precedence: command-line flags > KVD_* environment variables > --config file > defaults."
 
 
-def _serve_parser(sub) -> argparse.ArgumentParser:
+def _serve_parser(sub: Subparsers) -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="run the daemon",
         description="Run the kvd daemon. Every option can also be set in the TOML config file "
@@ -137,7 +140,7 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
             action.help = f"{action.help} (default: {shown})" if action.help else f"(default: {shown})"
 
 
-def _client_parser(sub, name: str, help_text: str):
+def _client_parser(sub: Subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_text, description=help_text)
     parser.add_argument("--socket", metavar="ENDPOINT", help="daemon's client endpoint (default as for serve)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -154,7 +157,7 @@ def build_parser() -> _Parser:
         prog="kvd", description="kvd: KV-cache transfer daemon for disaggregated LLM inference.",
         epilog="Run `kvd serve --help` for the daemon's options. " + PRECEDENCE,
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub: Subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser)
     commands = parser.commands = {}
     commands["serve"] = _serve_parser(sub)
     commands["status"] = _client_parser(sub, "status", "summary of a running daemon: pool, entries, peers")
@@ -198,7 +201,7 @@ def build_parser() -> _Parser:
     return parser
 
 
-def forbid_unpickling(event: str, args: tuple) -> None:
+def forbid_unpickling(event: str, args: tuple[Any, ...]) -> None:
     """Audit hook for the daemon: loading a pickled object is how ZeroMQ KV transports were taken
     over (vLLM CVE-2025-29783 and kin). kvd never unpickles; if anything tries, stop it."""
     if event == "pickle.find_class":

@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvd.cluster import Candidate, ClusterMember, HolderRecord, NodeRecord, open_backend
 from kvd.cluster.signing import RecordSigner, RecordVerifier
 from kvd.cluster.url import redact
 from kvd.errors import BadRequest, PeerUnavailable
+from kvd.trust import NodeSigner
 from kvd.wire.endpoints import is_loopback_endpoint
 from kvd.wire.protocol import PROTOCOL_VERSION
 
@@ -90,11 +92,12 @@ class Directory:
         self.member = ClusterMember(backend, record, ttl=config.registry_ttl, snapshot=self.snapshot,
                                     signer=signer, verifier=verifier)
         self._refused_endpoints = Throttle()
-        self._located: dict[str, tuple[float, list[dict]]] = {}  # request id -> (when, holders): /cluster/locate
+        # request id -> (when, holders): /cluster/locate
+        self._located: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._locating = 0
         self._listed: dict[str, HolderRecord] = {}  # request id -> the holder record we published
 
-    def renew(self, signer) -> None:
+    def renew(self, signer: NodeSigner) -> None:
         """SIGHUP brought a renewed cert (kvd.trust.NodeSigner): our records carry it from now on."""
         if self.member.signer is not None:
             self.member.renew(RecordSigner(signer))
@@ -166,7 +169,7 @@ class Directory:
         published; [] at the deadline. RegistryUnavailable (a PeerUnavailable) when it is down."""
         return await self.member.find(request_id, timeout, exclude=exclude)
 
-    async def locate(self, request_id: str) -> list[dict]:
+    async def locate(self, request_id: str) -> list[dict[str, Any]]:
         """Who holds request_id (for /cluster/locate and `kvd cluster locate`): answered from a
         short-lived cache, with at most LOCATE_AT_ONCE registry reads in flight (past that, a
         PeerUnavailable to try again), so that callers cannot turn this daemon into a registry flood."""
@@ -190,10 +193,10 @@ class Directory:
     def note_stale(self) -> None:
         self.member.note_stale()
 
-    def nodes(self) -> list[dict]:
+    def nodes(self) -> list[dict[str, Any]]:
         return [{"node_id": n.node_id, "endpoint": n.endpoint, "role": n.role, "incarnation": f"{n.incarnation:x}",
                  "pool_bytes": n.pool_bytes, "cache_bytes": n.cache_bytes, "device": n.device, "labels": dict(n.labels),
                  "started_at": n.started_at} for n in self.member.nodes()]
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         return {"url": self.url, "listed": len(self._listed), **self.member.status()}

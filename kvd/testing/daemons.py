@@ -13,10 +13,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..wire.endpoints import unix_path
+
+if TYPE_CHECKING:  # (imported where used: the fixtures must not pull torch in)
+    from ..client.aio import AsyncClient
+    from ..client.connection import BlockingConnection
+    from ..client.sync import Client
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _handed_out: set[int] = set()
@@ -73,19 +80,19 @@ class DaemonProc:
     node_id: str
     socket: str
     listen: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     log_path: Path
     args: list[str] = field(default_factory=list)
 
-    def client(self):
-        import kvd
+    def client(self) -> Client:
+        from ..client.sync import Client
 
-        return kvd.Client(self.socket)
+        return Client(self.socket)
 
-    def async_client(self):
-        import kvd
+    def async_client(self) -> AsyncClient:
+        from ..client.aio import AsyncClient
 
-        return kvd.AsyncClient(self.socket)
+        return AsyncClient(self.socket)
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -143,7 +150,7 @@ class DaemonFactory:
             wait_ready(daemon)
         return daemon
 
-    def pair(self, **kwargs) -> tuple[DaemonProc, DaemonProc]:
+    def pair(self, **kwargs: Any) -> tuple[DaemonProc, DaemonProc]:
         """Daemons A and B, each configured with the other as a peer."""
         port_a, port_b = free_port(), free_port()
         a = self.start("A", port=port_a, peers={"B": f"tcp://127.0.0.1:{port_b}"}, wait=False, **kwargs)
@@ -176,7 +183,7 @@ def wait_ready(daemon: DaemonProc, timeout: float = 20.0) -> None:
     raise AssertionError(f"daemon {daemon.node_id} not ready after {timeout}s:\n{daemon.log()}")
 
 
-def eventually(condition, timeout: float = 5.0) -> None:
+def eventually(condition: Callable[[], object], timeout: float = 5.0) -> None:
     """Wait until condition() holds, for what a daemon finishes just after a call returns (a
     pulled entry's holder dropping its copy, a departed client's blocks coming back)."""
     deadline = time.monotonic() + timeout
@@ -185,7 +192,7 @@ def eventually(condition, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def raw_connection(endpoint: str, timeout: float = 5.0):
+def raw_connection(endpoint: str, timeout: float = 5.0) -> BlockingConnection:
     """A bare connection to a daemon's client socket, for sending hand-made messages:
     `.send(frames)`, `.receive(timeout)` -> frames or None, `.close()`."""
     from ..client.connection import BlockingConnection

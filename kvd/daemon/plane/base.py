@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvd.errors import KvdError, ProtocolError
 
@@ -46,7 +46,7 @@ class PlaneInfo:
     size: int
     memory: str  # "DRAM" or "VRAM"
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {"name": self.name, "agent": self.agent, "md": self.metadata, "base": self.base, "size": self.size,
                 "mem": self.memory}
 
@@ -103,6 +103,6 @@ class DataPlane(Protocol):
         """Let go of a handle whose operation is done or failed."""
         ...
 
-    def stats(self) -> dict: ...
+    def stats(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...

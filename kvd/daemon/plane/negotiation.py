@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvd.errors import KvdError, PeerUnavailable
 
 from .base import NIXL, DataPlane, PlaneInfo
+
+if TYPE_CHECKING:
+    from ..transfer.channel import Channel
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +30,11 @@ class PlaneHandshake:
         self.on_peer_gone = on_peer_gone
         self._agents: dict[str, str] = {}  # node id -> its agent on the plane now
 
-    def offer(self) -> dict | None:
+    def offer(self) -> dict[str, Any] | None:
         """What our hello says of our plane."""
         return self.plane.info().to_wire() if self.plane is not None else None
 
-    def admit(self, channel, node_id: str, incarnation: int, wire: object) -> KvdError | None:
+    def admit(self, channel: Channel, node_id: str, incarnation: int, wire: object) -> KvdError | None:
         """A peer's hello (or answer) said this of its plane: the channel rides it, or frames; or
         the error the link is refused with (we require the plane, and the peer has none)."""
         channel.plane = channel.plane_agent = None
@@ -68,5 +72,5 @@ class PlaneHandshake:
             if known == agent:
                 del self._agents[node_id]
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {"mode": self.mode, **(self.plane.stats() if self.plane is not None else {"plane": None})}

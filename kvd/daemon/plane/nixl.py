@@ -27,7 +27,8 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import Any, Protocol
 
 from kvd.errors import BadRequest
 
@@ -50,7 +51,7 @@ def available() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in BUILDS)
 
 
-def _nixl_api():
+def _nixl_api() -> ModuleType:
     """NIXL's Python API module. A host pool's daemon has not imported torch, and the meta package
     would import it (3.4 s of a 4.2 s start here) only to read which CUDA the process runs: any build
     will do for host memory, so the first installed is taken. A GPU pool's daemon has torch, and the
@@ -212,7 +213,7 @@ class NixlPlane:
         except Exception as exc:
             log.debug("NIXL: releasing a transfer: %s", exc)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {"plane": NIXL, "agent": agent_name(self.node_id, self.incarnation), "memory": self.memory,
                 "registered_bytes": self.size, "peers": self.peers(), **self.counts}
 
@@ -236,7 +237,7 @@ class _Op:
     counted: bool = False  # its end is in `counts`
 
 
-def _build_agent(name: str):
+def _build_agent(name: str) -> Any:
     """A NIXL agent with the UCX backend and an event-driven progress thread (module docstring)."""
     # the threads NIXL and UCX start (on import and with the agent) inherit the signal mask of this one:
     # with the daemon's signals blocked there, they are delivered to the thread that handles them
@@ -247,7 +248,7 @@ def _build_agent(name: str):
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _build_agent_masked(name: str):
+def _build_agent_masked(name: str) -> Any:
     try:
         api = _nixl_api()
         nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
@@ -295,7 +296,14 @@ def open_nixl(node_id: str, incarnation: int, region: tuple[int, int, str, int],
     return plane
 
 
-def start_plane(mode: str, node_id: str, incarnation: int, memory, listen_host: str) -> NixlPlane | None:
+class _Registrable(Protocol):
+    """A pool a plane registers (kvd.memory's host and CUDA pools)."""
+
+    def plane_region(self) -> tuple[int, int, str, int]: ...
+
+
+def start_plane(mode: str, node_id: str, incarnation: int, memory: _Registrable,
+                listen_host: str) -> NixlPlane | None:
     """The daemon's one-sided plane for --data-plane: None for zmq, and for auto where NIXL is not
     installed (every link's bytes then go as frames); nixl without NIXL is an error saying what to do."""
     if mode == "zmq":

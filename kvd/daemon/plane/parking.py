@@ -16,7 +16,7 @@ how much and for whom) rather than write into someone else's entry when it wakes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..store.entry import Entry
@@ -106,8 +106,8 @@ class PlaneLedger:
         may never finish them: the I/O layer tears that peer down, which ends them)."""
         return [hold for hold in self.draining.values() if hold.since < older_than]
 
-    def summary(self) -> dict:
-        by_peer: dict[str, dict] = {}
+    def summary(self) -> dict[str, Any]:
+        by_peer: dict[str, dict[str, Any]] = {}
         holds = [hold for each in self.parked.values() for hold in each]
         for hold in holds:
             peer = by_peer.setdefault(hold.agent, {"parked": 0, "parked_bytes": 0, "oldest": hold.since})
