@@ -32,7 +32,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .measure import rss_beyond_shared
 
@@ -53,168 +56,221 @@ class Abandon(Exception):
 
 # --- client processes ------------------------------------------------------------------------------
 
-def _worker(wid: int, sockets: dict[str, str], stop, seed: int, reports, pause, paused) -> None:
-    import torch
+class _Churn:
+    """One client process's operations on the two daemons, with what it saw of them. Each
+    operation is a method, found by name in `_OPS`; the random draws come in a fixed order, so a
+    seed replays the same run."""
 
-    import kvd
+    def __init__(self, sockets: dict[str, str], seed: int) -> None:
+        import torch
 
-    dtypes = {name: getattr(torch, name) for name in DTYPES}
-    rng = random.Random(seed)
-    source = torch.randint(0, 256, (CACHE_MAX + 4096,), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(seed))
-    ops, expected, unexpected, mismatches = Counter(), Counter(), Counter(), 0
-    samples: list[str] = []
-    clients: dict[str, kvd.Client] = {}
+        self.torch = torch
+        self.dtypes = {name: getattr(torch, name) for name in DTYPES}
+        self.sockets = sockets
+        self.rng = random.Random(seed)
+        self.source = torch.randint(0, 256, (CACHE_MAX + 4096,), dtype=torch.uint8,
+                                    generator=torch.Generator().manual_seed(seed))
+        self.ops: Counter[str] = Counter()
+        self.expected: Counter[str] = Counter()
+        self.unexpected: Counter[str] = Counter()
+        self.mismatches = 0
+        self.samples: list[str] = []
+        self.clients: dict[str, Any] = {}  # node -> its kvd.Client
 
-    def connect() -> None:
-        for c in clients.values():
+    def connect(self) -> None:
+        import kvd
+
+        for c in self.clients.values():
             c.close()
-        clients.update({node: kvd.Client(sock).connect() for node, sock in sockets.items()})
+        self.clients.update({node: kvd.Client(sock).connect() for node, sock in self.sockets.items()})
 
-    def cache() -> dict[str, torch.Tensor]:
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+
+    def report(self, final: bool) -> tuple[Any, ...]:
+        return (dict(self.ops), dict(self.expected), dict(self.unexpected), self.mismatches, self.samples, final)
+
+    def cache(self) -> dict[str, Any]:
+        torch, rng = self.torch, self.rng
         total = int(math.exp(rng.uniform(math.log(CACHE_MIN), math.log(CACHE_MAX))))
         count = rng.randint(1, 4)
         kv = {}
         for i in range(count):
-            dtype = dtypes[rng.choice(DTYPES)]
+            dtype = self.dtypes[rng.choice(DTYPES)]
             size = torch.empty(0, dtype=dtype).element_size()
             numel = max(1, total // count // size)
-            offset = rng.randrange(0, source.numel() - numel * size) // 8 * 8
-            kv[f"layer.{i}"] = source[offset:offset + numel * size].view(dtype).clone()
+            offset = rng.randrange(0, self.source.numel() - numel * size) // 8 * 8
+            kv[f"layer.{i}"] = self.source[offset:offset + numel * size].view(dtype).clone()
         return kv
 
-    def same(got: dict, kv: dict) -> bool:
-        return sorted(got) == sorted(kv) and all(
+    def check(self, got: dict[str, Any], kv: dict[str, Any]) -> None:
+        uint8 = self.torch.uint8
+        same = sorted(got) == sorted(kv) and all(
             got[n].dtype == t.dtype and got[n].shape == t.shape
-            and torch.equal(got[n].view(torch.uint8), t.view(torch.uint8))
+            and self.torch.equal(got[n].view(uint8), t.view(uint8))
             for n, t in kv.items())
+        if not same:
+            self.mismatches += 1
 
-    def check(got: dict, kv: dict) -> None:
-        nonlocal mismatches
-        if not same(got, kv):
-            mismatches += 1
-
-    def run_op(op: str, rid: str) -> None:
+    def run(self, op: str, rid: str) -> None:
         nodes = ["A", "B"]
-        rng.shuffle(nodes)
+        self.rng.shuffle(nodes)
         here, there = nodes
-        kv = cache()
-        c, d = clients[here], clients[there]
-        if op == "local":
-            c.put(rid, kv, ttl=rng.choice([None, 60.0]))
-            check(c.get(rid, timeout=5), kv)
-        elif op == "push":
-            c.put(rid, kv, dest=there)
-            check(d.get(rid, timeout=10), kv)
-        elif op == "pull":
-            c.put(rid, kv)
-            check(d.get(rid, source=here, timeout=10), kv)
-        elif op == "keep_then_delete":
-            c.put(rid, kv)
-            check(c.get(rid, keep=True), kv)
-            check(c.get(rid, keep=True), kv)
-            if not c.delete(rid):
-                raise AssertionError("delete of a held entry returned False")
-        elif op == "stream_push":
-            layout = {n: (tuple(t.shape), t.dtype) for n, t in kv.items()}
-            names = list(kv)
-            with c.put_stream(rid, layout, dest=there) as stream:
-                split = rng.randint(1, len(names))
-                stream.write({n: kv[n] for n in names[:split]})
-                if names[split:]:
-                    stream.write({n: kv[n] for n in names[split:]})
-            check(d.get(rid, timeout=10), kv)
-        elif op == "stream_abort":
-            layout = {n: (tuple(t.shape), t.dtype) for n, t in kv.items()}
-            names = list(kv)
-            # at least one tensor stays unwritten: a pushed stream aborted after its last write is
-            # delivered anyway (a known bug, see tests/system/test_stateful.py), which would read as a leak here
-            written = names[:rng.randrange(len(names))]
-            try:
-                with c.put_stream(rid, layout, dest=rng.choice([None, there])) as stream:
-                    if written:
-                        stream.write({n: kv[n] for n in written})
-                    raise Abandon()
-            except Abandon:
-                pass
-            try:
-                c.get(rid, timeout=0)
-                raise AssertionError("an aborted stream is readable")
-            except kvd.NotFound:
-                expected["NotFound (aborted stream)"] += 1
-        elif op == "reader_stops_early":
-            c.put(rid, kv)
-            for _group in c.get_stream(rid, timeout=5):
-                break  # gives the entry back
-            check(c.get(rid, timeout=5), kv)
-        elif op == "short_ttl":
-            pushed = rng.random() < 0.5
-            c.put(rid, kv, ttl=rng.uniform(0.2, 1.0), dest=there if pushed else None)
-            time.sleep(rng.uniform(0.0, 1.5))
-            try:
-                check((d if pushed else c).get(rid, timeout=0), kv)
-            except kvd.NotFound:
-                expected["NotFound (ttl ran out)"] += 1
+        kv = self.cache()
+        _OPS[op](self, _Pair(self.clients[here], self.clients[there], here, there), rid, kv)
 
-    def delete_unread(rid: str) -> None:
-        nodes = ["A", "B"]
-        rng.shuffle(nodes)
-        here, there = nodes
-        kv = cache()
-        pushed = rng.random() < 0.5
-        clients[here].put(rid, kv, dest=there if pushed else None)
-        holder = clients[there] if pushed else clients[here]
+    # --- the operations: c is a client of one daemon, d of the other ---------------------------------
+
+    def local(self, pair: _Pair, rid: str, kv: dict[str, Any]) -> None:
+        pair.c.put(rid, kv, ttl=self.rng.choice([None, 60.0]))
+        self.check(pair.c.get(rid, timeout=5), kv)
+
+    def push(self, pair: _Pair, rid: str, kv: dict[str, Any]) -> None:
+        pair.c.put(rid, kv, dest=pair.there)
+        self.check(pair.d.get(rid, timeout=10), kv)
+
+    def pull(self, pair: _Pair, rid: str, kv: dict[str, Any]) -> None:
+        pair.c.put(rid, kv)
+        self.check(pair.d.get(rid, source=pair.here, timeout=10), kv)
+
+    def keep_then_delete(self, pair: _Pair, rid: str, kv: dict[str, Any]) -> None:
+        c = pair.c
+        c.put(rid, kv)
+        self.check(c.get(rid, keep=True), kv)
+        self.check(c.get(rid, keep=True), kv)
+        if not c.delete(rid):
+            raise AssertionError("delete of a held entry returned False")
+
+    def delete_unread(self, pair: _Pair, rid: str, kv: dict[str, Any]) -> None:
+        import kvd
+
+        pushed = self.rng.random() < 0.5
+        pair.c.put(rid, kv, dest=pair.there if pushed else None)
+        holder = pair.d if pushed else pair.c
         if not holder.delete(rid):
             raise AssertionError("delete of a held entry returned False")
         try:
             holder.get(rid, timeout=0)
             raise AssertionError("a deleted entry is readable")
         except kvd.NotFound:
-            expected["NotFound (deleted)"] += 1
+            self.expected["NotFound (deleted)"] += 1
 
+    def stream_push(self, pair: _Pair, rid: str, kv: dict[str, Any]) -> None:
+        layout = {n: (tuple(t.shape), t.dtype) for n, t in kv.items()}
+        names = list(kv)
+        with pair.c.put_stream(rid, layout, dest=pair.there) as stream:
+            split = self.rng.randint(1, len(names))
+            stream.write({n: kv[n] for n in names[:split]})
+            if names[split:]:
+                stream.write({n: kv[n] for n in names[split:]})
+        self.check(pair.d.get(rid, timeout=10), kv)
+
+    def stream_abort(self, pair: _Pair, rid: str, kv: dict[str, Any]) -> None:
+        import kvd
+
+        layout = {n: (tuple(t.shape), t.dtype) for n, t in kv.items()}
+        names = list(kv)
+        # at least one tensor stays unwritten: a pushed stream aborted after its last write is
+        # delivered anyway (a known bug, see tests/system/test_stateful.py), which would read as a leak here
+        written = names[:self.rng.randrange(len(names))]
+        try:
+            with pair.c.put_stream(rid, layout, dest=self.rng.choice([None, pair.there])) as stream:
+                if written:
+                    stream.write({n: kv[n] for n in written})
+                raise Abandon()
+        except Abandon:
+            pass
+        try:
+            pair.c.get(rid, timeout=0)
+            raise AssertionError("an aborted stream is readable")
+        except kvd.NotFound:
+            self.expected["NotFound (aborted stream)"] += 1
+
+    def reader_stops_early(self, pair: _Pair, rid: str, kv: dict[str, Any]) -> None:
+        pair.c.put(rid, kv)
+        for _group in pair.c.get_stream(rid, timeout=5):
+            break  # gives the entry back
+        self.check(pair.c.get(rid, timeout=5), kv)
+
+    def short_ttl(self, pair: _Pair, rid: str, kv: dict[str, Any]) -> None:
+        import kvd
+
+        pushed = self.rng.random() < 0.5
+        pair.c.put(rid, kv, ttl=self.rng.uniform(0.2, 1.0), dest=pair.there if pushed else None)
+        time.sleep(self.rng.uniform(0.0, 1.5))
+        try:
+            self.check((pair.d if pushed else pair.c).get(rid, timeout=0), kv)
+        except kvd.NotFound:
+            self.expected["NotFound (ttl ran out)"] += 1
+
+
+@dataclass
+class _Pair:
+    """The two daemons of one operation, drawn at random: c and d are clients of here and there."""
+
+    c: Any
+    d: Any
+    here: str
+    there: str
+
+
+_OPS: dict[str, Callable[[_Churn, _Pair, str, dict[str, Any]], None]] = {
+    "local": _Churn.local, "push": _Churn.push, "pull": _Churn.pull, "keep_then_delete": _Churn.keep_then_delete,
+    "delete_unread": _Churn.delete_unread, "stream_push": _Churn.stream_push, "stream_abort": _Churn.stream_abort,
+    "reader_stops_early": _Churn.reader_stops_early, "short_ttl": _Churn.short_ttl,
+}
+assert set(_OPS) == set(OPS)  # every weighted operation has its method
+
+
+def _worker(wid: int, sockets: dict[str, str], stop: Any, seed: int, reports: Any, pause: Any, paused: Any) -> None:
+    import kvd
+
+    churn = _Churn(sockets, seed)
     names, weights = list(OPS), list(OPS.values())
     last_report = 0.0
     try:
-        connect()
+        churn.connect()
         i = 0
         while not stop.is_set():
             if pause.is_set():
-                with paused.get_lock():
-                    paused.value += 1
-                while pause.is_set() and not stop.is_set():
-                    time.sleep(0.01)
-                with paused.get_lock():
-                    paused.value -= 1
+                _pause(pause, paused, stop)
                 continue
             if i and i % RECONNECT_EVERY == 0:
-                connect()
-            op = rng.choices(names, weights)[0]
+                churn.connect()
+            op = churn.rng.choices(names, weights)[0]
             rid = f"soak-{wid}-{i}-{op}"
             i += 1
             try:
-                if op == "delete_unread":
-                    delete_unread(rid)
-                else:
-                    run_op(op, rid)
-                ops[op] += 1
+                churn.run(op, rid)
+                churn.ops[op] += 1
             except kvd.PoolFull:
-                expected["PoolFull"] += 1  # back-pressure under load is allowed, never a hang
-                for c in clients.values():
+                churn.expected["PoolFull"] += 1  # back-pressure under load is allowed, never a hang
+                for c in churn.clients.values():
                     c.delete(rid)
             except Exception as exc:
-                unexpected[f"{op}: {type(exc).__name__}"] += 1
-                if len(samples) < 10:
-                    samples.append(f"{op} {rid}: {type(exc).__name__}: {exc}")
-                for c in clients.values():
+                churn.unexpected[f"{op}: {type(exc).__name__}"] += 1
+                if len(churn.samples) < 10:
+                    churn.samples.append(f"{op} {rid}: {type(exc).__name__}: {exc}")
+                for c in churn.clients.values():
                     with contextlib.suppress(Exception):
                         c.delete(rid)
             if time.time() - last_report > REPORT_EVERY:
-                reports.put((wid, dict(ops), dict(expected), dict(unexpected), mismatches, samples, False))
+                reports.put((wid, *churn.report(False)))
                 last_report = time.time()
     finally:
-        reports.put((wid, dict(ops), dict(expected), dict(unexpected), mismatches, samples, True))
-        for c in clients.values():
-            c.close()
+        reports.put((wid, *churn.report(True)))
+        churn.close()
+
+
+def _pause(pause: Any, paused: Any, stop: Any) -> None:
+    """Wait between operations while the soak samples the idle daemons (counted in `paused`)."""
+    with paused.get_lock():
+        paused.value += 1
+    while pause.is_set() and not stop.is_set():
+        time.sleep(0.01)
+    with paused.get_lock():
+        paused.value -= 1
 
 
 # --- the soak -----------------------------------------------------------------------------------------
@@ -236,7 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
     args = parser.parse_args(argv)
 
-    import kvd
     from kvd.testing.daemons import DaemonFactory
 
     duration = args.minutes * 60
@@ -254,43 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         sockets = {name: d.socket for name, d in daemons.items()}
         reports, pause, paused, stop = ctx.Queue(), ctx.Event(), ctx.Value("i", 0), ctx.Event()
 
-        def drain() -> None:
-            while True:
-                try:
-                    report = reports.get_nowait()
-                except queue.Empty:
-                    return
-                totals[report[0]] = report[1:]
-
-        def sample(label: str, workers: list) -> None:
-            alive = [w for w in workers if w.is_alive()]
-            pause.set()
-            wait_until = time.time() + 60
-            while paused.value < len([w for w in alive if w.is_alive()]) and time.time() < wait_until:
-                drain()
-                time.sleep(0.02)
-            time.sleep(0.5)  # let deferred frees and ttl sweeps run on idle daemons
-            drain()
-            ops_so_far = sum(sum(t[0].values()) for t in totals.values())
-            unexpected = sum(sum(t[2].values()) for t in totals.values())
-            mism = sum(t[3] for t in totals.values())
-            for name, d in daemons.items():
-                with kvd.Client(d.socket) as c:
-                    stats = c.stats()
-                    held = [f"{e['request_id']} ({e['state']}, ttl {e['ttl_s']})" for e in c.list()[:3]]
-                rows.append({
-                    "t": label, "daemon": name, "fds": fd_count(d.pid), "rss": rss_beyond_shared(d.pid),
-                    "used": stats["pool"]["used_bytes"], "entries": stats["entries"],
-                    "daemon_errors": stats["counters"].get("errors", 0),
-                    "xfer_failures": stats["counters"].get("failures", 0),
-                    "ops": ops_so_far, "unexpected": unexpected, "mismatches": mism, "held": held,
-                })
-            pause.clear()
-            print(f"[{label}] " + "; ".join(
-                f"{r['daemon']}: fds {r['fds']}, rss {r['rss'] / 1e6:.1f} MB, pool {r['used'] >> 20} MiB"
-                + (f" held by {', '.join(r['held'])}" if r["held"] else "") for r in rows[-2:])
-                + f"; client ops {ops_so_far}, unexpected errors {unexpected}, "
-                f"mismatches {mism}", flush=True)
+        samples = _Samples(daemons, reports, pause, paused, rows, totals)
+        drain, sample = samples.drain, samples.take
 
         try:
             sample("start (no clients)", [])
@@ -322,20 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             for w in workers:
                 if w.exitcode != 0:
                     problems.append(f"client process {w.name} exited with {w.exitcode}")
-            # once the clients are gone, nothing may stay in the pools (an aborted push may hold its
-            # receiver's reservation until that daemon's transfer timeout, 15 s)
-            idle_start = time.time()
-            while True:
-                used = {}
-                for name, d in daemons.items():
-                    with kvd.Client(d.socket) as c:
-                        pool = c.stats()["pool"]
-                        # entries' blocks and blocks lent to clients (those must be back too)
-                        used[name] = (pool["used_bytes"] + pool["scratch_bytes"], c.list())
-                if all(u == (0, []) for u in used.values()) or time.time() > idle_start + DRAIN_LIMIT:
-                    break
-                time.sleep(0.2)
-            drained_after = time.time() - idle_start
+            used, drained_after = _left_in_pools(daemons)
             for name, (nbytes, entries) in used.items():
                 if nbytes or entries:
                     left = ", ".join(f"{e['request_id']} ({e['state']}, ttl {e['ttl_s']})" for e in entries[:8])
@@ -346,7 +353,87 @@ def main(argv: list[str] | None = None) -> int:
             pause.clear()
             problems.extend(factory.stop_all())
 
-    # --- verdict -------------------------------------------------------------------------------------
+    report = _verdict(args, rows, totals, problems, started)
+    print(report)
+    if args.output:
+        args.output.write_text(report + "\n")
+    return 1 if problems else 0
+
+
+class _Samples:
+    """The daemons as the clients left them, at each sample: the clients pause between operations
+    (the daemons go idle), then each daemon's FDs, RSS, pool and counters are read into `rows`;
+    the clients' own counts arrive on `reports` (drained into `totals`)."""
+
+    def __init__(self, daemons: dict[str, Any], reports: Any, pause: Any, paused: Any, rows: list[dict[str, Any]],
+                 totals: dict[int, tuple[Any, ...]]) -> None:
+        self.daemons, self.reports, self.pause, self.paused = daemons, reports, pause, paused
+        self.rows, self.totals = rows, totals
+
+    def drain(self) -> None:
+        while True:
+            try:
+                report = self.reports.get_nowait()
+            except queue.Empty:
+                return
+            self.totals[report[0]] = report[1:]
+
+    def take(self, label: str, workers: list[Any]) -> None:
+        import kvd
+
+        totals, rows = self.totals, self.rows
+        alive = [w for w in workers if w.is_alive()]
+        self.pause.set()
+        wait_until = time.time() + 60
+        while self.paused.value < len([w for w in alive if w.is_alive()]) and time.time() < wait_until:
+            self.drain()
+            time.sleep(0.02)
+        time.sleep(0.5)  # let deferred frees and ttl sweeps run on idle daemons
+        self.drain()
+        ops_so_far = sum(sum(t[0].values()) for t in totals.values())
+        unexpected = sum(sum(t[2].values()) for t in totals.values())
+        mism = sum(t[3] for t in totals.values())
+        for name, d in self.daemons.items():
+            with kvd.Client(d.socket) as c:
+                stats = c.stats()
+                held = [f"{e['request_id']} ({e['state']}, ttl {e['ttl_s']})" for e in c.list()[:3]]
+            rows.append({
+                "t": label, "daemon": name, "fds": fd_count(d.pid), "rss": rss_beyond_shared(d.pid),
+                "used": stats["pool"]["used_bytes"], "entries": stats["entries"],
+                "daemon_errors": stats["counters"].get("errors", 0),
+                "xfer_failures": stats["counters"].get("failures", 0),
+                "ops": ops_so_far, "unexpected": unexpected, "mismatches": mism, "held": held,
+            })
+        self.pause.clear()
+        print(f"[{label}] " + "; ".join(
+            f"{r['daemon']}: fds {r['fds']}, rss {r['rss'] / 1e6:.1f} MB, pool {r['used'] >> 20} MiB"
+            + (f" held by {', '.join(r['held'])}" if r["held"] else "") for r in rows[-2:])
+            + f"; client ops {ops_so_far}, unexpected errors {unexpected}, "
+            f"mismatches {mism}", flush=True)
+
+
+def _left_in_pools(daemons: dict[str, Any]) -> tuple[dict[str, tuple[int, list[dict[str, Any]]]], float]:
+    """Once the clients are gone, nothing may stay in the pools (an aborted push may hold its
+    receiver's reservation until that daemon's transfer timeout, 15 s): what is left in each, by
+    DRAIN_LIMIT at the latest, and how long it took to empty."""
+    import kvd
+
+    idle_start = time.time()
+    while True:
+        used = {}
+        for name, d in daemons.items():
+            with kvd.Client(d.socket) as c:
+                pool = c.stats()["pool"]
+                # entries' blocks and blocks lent to clients (those must be back too)
+                used[name] = (pool["used_bytes"] + pool["scratch_bytes"], c.list())
+        if all(u == (0, []) for u in used.values()) or time.time() > idle_start + DRAIN_LIMIT:
+            return used, time.time() - idle_start
+        time.sleep(0.2)
+
+
+def _verdict(args: argparse.Namespace, rows: list[dict[str, Any]], totals: dict[int, tuple[Any, ...]],
+             problems: list[str], started: float) -> str:
+    """The report: the samples' table, the clients' counts, and the problems found (added to)."""
     ops = sum((Counter(t[0]) for t in totals.values()), Counter())
     expected = sum((Counter(t[1]) for t in totals.values()), Counter())
     unexpected = sum((Counter(t[2]) for t in totals.values()), Counter())
@@ -358,6 +445,13 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"{mismatches} reads returned other bytes than were put")
     if unexpected:
         problems.append(f"{sum(unexpected.values())} operations failed unexpectedly: {dict(unexpected)}")
+    problems += _growth(args, rows)
+    return _report(args, rows, problems, started, ops, expected, unexpected, mismatches, examples)
+
+
+def _growth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    """FDs and RSS that grew past their bounds between the first sample under load and the last."""
+    problems = []
     for name in ("A", "B"):
         series = [r for r in rows if r["daemon"] == name and r["t"].endswith("min")]  # under load
         if len(series) >= 2:
@@ -367,7 +461,12 @@ def main(argv: list[str] | None = None) -> int:
             if (last["rss"] - first["rss"]) / 1e6 > args.rss_bound_mb:
                 problems.append(f"{name}: RSS beyond shared memory grew {first['rss'] / 1e6:.1f} -> "
                                 f"{last['rss'] / 1e6:.1f} MB (bound {args.rss_bound_mb} MB)")
+    return problems
 
+
+def _report(args: argparse.Namespace, rows: list[dict[str, Any]], problems: list[str], started: float,
+            ops: Counter[str], expected: Counter[str], unexpected: Counter[str], mismatches: int,
+            examples: list[str]) -> str:
     lines = [
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.workers} client processes, "
@@ -389,11 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         *[f"  - {p}" for p in problems],
         *([f"  - e.g. {e}" for e in examples[:5]] if unexpected else []),
     ]
-    report = "\n".join(lines)
-    print(report)
-    if args.output:
-        args.output.write_text(report + "\n")
-    return 1 if problems else 0
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

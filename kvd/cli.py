@@ -300,6 +300,6 @@ def _main(argv: Sequence[str] | None) -> int:
         return serve(args)
     if args.command == "keygen":
         return keygen(parser, args)
-    from .cli_client import client_command  # (status, ls, ...: no daemon modules imported)
+    from .client.commands import client_command  # (status, ls, ...: no daemon modules imported)
 
     return client_command(args)

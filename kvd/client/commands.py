@@ -1,4 +1,4 @@
-"""The `kvd` command's client commands (a small client process of the daemon): status, ls, rm,
+"""The `kvd` command's client commands (kvd.cli; a small client process of the daemon): status, ls, rm,
 cluster ls and cluster locate, one request each over the bare connection (no torch, no pool
 mapping). One function per command, found by name in `COMMANDS`; each prints for people, or JSON
 with --json, and returns the exit status."""
@@ -11,10 +11,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .client.connection import ask
-from .errors import KvdError
-from .units import format_size
-from .wire import protocol as p
+from kvd.errors import KvdError
+from kvd.units import format_size
+from kvd.wire import protocol as p
+
+from .connection import ask
 
 
 def _pairs(values: dict[str, Any]) -> str:
