@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kvd.testing.daemons import DaemonFactory
 
@@ -57,6 +58,17 @@ def main() -> int:
         from . import connector
 
         return connector.main([arg for arg in sys.argv[1:] if arg != "--connector"])
+    args = _parse_args()
+    if args.sglang:
+        from . import sglang_tier
+
+        return sglang_tier.main(["--quick"] if args.quick else [])
+    if args.planes or args.plane_cutover or args.disk_tier:
+        return planes_only(args)
+    return full_run(args)
+
+
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -76,27 +88,38 @@ def main() -> int:
     parser.add_argument("--plane-cutover", action="store_true",
                         help="only the NIXL plane against frames at 64 KiB-2 MiB (where to set PLANE_MIN_BYTES), and "
                              "its slice size and slices in flight (bench/plane_cutover.py)")
-    args = parser.parse_args()
-    if args.sglang:
-        from . import sglang_tier
+    return parser.parse_args()
 
-        return sglang_tier.main(["--quick"] if args.quick else [])
-    if args.planes or args.plane_cutover or args.disk_tier:
-        return planes_only(args)
+
+Row = tuple[str, str, str, str, str, str]
+Check = tuple[str, float, str, float, bool]
+
+
+def table_row(case: str, size: int, seconds: float, cpu: float | None, baseline: str, ratio: float | None) -> Row:
+    """A row of the report's table: the case, its size, GB/s, median ms, CPU-s per GB, vs its baseline."""
+    cpu_text = f"{cpu / (size / 1e9):.2f}" if cpu is not None else ""
+    return (case, human(size), f"{gbps(size, seconds):.2f}", f"{seconds * 1e3:.3f}", cpu_text,
+            f"{ratio:.2f}x {baseline}" if ratio is not None else "")
+
+
+def target_check(name: str, value: float, op: str, limit: float) -> Check:
+    """A target: the measured value against its limit (op ">=" or "<=")."""
+    ok = value >= limit if op == ">=" else value <= limit
+    return (name, value, op, limit, ok)
+
+
+def full_run(args: argparse.Namespace) -> int:
+    """Every baseline and kvd case, the planes' and the disk level's sections, and the peers' with --peers."""
     started = time.time()
-    rows: list[tuple[str, str, str, str, str, str]] = []  # kvd's cases, in the order measured
+    rows: list[Row] = []  # kvd's cases, in the order measured
     checks: list[tuple[str, float, str, float, bool]] = []
 
     def row(case: str, size: int, seconds: float, cpu: float | None, baseline: str, ratio: float | None,
-            into: list | None = None) -> None:
-        cpu_text = f"{cpu / (size / 1e9):.2f}" if cpu is not None else ""
-        (rows if into is None else into).append(
-            (case, human(size), f"{gbps(size, seconds):.2f}", f"{seconds * 1e3:.3f}", cpu_text,
-             f"{ratio:.2f}x {baseline}" if ratio is not None else ""))
+            into: list[Row] | None = None) -> None:
+        (rows if into is None else into).append(table_row(case, size, seconds, cpu, baseline, ratio))
 
     def target(name: str, value: float, op: str, limit: float) -> None:
-        ok = value >= limit if op == ">=" else value <= limit
-        checks.append((name, value, op, limit, ok))
+        checks.append(target_check(name, value, op, limit))
 
     print("measuring baselines ...", flush=True)
     memcpy = {n: baselines.memcpy(n, repeats_for(n, args.quick)).median for n in SIZES}
@@ -185,17 +208,10 @@ def main() -> int:
                            f"{zmq_tcp_pp * 1e3:.3f}", small_push * 1e3, (unix_pp + zmq_tcp_pp) * 1e3))
             target("64KiB push / (unix + zmq tcp 64KiB ping-pongs)", small_push / (unix_pp + zmq_tcp_pp), "<=", 2.0)
             # pushes in flight from one AsyncClient, against the same run's sequential pushes
-            for n, inflight, count, goal in ((64 << 10, 16, 400, None), (1 << 20, 16, 160, 0.5)):
-                per_push = statistics.median(cases.pushes_in_flight(a, b, n, inflight, count)
-                                             for _ in range(1 if args.quick else 3))
-                sequential = small_push if n == 64 << 10 else pushed_by_size[n].median
-                rows.append((f"kvd push, {inflight} in flight", human(n), f"{gbps(n, per_push):.2f}",
-                             f"{per_push * 1e3:.3f}", "",
-                             f"{sequential / per_push:.2f}x sequential, {tcp[n] / per_push:.2f}x raw TCP"))
-                if goal is None:
-                    target(f"{human(n)} pushes, {inflight} in flight / sequential", sequential / per_push, ">=", 5.0)
-                else:
-                    target(f"{human(n)} pushes, {inflight} in flight vs raw TCP", tcp[n] / per_push, ">=", goal)
+            sequential = {64 << 10: small_push, 1 << 20: pushed_by_size[1 << 20].median}
+            in_flight_rows, in_flight_checks = _in_flight(a, b, args.quick, sequential, tcp)
+            rows += in_flight_rows
+            checks += in_flight_checks
             gets = cases.first_get_after_push(a, b, 16 << 20, 20 if args.quick else 100)
             ratios = gets.ratios
             rows.append(("kvd first get(out=) on B after a push", "16MiB", "",
@@ -214,18 +230,9 @@ def main() -> int:
             rows.append(("kvd fresh client's first put, get: page faults", human(BIG), "", "", "",
                          f"{put_faults} and {get_faults} minor faults ({BIG // 4096} pages moved each way)"))
             target("page faults in a fresh client's first 256MiB put + get", put_faults + get_faults, "<=", 1024)
-            for layer_bytes, pace in STREAM_CASES:
-                one_layer = cases.push(a, b, layer_bytes, 10 if args.quick else 20).median
-                whole = cases.push(a, b, STREAM_LAYERS * layer_bytes, 3 if args.quick else 5).median
-                runs = [cases.layer_streaming(a, b, STREAM_LAYERS, layer_bytes, pace, f"stream-{i}")
-                        for i in range(3 if args.quick else 7)]
-                tail = statistics.median(run.tail for run in runs)
-                case = f"{STREAM_LAYERS} x {human(layer_bytes)}, {pace * 1e3:g} ms/layer"
-                rows.append((f"kvd layer streaming, {case}", human(STREAM_LAYERS * layer_bytes), "",
-                             f"{tail * 1e3:.3f}", "",
-                             f"last layer {tail / one_layer:.2f}x one-layer push ({one_layer * 1e3:.2f} ms) after the "
-                             f"last write; overlap {1 - tail / whole:.0%} of the whole push ({whole * 1e3:.1f} ms)"))
-                target(f"layer streaming {case}: tail / one-layer push", tail / one_layer, "<=", 1.5)
+            streaming_rows, streaming_checks = _layer_streaming(a, b, args.quick)
+            rows += streaming_rows
+            checks += streaming_checks
             # one run is ~0.2 s of a noisy machine: the median of several
             concurrent = [cases.concurrent_pushes(a, b, processes=4, per_process=16, nbytes=4 << 20)
                           for _ in range(1 if args.quick else 3)]
@@ -261,7 +268,48 @@ def main() -> int:
         row("raw pyzmq tcp (4MiB frames)", n, zmq_samples[n].median, zmq_samples[n].cpu_per_run, "", None,
             into=baseline_rows)
     row("xxh3_64 checksum (1 thread)", BIG, hashing, None, "", None, into=baseline_rows)
-    rows = baseline_rows + rows
+    return emit(_report(baseline_rows + rows, checks, floors, plane_lines, started), args.output)
+
+
+def _in_flight(a: Any, b: Any, quick: bool, sequential: dict[int, float],
+               tcp: dict[int, float]) -> tuple[list[Row], list[Check]]:
+    """Pushes in flight from one AsyncClient, against the same run's sequential pushes."""
+    rows, checks = [], []
+    for n, inflight, count, goal in ((64 << 10, 16, 400, None), (1 << 20, 16, 160, 0.5)):
+        per_push = statistics.median(cases.pushes_in_flight(a, b, n, inflight, count)
+                                     for _ in range(1 if quick else 3))
+        rows.append((f"kvd push, {inflight} in flight", human(n), f"{gbps(n, per_push):.2f}",
+                     f"{per_push * 1e3:.3f}", "",
+                     f"{sequential[n] / per_push:.2f}x sequential, {tcp[n] / per_push:.2f}x raw TCP"))
+        name = f"{human(n)} pushes, {inflight} in flight"
+        if goal is None:
+            checks.append(target_check(f"{name} / sequential", sequential[n] / per_push, ">=", 5.0))
+        else:
+            checks.append(target_check(f"{name} vs raw TCP", tcp[n] / per_push, ">=", goal))
+    return rows, checks
+
+
+def _layer_streaming(a: Any, b: Any, quick: bool) -> tuple[list[Row], list[Check]]:
+    """Layer-streamed handoffs: how long after the last write the last layer lands."""
+    rows, checks = [], []
+    for layer_bytes, pace in STREAM_CASES:
+        one_layer = cases.push(a, b, layer_bytes, 10 if quick else 20).median
+        whole = cases.push(a, b, STREAM_LAYERS * layer_bytes, 3 if quick else 5).median
+        runs = [cases.layer_streaming(a, b, STREAM_LAYERS, layer_bytes, pace, f"stream-{i}")
+                for i in range(3 if quick else 7)]
+        tail = statistics.median(run.tail for run in runs)
+        case = f"{STREAM_LAYERS} x {human(layer_bytes)}, {pace * 1e3:g} ms/layer"
+        rows.append((f"kvd layer streaming, {case}", human(STREAM_LAYERS * layer_bytes), "",
+                     f"{tail * 1e3:.3f}", "",
+                     f"last layer {tail / one_layer:.2f}x one-layer push ({one_layer * 1e3:.2f} ms) after the "
+                     f"last write; overlap {1 - tail / whole:.0%} of the whole push ({whole * 1e3:.1f} ms)"))
+        checks.append(target_check(f"layer streaming {case}: tail / one-layer push", tail / one_layer, "<=", 1.5))
+    return rows, checks
+
+
+def _report(rows: list[Row], checks: list[tuple[str, float, str, float, bool]],
+            floors: list[tuple[str, float, float]], plane_lines: list[str], started: float) -> str:
+    """The markdown report: the cases' table, the targets, the floors, the planes' own lines."""
     lines = [
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, run took {time.time() - started:.0f}s",
@@ -282,7 +330,7 @@ def main() -> int:
         *[f"| {name} | {value:.2f} | {floor:.2f} | {value / floor:.2f} |" for name, value, floor in floors],
         *plane_lines,
     ]
-    return emit("\n".join(lines), args.output)
+    return "\n".join(lines)
 
 
 def emit(report: str, output: Path | None) -> int:

@@ -374,6 +374,24 @@ def daemon_report(factory) -> str:
     return "".join(parts)
 
 
+def collect(results, go, factory) -> tuple[dict, dict]:
+    """What the two workers report: each says it is ready (then both are told to go), then done."""
+    ready, done = {}, {}
+    deadline = time.monotonic() + WORKER_TIMEOUT
+    while len(done) < 2:
+        try:
+            kind, who, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue_mod.Empty:
+            raise RuntimeError("the workers did not finish in time" + daemon_report(factory)) from None
+        if kind == "error":
+            raise RuntimeError(f"{who} worker failed: {payload}" + daemon_report(factory))
+        (ready if kind == "ready" else done)[who] = payload
+        if kind == "ready" and len(ready) == 2:
+            time.sleep(0.05)  # the decode worker is now waiting in get_stream
+            go.set()
+    return ready, done
+
+
 def run(args) -> dict:
     spec = replace(LARGE if args.large else SMALL, dtype=args.dtype, seed=args.seed)
     if args.threads:
@@ -409,19 +427,7 @@ def run(args) -> dict:
         for w in workers:
             w.start()
         try:
-            ready, done = {}, {}
-            deadline = time.monotonic() + WORKER_TIMEOUT
-            while len(done) < 2:
-                try:
-                    kind, who, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
-                except queue_mod.Empty:
-                    raise RuntimeError("the workers did not finish in time" + daemon_report(factory)) from None
-                if kind == "error":
-                    raise RuntimeError(f"{who} worker failed: {payload}" + daemon_report(factory))
-                (ready if kind == "ready" else done)[who] = payload
-                if kind == "ready" and len(ready) == 2:
-                    time.sleep(0.05)  # the decode worker is now waiting in get_stream
-                    go.set()
+            ready, done = collect(results, go, factory)
             for w in workers:
                 w.join(30)
         finally:

@@ -283,28 +283,8 @@ def run(scenarios: list[str], *, prompts: int = 4, prefix_tokens: int = 512, max
         result: dict[str, Any] = {"engine_startup_s": round(time.monotonic() - started, 1), "workdir": str(workdir),
                                   "registry": registry}
         for index, name in enumerate(scenarios):
-            seed = 1000 * (index + 1)
-            if name in ("same", "events"):
-                result[name] = share(engines["A"], engines["B"], prefix_tokens, prompts, max_tokens, seed)
-            elif name == "across":
-                result[name] = share(engines["A"], engines["C"], prefix_tokens, prompts, max_tokens, seed)
-            elif name == "noise":
-                with daemons["A"].client() as client:  # (the namespace exists: the warm-up stored a block)
-                    cursor = start_following(client, tier_of(daemons["A"])[0])
-                result[name] = share(engines["A"], engines["B"], prefix_tokens, prompts, max_tokens, seed,
-                                     before_target=lambda c=cursor: corrupt_since(daemons["A"], c))
-            if name == "events":
-                result[name]["evicted"] = fill_tier(daemons["A"])
-                time.sleep(1.0)  # (the feed polls every 0.25 s; the publisher sends as the engine steps)
-                engines["B"].generate([[9, 10, 11]], 1, salt="step")  # a step, so take_events runs
-                time.sleep(0.5)
-                result[name]["frames"] = list(subscriber.frames) if subscriber else []
-            namespace, stats = tier_of(daemons["A"])
-            result[name]["tier_a"] = {k: stats[k] for k in ("hits", "misses", "stored", "evictions", "entries")}
-            if "C" in daemons:
-                result[name]["tier_c"] = {k: v for k, v in tier_of(daemons["C"])[1].items()
-                                          if k in ("hits", "misses", "stored", "entries")}
-            result["namespace"] = namespace
+            result[name], result["namespace"] = run_scenario(name, 1000 * (index + 1), engines, daemons, subscriber,
+                                                             prefix_tokens, prompts, max_tokens)
         return result
     finally:
         if subscriber is not None:
@@ -312,6 +292,33 @@ def run(scenarios: list[str], *, prompts: int = 4, prefix_tokens: int = 512, max
         for engine in engines.values():
             engine.close()
         factory.stop_all()
+
+
+def run_scenario(name: str, seed: int, engines: dict[str, Engine], daemons: dict[str, Any], subscriber: Any,
+                 prefix_tokens: int, prompts: int, max_tokens: int) -> tuple[dict[str, Any], str]:
+    """One scenario's prompts through the engines it names; with the tiers' counts after it, and the
+    namespace engine A's pages are in."""
+    if name in ("same", "events"):
+        out = share(engines["A"], engines["B"], prefix_tokens, prompts, max_tokens, seed)
+    elif name == "across":
+        out = share(engines["A"], engines["C"], prefix_tokens, prompts, max_tokens, seed)
+    elif name == "noise":
+        with daemons["A"].client() as client:  # (the namespace exists: the warm-up stored a block)
+            cursor = start_following(client, tier_of(daemons["A"])[0])
+        out = share(engines["A"], engines["B"], prefix_tokens, prompts, max_tokens, seed,
+                    before_target=lambda c=cursor: corrupt_since(daemons["A"], c))
+    if name == "events":
+        out["evicted"] = fill_tier(daemons["A"])
+        time.sleep(1.0)  # (the feed polls every 0.25 s; the publisher sends as the engine steps)
+        engines["B"].generate([[9, 10, 11]], 1, salt="step")  # a step, so take_events runs
+        time.sleep(0.5)
+        out["frames"] = list(subscriber.frames) if subscriber else []
+    namespace, stats = tier_of(daemons["A"])
+    out["tier_a"] = {k: stats[k] for k in ("hits", "misses", "stored", "evictions", "entries")}
+    if "C" in daemons:
+        out["tier_c"] = {k: v for k, v in tier_of(daemons["C"])[1].items()
+                         if k in ("hits", "misses", "stored", "entries")}
+    return out, namespace
 
 
 def start_following(client, namespace: str) -> tuple[str, int, int]:

@@ -43,9 +43,7 @@ class PausingRelay(threading.Thread):
         while not self._stopping.is_set():
             if self._resume.is_set():
                 self._resume.clear()
-                for s, (_, towards) in peers.items():
-                    if towards == self.towards_target and s.fileno() >= 0 and not _registered(sel, s):
-                        sel.register(s, selectors.EVENT_READ, None)
+                self._read_senders_again(sel, peers)
             for key, _ in sel.select(0.05):
                 sock = key.fileobj
                 if sock is self._listener:
@@ -79,6 +77,12 @@ class PausingRelay(threading.Thread):
         for sock in list(peers):
             self._close(sel, peers, sock)
         self._listener.close()
+
+    def _read_senders_again(self, sel: selectors.BaseSelector,
+                            peers: dict[socket.socket, tuple[socket.socket, bool]]) -> None:
+        for s, (_, towards) in peers.items():
+            if towards == self.towards_target and s.fileno() >= 0 and not _registered(sel, s):
+                sel.register(s, selectors.EVENT_READ, None)
 
     def _accept(self, sel, peers) -> None:
         try:

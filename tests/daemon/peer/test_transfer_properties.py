@@ -498,6 +498,34 @@ STEPS = ("deliver",) * 8 + ("op",) * 4 + ("link", "drop", "lose", "lose_keeping"
                                           "forge", "write", "commit", "op_fails")
 
 
+def _scheduled(pair_: TransferPair, step: str, arg: int) -> None:
+    """One step of a schedule of faults (STEPS), where it can apply; else nothing."""
+    busy = [i for i, (side, key) in enumerate(pair_.queues) if side.inboxes[key]]
+    if step == "deliver" and busy:
+        pair_.deliver(busy[arg % len(busy)], 1)
+    elif step == "link" and pair_.connecting:
+        pair_.link_up(arg, up=arg % 2 == 0)
+    elif step == "drop" and busy:
+        pair_.drop(busy[arg % len(busy)])
+    elif step in ("lose", "lose_keeping"):
+        pair_.lose_connection((FIRST, SECOND)[arg % 2], step == "lose_keeping")
+    elif step == "tick":
+        pair_.tick(TIMEOUT * arg / 6)
+    elif step == "cancel":
+        pair_.cancel("AB"[arg % 2], arg)
+    elif step == "replay":
+        pair_.replay(arg % 4)
+    elif step == "forge":
+        pair_.forge("AB"[arg % 2], arg // 2)
+    elif step == "write" and pair_.streams:
+        pair_.write(arg)
+    elif step == "commit" and pair_.streams:
+        pair_.commit(arg, dest=False)
+    elif step in ("op", "op_fails") and any(side.ops.pending for side in pair_.sides.values()):
+        pair_.end_op("AB"[arg % 2] if pair_.sides["AB"[arg % 2]].ops.pending else "BA"[arg % 2], arg // 2,
+                     None if step == "op" else arg % 3)
+
+
 @settings(SETTINGS, max_examples=1000)  # (a few milliseconds each)
 @given(inline=st.booleans(), plane=st.booleans(), pull=st.booleans(), stream=st.booleans(), keep=st.booleans(),
        linked=st.booleans(), sizes=SIZES, progress=st.lists(st.integers(0, 15), max_size=24),
@@ -533,30 +561,7 @@ def test_one_transfer_through_any_schedule_of_faults(inline, plane, pull, stream
             pair_.wake(0)
         pair_.machines_are_consistent()
     for step, arg in schedule:
-        busy = [i for i, (side, key) in enumerate(pair_.queues) if side.inboxes[key]]
-        if step == "deliver" and busy:
-            pair_.deliver(busy[arg % len(busy)], 1)
-        elif step == "link" and pair_.connecting:
-            pair_.link_up(arg, up=arg % 2 == 0)
-        elif step == "drop" and busy:
-            pair_.drop(busy[arg % len(busy)])
-        elif step in ("lose", "lose_keeping"):
-            pair_.lose_connection((FIRST, SECOND)[arg % 2], step == "lose_keeping")
-        elif step == "tick":
-            pair_.tick(TIMEOUT * arg / 6)
-        elif step == "cancel":
-            pair_.cancel("AB"[arg % 2], arg)
-        elif step == "replay":
-            pair_.replay(arg % 4)
-        elif step == "forge":
-            pair_.forge("AB"[arg % 2], arg // 2)
-        elif step == "write" and pair_.streams:
-            pair_.write(arg)
-        elif step == "commit" and pair_.streams:
-            pair_.commit(arg, dest=False)
-        elif step in ("op", "op_fails") and any(side.ops.pending for side in pair_.sides.values()):
-            pair_.end_op("AB"[arg % 2] if pair_.sides["AB"[arg % 2]].ops.pending else "BA"[arg % 2], arg // 2,
-                         None if step == "op" else arg % 3)
+        _scheduled(pair_, step, arg)
         while pair_.woken:
             pair_.wake(0)
         pair_.machines_are_consistent()
