@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from kvd.errors import BadRequest, KvdError
+from kvd.throttle import Throttle
 from kvd.trust import Authority, CertError, NodeCert, NodeSigner, load_ca_public, load_cert, load_deny, load_node_keys
 
 log = logging.getLogger(__name__)
@@ -237,19 +237,15 @@ REFUSAL_LOG_INTERVAL = 60.0  # seconds: a refused peer dials again every 2 s; sa
 class _AllowList:
     def __init__(self, keys: CurveKeys) -> None:
         self.keys = keys  # read on every handshake: a reload changes what it admits at once
-        self._logged: dict[bytes, float] = {}  # refused key -> when it was last logged
+        # refused key -> its last line (keys are cheap to make: the memo is bounded); only the ZAP thread logs
+        self._logged = Throttle(REFUSAL_LOG_INTERVAL)
 
     def callback(self, domain: str, key: bytes) -> bool:
         z85 = zmq.utils.z85.encode(key) if len(key) == 32 else key
         ok = self.keys.zap_admits(z85)
-        if not ok:
-            now = time.monotonic()
-            if now - self._logged.get(z85, -REFUSAL_LOG_INTERVAL) >= REFUSAL_LOG_INTERVAL:
-                if len(self._logged) > 1024:  # (keys are cheap to make: the memo stays bounded)
-                    self._logged.clear()
-                self._logged[z85] = now
-                log.warning("refused a peer with %s CURVE key %s (again at most once a minute)",
-                            "a denied" if z85 in self.keys.denied else "an unknown", z85.decode(errors="replace"))
+        if not ok and self._logged.allow(z85):
+            log.warning("refused a peer with %s CURVE key %s (again at most once a minute)",
+                        "a denied" if z85 in self.keys.denied else "an unknown", z85.decode(errors="replace"))
         return ok
 
 

@@ -18,9 +18,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvd.errors import KvdError, PeerUnavailable, Unauthorized
+from kvd.throttle import Throttle
 from kvd.wire import protocol as p
 
-from ..logs import Throttle
 from ..metrics import Metrics
 from ..plane.negotiation import PlaneHandshake
 from ..transfer.channel import Channel, Sending

@@ -24,11 +24,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvd.errors import BadRequest, NotFound, PeerUnavailable, Timeout
+from kvd.throttle import Throttle
 from kvd.wire import protocol as p
 from kvd.wire.layout import physical_segments
 
 from ..local.reservation import LocalWrite, WriteAction, WriteEvent
-from ..logs import Throttle
 from .homes import TIMEOUT as TIER_TIMEOUT
 from .page_store import TOP_NAMESPACES, CacheStore, Page, check_batch
 

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvd.throttle import Throttle
 from kvd.units import format_size
 from kvd.wire.layout import physical_segments
 
-from ...logs import Throttle
 from ..page_store import CacheStore, Page
 from . import page_files
 from .disk_format import Header, namespace_dir, page_path
