@@ -52,8 +52,6 @@ class CurveKeys:
     listed: set[bytes] = field(default_factory=set)  # the keys --curve-allow names (not the certs beside ours)
     authority: Authority | None = None  # the cluster CA (--curve-ca)
     signer: NodeSigner | None = None  # our signing key and cert, with a CA
-    # a cluster node's key from its registry record, once that record's cert verified (the daemon sets it)
-    registry_key: Callable[[str], bytes | None] = lambda name: None
     cert_dir: str = ""  # with a CA: where this node's cert lies, and the certs of static peers beside it
     unusable: dict[str, str] = field(default_factory=dict)  # NAME -> why NAME.cert there gives no key
 
@@ -61,8 +59,10 @@ class CurveKeys:
     def cert(self) -> NodeCert | None:
         return self.signer.cert if self.signer is not None else None
 
-    def server_key_for(self, peer_name: str) -> bytes:
-        key = self.peer_keys.get(peer_name) or self.registry_key(peer_name)
+    def server_key_for(self, peer_name: str, registry_key: Callable[[str], bytes | None] | None = None) -> bytes:
+        """The key peer_name must prove it holds: its NAME.key, else (registry_key) a cluster node's key
+        from its registry record, once that record's cert verified."""
+        key = self.peer_keys.get(peer_name) or (registry_key(peer_name) if registry_key is not None else None)
         if key is not None:
             if key in self.denied:
                 raise BadRequest(f"the CURVE key of peer {peer_name!r} is on the deny list (--curve-deny)")
@@ -266,9 +266,10 @@ def make_server(sock: zmq.Socket, keys: CurveKeys) -> None:
     sock.zap_domain = ZAP_DOMAIN.encode()
 
 
-def make_client(sock: zmq.Socket, keys: CurveKeys, peer_name: str) -> bytes:
+def make_client(sock: zmq.Socket, keys: CurveKeys, peer_name: str,
+                registry_key: Callable[[str], bytes | None] | None = None) -> bytes:
     """Make sock a CURVE client of peer_name; returns the server key it will hold the peer to."""
-    server_key = keys.server_key_for(peer_name)
+    server_key = keys.server_key_for(peer_name, registry_key)
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = server_key
