@@ -136,15 +136,23 @@ def load_keys(secret_key_file: str, allow: list[str], *, ca_file: str = "", cert
     own = load_node_keys(secret_key_file)
     if not own.curve_secret:
         raise BadRequest(f"{secret_key_file} holds no secret key (use the .key_secret file from `kvd keygen`)")
-    keys = CurveKeys(own.curve_public, own.curve_secret)
-    if deny_file:
-        keys.denied = load_deny(deny_file)
-    if ca_file:
-        keys.authority = Authority(load_ca_public(ca_file), cluster, keys.denied)
-        keys.signer = _own_cert(keys.authority, own, secret_key_file, cert_file, node_id)
-        keys.cert_dir = os.path.dirname(os.path.abspath(cert_file or secret_key_file.removesuffix(".key_secret")
-                                                        + ".cert"))
-        _add_certs_beside(keys, keys.signer.cert.node_id)
+    denied = load_deny(deny_file) if deny_file else frozenset()
+    authority = Authority(load_ca_public(ca_file), cluster, denied) if ca_file else None
+    signer = _own_cert(authority, own, secret_key_file, cert_file, node_id) if authority is not None else None
+    cert_dir = (os.path.dirname(os.path.abspath(cert_file or secret_key_file.removesuffix(".key_secret") + ".cert"))
+                if authority is not None else "")
+    keys = CurveKeys(own.curve_public, own.curve_secret, denied=denied, authority=authority, signer=signer,
+                     cert_dir=cert_dir)
+    if signer is not None:
+        _add_certs_beside(keys, signer.cert.node_id)
+    _add_allowed(keys, allow)
+    if not keys.allowed and keys.authority is None:
+        raise BadRequest("--curve-secret-key without --curve-allow or --curve-ca: no peer could ever connect")
+    return keys
+
+
+def _add_allowed(keys: CurveKeys, allow: list[str]) -> None:
+    """--curve-allow: key files (NAME.key, NAME.cert), directories of them, or Z85 public keys."""
     for item in allow:
         if os.path.isdir(item):
             for name in sorted(os.listdir(item)):
@@ -159,9 +167,6 @@ def load_keys(secret_key_file: str, allow: list[str], *, ca_file: str = "", cert
                         "NAME.key binds it to NAME)", item[:8])
         else:
             raise BadRequest(f"--curve-allow {item!r} is neither a key file, a directory, nor a Z85 public key")
-    if not keys.allowed and keys.authority is None:
-        raise BadRequest("--curve-secret-key without --curve-allow or --curve-ca: no peer could ever connect")
-    return keys
 
 
 def _own_cert(authority: Authority, own, secret_key_file: str, cert_file: str, node_id: str | None) -> NodeSigner:
