@@ -108,14 +108,22 @@ async def build(cfg: Config, life: Lifecycle, metrics: Metrics, made_dirs: list[
         return parts
 
 
-def _build(cfg: Config, life: Lifecycle, metrics: Metrics, made_dirs: list[str], caps: tuple[int, int],
-           made: contextlib.AsyncExitStack) -> Parts:
-    # the cheap checks before the pool's prefault (seconds for a big pool)
+def checked(cfg: Config, made_dirs: list[str]) -> CurveKeys | None:
+    """The cheap checks, before the pool's prefault (seconds for a big pool): our CURVE keys (None
+    without CURVE), a listener beyond loopback that nothing authenticates, the pool against RAM, the
+    socket path (before anything binds: a second daemon stops here)."""
     curve = load_curve(cfg) if cfg.curve_secret_key else None
-    check_exposure(cfg, curve is not None)  # a listener beyond loopback that nothing authenticates
+    check_exposure(cfg, curve is not None)
     if cfg.device == "cpu":
         check_fits_in_ram(cfg.pool_size, cfg.pool_path, cfg.pool_overcommit)
-    claim_socket_path(cfg.socket, made_dirs)  # before anything binds: a second daemon stops here
+    claim_socket_path(cfg.socket, made_dirs)
+    return curve
+
+
+def _build(cfg: Config, life: Lifecycle, metrics: Metrics, made_dirs: list[str], caps: tuple[int, int],
+           made: contextlib.AsyncExitStack) -> Parts:
+    """build's work: each part made, and its closer pushed on `made`."""
+    curve = checked(cfg, made_dirs)
     claimed = claim_disk(cfg)  # --cache-dir ours alone, and not another daemon's
     if claimed is not None:
         made.callback(claimed.release)
@@ -143,15 +151,7 @@ def _build(cfg: Config, life: Lifecycle, metrics: Metrics, made_dirs: list[str],
     plane = start_plane(cfg.data_plane, cfg.node_id, life.incarnation, memory, tcp_address(cfg.listen)[0])
     if plane is not None:
         made.callback(plane.close)
-    return _build_sides(cfg, life, metrics, caps, made, curve, memory, directory, cache, disk, store, ctx,
-                        authenticator, plane)
-
-
-def _build_sides(cfg: Config, life: Lifecycle, metrics: Metrics, caps: tuple[int, int],
-                 made: contextlib.AsyncExitStack, curve: CurveKeys | None, memory: StagingMemory,
-                 directory: Directory | None, cache: CacheStore, disk: DiskTier | None, store: Store,
-                 ctx: zmq.Context, authenticator: ThreadAuthenticator | None, plane: NixlPlane | None) -> Parts:
-    """The peer side, the local side and the reports, over the pool and the sockets' context."""
+    # the peer side, the local side and the reports
     max_clients, max_peer_connections = caps
     local = LocalServer(max_clients)
     watch = EntryWatch(store, local, cfg.node_id, cfg.lease_timeout)
@@ -184,9 +184,11 @@ def _build_sides(cfg: Config, life: Lifecycle, metrics: Metrics, caps: tuple[int
     made.push_async_callback(handlers.close)
     http = (HttpEndpoint(cfg.metrics_host, cfg.metrics_port, metrics.render, lambda: life.ready, directory)
             if cfg.metrics_port else None)
-    return Parts(curve, max_clients, max_peer_connections, memory, directory, cache, disk, store, ctx,
-                 authenticator, plane, handshake, local, watch, peers, transfers, tier, router, status, tier_service,
-                 handlers, Sweeper(store, watch, handlers.puts.write_expired, metrics), http)
+    return Parts(curve=curve, max_clients=max_clients, max_peer_connections=max_peer_connections, memory=memory,
+                 directory=directory, cache=cache, disk=disk, store=store, ctx=ctx, authenticator=authenticator,
+                 plane=plane, handshake=handshake, local=local, watch=watch, peers=peers, transfers=transfers,
+                 tier=tier, router=router, status=status, tier_service=tier_service, handlers=handlers,
+                 sweeper=Sweeper(store, watch, handlers.puts.write_expired, metrics), http=http)
 
 
 async def leave_registry(directory: Directory) -> None:
