@@ -310,7 +310,7 @@ def fit_connection_caps(fd_limit: int, max_clients: int, max_peer_connections: i
     return clients, peers
 
 
-def curve_summary(curve) -> str:
+def curve_summary(curve: CurveKeys | None) -> str:
     if curve is None:
         return ""
     ways = ([f"cluster CA, this node's cert valid until "

@@ -61,8 +61,6 @@ class Parts:
     """What a running daemon is made of, as `build` made it."""
 
     curve: CurveKeys | None  # our CURVE keys and allow list, when CURVE is on
-    max_clients: int  # the connection caps the open-file limit honours
-    max_peer_connections: int
     memory: StagingMemory
     directory: Directory | None  # the cluster registry's side (--registry)
     cache: CacheStore  # the KV tier's pages in the pool
@@ -101,7 +99,8 @@ def load_curve(cfg: Config) -> CurveKeys:
 async def build(cfg: Config, life: Lifecycle, metrics: Metrics, made_dirs: list[str],
                 caps: tuple[int, int]) -> Parts:
     """Every part of the daemon, built; none started. made_dirs: the socket directories made here
-    (taken away again by the caller, whose stop knows whether the daemon served)."""
+    (taken away again by the caller, whose stop knows whether the daemon served); caps: the
+    connection caps the open-file limit honours (clients, peer connections)."""
     async with contextlib.AsyncExitStack() as made:  # closes what was made, should a later part fail
         parts = _build(cfg, life, metrics, made_dirs, caps, made)
         made.pop_all()
@@ -184,11 +183,10 @@ def _build(cfg: Config, life: Lifecycle, metrics: Metrics, made_dirs: list[str],
     made.push_async_callback(handlers.close)
     http = (HttpEndpoint(cfg.metrics_host, cfg.metrics_port, metrics.render, lambda: life.ready, directory)
             if cfg.metrics_port else None)
-    return Parts(curve=curve, max_clients=max_clients, max_peer_connections=max_peer_connections, memory=memory,
-                 directory=directory, cache=cache, disk=disk, store=store, ctx=ctx, authenticator=authenticator,
-                 plane=plane, handshake=handshake, local=local, watch=watch, peers=peers, transfers=transfers,
-                 tier=tier, router=router, status=status, tier_service=tier_service, handlers=handlers,
-                 sweeper=Sweeper(store, watch, handlers.puts.write_expired, metrics), http=http)
+    return Parts(curve=curve, memory=memory, directory=directory, cache=cache, disk=disk, store=store, ctx=ctx,
+                 authenticator=authenticator, plane=plane, handshake=handshake, local=local, watch=watch, peers=peers,
+                 transfers=transfers, tier=tier, router=router, status=status, tier_service=tier_service,
+                 handlers=handlers, sweeper=Sweeper(store, watch, handlers.puts.write_expired, metrics), http=http)
 
 
 async def leave_registry(directory: Directory) -> None:
