@@ -22,6 +22,7 @@ from ..membership import Directory
 from ..metrics import Metrics
 from ..peer.transfers import Transfers
 from ..store.entries import Entry, State, Store, validate_request_id
+from ..tier.service import CacheService
 from .get_side import MAX_WAIT, ConnectionWaits, Reads, ReadSettings
 from .ledger import Hold, Holds
 from .put_side import LocalPuts, PutSettings
@@ -73,7 +74,7 @@ class LocalSettings:
 class LocalHandlers:
     def __init__(self, settings: LocalSettings, store: Store, watch: EntryWatch, transfers: Transfers,
                  metrics: Metrics, clients: LocalServer, lifecycle: Lifecycle, *, stats: Callable[[], dict],
-                 directory: Directory | None = None) -> None:
+                 directory: Directory | None = None, cache: CacheService | None = None) -> None:
         self.settings = settings
         self.store = store
         self.watch = watch
@@ -89,8 +90,7 @@ class LocalHandlers:
                               self._reply, self._error)
         self._tasks: set[asyncio.Task] = set()
         self.waits = ConnectionWaits(watch, metrics)  # each connection's gets still waiting
-        clients.uses = self._uses  # (an idle connection may be evicted at --max-clients)
-        self.cache = None  # the KV tier's requests (tier/service.py), set by the daemon
+        self.cache = cache  # the KV tier's requests
 
     async def close(self) -> None:
         self.watch.close()
@@ -200,7 +200,7 @@ class LocalHandlers:
             reply = self._error(parked.msg, exc)
         self._reply(parked.rid, reply)
 
-    def _uses(self, rid: bytes) -> Use:
+    def uses(self, rid: bytes) -> Use:
         """What the connection holds or waits for (it is not idle then, whatever its silence)."""
         if self.holds.owed(rid) or self.holds.holds_any(rid) or (self.cache is not None and self.cache.in_use(rid)):
             return Use.HOLDS
