@@ -146,8 +146,9 @@ class Daemon:
                           cfg.device, self.memory.ipc_handle)
         self.handlers = LocalHandlers(LocalSettings(hello, cfg.lease_timeout, cfg.scratch_max), self.store, watch,
                                       self.transfers, self.metrics, self.local, life, stats=status.snapshot,
-                                      directory=self.directory)
-        self.handlers.cache = self._cache_service = CacheService(self.cache, cfg.block_size, cfg.lease_timeout)
+                                      directory=self.directory, tier_pages=self.cache)
+        self.handlers.cache = self._cache_service = CacheService(self.cache, cfg.block_size, cfg.lease_timeout,
+                                                                 self.handlers.ledger)
         self._cache_service.peers = tier
         self._cache_service.reply = lambda rid, msg: self.local.send(rid, msg)
         self._cache_service.disk = self.disk

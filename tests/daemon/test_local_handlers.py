@@ -25,7 +25,7 @@ async def reserve(node: Node, conn: Conn, request_id: str, stream: bool = False)
 
 def hold_of(node: Node, token: int):
     """The hold of reservation `token`, whichever connection has it (None: none has)."""
-    return next((held[token] for held in node.handlers.holds._held.values() if token in held), None)
+    return next((books.held[token] for books in node.handlers.ledger._books.values() if token in books.held), None)
 
 
 def write_of(node: Node, token: int):

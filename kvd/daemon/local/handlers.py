@@ -22,8 +22,10 @@ from ..membership import Directory
 from ..metrics import Metrics
 from ..peer.transfers import Transfers
 from ..store.entries import Entry, State, Store, validate_request_id
+from ..tier.page_store import CacheStore
+from . import events as ev
 from .get_side import MAX_WAIT, ConnectionWaits, Reads, ReadSettings
-from .ledger import Hold, Holds
+from .ledger import LocalLedger
 from .put_side import LocalPuts, PutSettings
 from .server import LocalServer, Use
 from .shared_pulls import SharedPulls
@@ -73,7 +75,7 @@ class LocalSettings:
 class LocalHandlers:
     def __init__(self, settings: LocalSettings, store: Store, watch: EntryWatch, transfers: Transfers,
                  metrics: Metrics, clients: LocalServer, lifecycle: Lifecycle, *, stats: Callable[[], dict],
-                 directory: Directory | None = None) -> None:
+                 directory: Directory | None = None, tier_pages: CacheStore | None = None) -> None:
         self.settings = settings
         self.store = store
         self.watch = watch
@@ -82,10 +84,11 @@ class LocalHandlers:
         self.clients = clients
         self.lifecycle = lifecycle
         self.stats = stats
-        self.holds = Holds(store)
+        # who holds what, handoffs and tier pages alike (the tier's service shares it)
+        self.ledger = LocalLedger(store, tier_pages, settings.lease_timeout)
         self.pulls = SharedPulls(transfers)
         self.reads = Reads(settings.reads(), store, watch, self.pulls, directory, self._reply)
-        self.puts = LocalPuts(settings.puts(), store, watch, transfers, metrics, self.holds, clients.is_connected,
+        self.puts = LocalPuts(settings.puts(), store, watch, transfers, metrics, self.ledger, clients.is_connected,
                               self._reply, self._error)
         self._tasks: set[asyncio.Task] = set()
         self.waits = ConnectionWaits(watch, metrics)  # each connection's gets still waiting
@@ -125,10 +128,12 @@ class LocalHandlers:
         """Send msg to a client; False if that client has gone (a read lease meant for it goes back)."""
         if not self.clients.is_connected(rid):
             if isinstance(msg, p.GetSlots):  # a get that waited for its entry outlived its caller
-                self._return_lease(msg.token)
+                self.puts.carry(self.ledger.handle(ev.Undelivered(msg.token)))
             return False
         if isinstance(msg, p.GetSlots):
-            self.holds.hold(rid, Hold(msg.token, self.store.lease_of(msg.token).request_id))
+            lease = self.store.lease_of(msg.token)
+            assert lease is not None  # (given just now)
+            self.ledger.handle(ev.LeaseGiven(rid, msg.token, lease.request_id))
         return self.clients.send(rid, msg)
 
     def _error(self, msg: p.Message | None, exc: Exception) -> p.Error:
@@ -170,7 +175,7 @@ class LocalHandlers:
             if waits:
                 self.waits.ended(rid, task)  # before the reply: the client's next call sees it ended
             else:
-                self.holds.owe(rid, -1)
+                self.ledger.handle(ev.AnswerOwed(rid, -1))
             if reply is not None:
                 self._reply(rid, reply)
 
@@ -181,7 +186,7 @@ class LocalHandlers:
             self.waits.add(rid, task)
             task.add_done_callback(lambda task: self.waits.ended(rid, task))  # (cancelled: its client left)
         else:
-            self.holds.owe(rid, 1)
+            self.ledger.handle(ev.AnswerOwed(rid))
 
     def _park(self, rid: bytes, msg: p.Get) -> None:
         """A get that can only wait here waits in the entry watch, without a task."""
@@ -202,7 +207,7 @@ class LocalHandlers:
 
     def _uses(self, rid: bytes) -> Use:
         """What the connection holds or waits for (it is not idle then, whatever its silence)."""
-        if self.holds.owed(rid) or self.holds.holds_any(rid) or (self.cache is not None and self.cache.in_use(rid)):
+        if self.ledger.holds_any(rid):  # (its tier reservations and pins too)
             return Use.HOLDS
         return Use.WAITS if self.waits.holds_any(rid) else Use.NOTHING
 
@@ -263,32 +268,20 @@ class LocalHandlers:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
         they would be at lease expiry; blocks parked for it are free at last."""
         self.pulls.leave_all(rid)
-        if self.cache is not None:
-            self.cache.client_gone(rid)  # its tier reservations and pins
         self.waits.drop(rid)  # every one of its waits, now
-        loans, holds = self.holds.gone(rid)
-        for token in loans:
-            self.store.return_scratch(token)
-        writes = reads = 0
-        for hold in holds:
-            if hold.writing:
-                writes += self.puts.writer_gone(hold)
-            else:
-                self._return_lease(hold.token)
-                reads += 1
-        if writes or reads:
+        actions = self.ledger.handle(ev.ConnectionLost(rid))  # its holds: handoffs, reads, loans, tier pages
+        if actions and isinstance(gave := actions[-1], ev.GaveBack):
+            actions.pop()
             log.warning("a client disconnected with %d unfinished put(s) and %d open read(s); giving them back",
-                        writes, reads)
+                        gave.writes, gave.reads)
+        self.puts.carry(actions)
 
     # --- gets ---------------------------------------------------------------------------------------------
 
     def _get_done(self, rid: bytes, msg: p.GetDone) -> p.Ok | None:
-        self.holds.read_hold(rid, msg.token)
-        self.holds.release(rid, msg.token)
-        lease = self.store.lease_of(msg.token)
-        claiming = lease is not None and lease.claiming
-        # (a lease that ran out was given back already: releasing it only unpins its blocks)
-        entry = self.store.release(msg.token, success=msg.consume)
+        (released,) = self.ledger.handle(ev.Release(rid, msg.token, msg.consume))
+        assert isinstance(released, ev.Released)
+        entry, lease, claiming = released.entry, released.lease, released.claiming
         if claiming and msg.consume:
             self.metrics.duration.labels("local_get").observe(time.monotonic() - lease.started)
             self.metrics.local_bytes.labels("out").inc(entry.total_bytes)
@@ -304,12 +297,3 @@ class LocalHandlers:
             self.watch.wake(entry.request_id)  # a claim given back: the next reader may have it now
         self.metrics.tally["gets"] += 1
         return p.Ok(req=msg.req) if msg.reply else None
-
-    def _return_lease(self, token: int) -> None:
-        """Give a client's read lease back now: the entry is readable again, waiters are woken."""
-        lease = self.store.lease_of(token)
-        if lease is None:
-            return
-        self.watch.drop_reader(token)
-        self.store.release(token, success=False)
-        self.watch.lease_expired(lease)

@@ -376,12 +376,12 @@ class LocalLedger:
         - a tier reservation has a deadline while it is live, none once it ended;
         - every lent scratch block is one connection's loan, and the pool lends no other;
         - the blocks held for writers, loans and pins are allocated, and no two of them overlap."""
-        owners: dict[int, bytes] = {}
+        owners: dict[tuple[bool, int], bytes] = {}  # (a tier token?, token): the Store and the page store count apart
         blocks: list[tuple[int, int]] = []
         for conn, books in self._books.items():
             assert not books.empty(), f"empty books kept for {conn!r}"
-            for token in [*books.held, *books.pages, *books.loans]:
-                assert owners.setdefault(token, conn) == conn, f"token {token} held by two connections"
+            for key in [*((False, t) for t in [*books.held, *books.loans]), *((True, t) for t in books.pages)]:
+                assert owners.setdefault(key, conn) == conn, f"token {key[1]} held by two connections"
             for token, hold in books.held.items():
                 self._validate_hold(conn, token, hold, blocks)
             for token, held in books.pages.items():
@@ -407,7 +407,7 @@ class LocalLedger:
         if write.state is WriteState.WRITING:
             assert not entry.removed and self.store.entries.get(entry.request_id) is entry
         write.validate(pinned=entry.writer, removed=entry.removed)
-        assert entry.extents, f"the blocks of {entry.request_id!r} were freed under its writer"
+        assert entry.extents or not entry.total_bytes, f"the blocks of {entry.request_id!r} were freed under its writer"
         blocks += entry.extents
 
     def _validate_pages(self, token: int, held: PageHold, blocks: list[tuple[int, int]]) -> None:
