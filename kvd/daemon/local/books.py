@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..store.entries import Entry
+from ..store.entry import Entry
 from .reservation import LocalWrite
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvd.errors import KvdError
 
-from ..store.entries import Entry, Lease
+from ..store.entry import Entry, Lease
 from ..tier.page_store import Page
 
 # --- events: handoffs (entries in the Store) ------------------------------------------------------

@@ -2,9 +2,10 @@
 
 Handlers that can answer at once do so inside the socket callback; those that wait (for data
 to arrive, or on a peer) run as tasks this object owns, so one slow request never holds up
-another. Any exception becomes an Error reply carrying its wire code. Puts are `LocalPuts`'
-(put_side.py: a write's life is the machine in reservation.py); gets that wait are `Reads`'; a get from
-a source is one pull, shared by every get of the same entry (`SharedPulls`).
+another. Any exception becomes an Error reply carrying its wire code. Who holds what (reservations,
+read leases, loans, tier pages) is the ledger's (`ledger.py`): these handlers tell it what happened
+and carry out what it answers. Puts are `LocalPuts`' (put_side.py); gets that wait are `Reads`'; a get
+from a source is one pull, shared by every get of the same entry (`SharedPulls`).
 """
 from __future__ import annotations
 

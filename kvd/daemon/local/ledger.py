@@ -18,12 +18,13 @@ machine (`reservation.py`), so the tier's late writer cannot come back.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvd.errors import KvdError, NotFound, Timeout
 
-from ..store.entries import Entry, State, Store
+from ..store.entries import Store
+from ..store.entry import Entry, State
 from ..tier.page_store import CacheStore
 from . import events as ev
 from .books import Books, Hold, PageHold
@@ -57,9 +58,10 @@ class LocalLedger:
         books = self._books.get(conn)
         return books is not None and bool(books.pages)
 
-    def loans(self, conn: bytes) -> dict[int, int]:
+    def loans(self, conn: bytes) -> Mapping[int, int]:
+        """The connection's loans of scratch blocks: token -> blocks (read only: `Lent` changes them)."""
         books = self._books.get(conn)
-        return dict(books.loans) if books is not None else {}
+        return books.loans if books is not None else {}
 
     def hold(self, conn: bytes, token: int) -> Hold | None:
         books = self._books.get(conn)
