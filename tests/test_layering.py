@@ -13,7 +13,7 @@
   local side, the tier, the peers, the transfer machine, the planes and the store have folders).
 - the transfer machine (`kvd.daemon.transfer`) and the tier's and disk level's bookkeeping are pure
   like the store: no asyncio, no ZeroMQ, no sockets; so is the local side's core (`kvd.daemon.local`'s
-  ledger, events, books and reservation), which may import only the store, the page store, the wire,
+  ledger, events, books, audit and reservation), which may import only the store, the page store, the wire,
   the errors and the table engine.
 - test doubles live in `kvd.testing`, and nothing in kvd but `kvd.testing` imports it.
 """
@@ -220,7 +220,7 @@ def test_the_machines_and_the_bookkeeping_are_pure(name):
 
 
 LOCAL_CORE = ("kvd.daemon.local.ledger", "kvd.daemon.local.events", "kvd.daemon.local.books",
-              "kvd.daemon.local.reservation")
+              "kvd.daemon.local.audit", "kvd.daemon.local.reservation")
 LOCAL_CORE_MAY_IMPORT = (*LOCAL_CORE, "kvd.daemon.store", "kvd.daemon.tier.page_store", "kvd.wire", "kvd.errors",
                          "kvd.statetable")
 

@@ -3,10 +3,16 @@ records, changed only by the ledger.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from ..store.entry import Entry
-from .reservation import LocalWrite
+from .reservation import LocalWrite, WriteState
+
+LIVE = (WriteState.WRITING, WriteState.ENDED)  # a write whose writer may still copy into its blocks
+# gets and get_streams one local connection may have waiting at once: each holds memory for as long
+# as it waits (up to an hour), so one client must not add them without end
+MAX_WAITS_PER_CONNECTION = 1024
 
 
 @dataclass(eq=False)
@@ -45,7 +51,8 @@ class Books:
     held: dict[int, Hold]
     pages: dict[int, PageHold]
     loans: dict[int, int]  # scratch token -> blocks lent
+    waits: dict[Hashable, None]  # its gets waiting for their entry, oldest first
     owed: int = 0  # answers it still waits for, besides its reads
 
     def empty(self) -> bool:
-        return not (self.held or self.pages or self.loans or self.owed)
+        return not (self.held or self.pages or self.loans or self.waits or self.owed)

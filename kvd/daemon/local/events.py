@@ -9,6 +9,7 @@ entry's end told to its stream readers and transfers, a log line or a counter.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from kvd.errors import KvdError
@@ -148,6 +149,24 @@ class AnswerOwed:
     count: int = 1
 
 
+@dataclass(frozen=True, slots=True)
+class WaitStarted:
+    """A get or get_stream of the connection waits for its entry: `wait` is the shell's handle on it
+    (a task, or a get parked in the entry watch), called off if the connection goes. The shell asks
+    `LocalLedger.admit_wait` first."""
+
+    conn: bytes
+    wait: Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class WaitEnded:
+    """The wait is over (answered, timed out, cancelled); a wait already called off is ignored."""
+
+    conn: bytes
+    wait: Hashable
+
+
 # --- events: the KV tier's pages (in the page store) ----------------------------------------------
 
 
@@ -204,8 +223,8 @@ class LeaseTick:
 
 
 Event = (Reserved | Wrote | Commit | Abort | Remove | WriteExpired | PushRefused | PushEnded | Lent | LoanReturned
-         | LoanUsed | LeaseGiven | Release | Undelivered | AnswerOwed | PagesReserved | PagesCommit | PagesPinned
-         | PagesRelease | ConnectionLost | LeaseTick)
+         | LoanUsed | LeaseGiven | Release | Undelivered | AnswerOwed | WaitStarted | WaitEnded | PagesReserved
+         | PagesCommit | PagesPinned | PagesRelease | ConnectionLost | LeaseTick)
 
 # --- actions ----------------------------------------------------------------------------------------
 
@@ -297,6 +316,13 @@ class PagesExpired:
 
 
 @dataclass(frozen=True, slots=True)
+class CallOff:
+    """The connection went: end these waits of its unanswered (cancel the tasks, unpark the gets)."""
+
+    waits: tuple[Hashable, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class GaveBack:
     """A lost connection left `writes` unfinished puts and `reads` open reads (a warning)."""
 
@@ -305,4 +331,4 @@ class GaveBack:
 
 
 Action = (Tell | Copied | Publish | Fail | Ended | Abandoned | LeaseEnded | Released | Answer | PagesPublished
-          | PagesExpired | GaveBack)
+          | PagesExpired | CallOff | GaveBack)

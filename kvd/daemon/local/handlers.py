@@ -25,7 +25,7 @@ from ..peer.transfers import Transfers
 from ..store.entries import Entry, State, Store, validate_request_id
 from ..tier.page_store import CacheStore
 from . import events as ev
-from .get_side import MAX_WAIT, ConnectionWaits, Reads, ReadSettings
+from .get_side import MAX_WAIT, Reads, ReadSettings
 from .ledger import LocalLedger
 from .put_side import LocalPuts, PutSettings
 from .server import LocalServer, Use
@@ -92,7 +92,6 @@ class LocalHandlers:
         self.puts = LocalPuts(settings.puts(), store, watch, transfers, metrics, self.ledger, clients.is_connected,
                               self._reply, self._error)
         self._tasks: set[asyncio.Task] = set()
-        self.waits = ConnectionWaits(watch, metrics)  # each connection's gets still waiting
         clients.uses = self._uses  # (an idle connection may be evicted at --max-clients)
         self.cache = None  # the KV tier's requests (tier/service.py), set by the daemon
 
@@ -163,7 +162,7 @@ class LocalHandlers:
         hour, and a client that hangs up must not leave it behind)."""
         if waits:
             try:
-                self.waits.admit(rid)  # (at most so many per connection)
+                self.ledger.admit_wait(rid)  # (at most so many per connection)
             except BaseException:
                 coro.close()
                 raise
@@ -174,7 +173,7 @@ class LocalHandlers:
             except Exception as exc:
                 reply = self._error(msg, exc)
             if waits:
-                self.waits.ended(rid, task)  # before the reply: the client's next call sees it ended
+                self._wait_ended(rid, task)  # before the reply: the client's next call sees it ended
             else:
                 self.ledger.handle(ev.AnswerOwed(rid, -1))
             if reply is not None:
@@ -184,8 +183,8 @@ class LocalHandlers:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if waits:
-            self.waits.add(rid, task)
-            task.add_done_callback(lambda task: self.waits.ended(rid, task))  # (cancelled: its client left)
+            self._wait_started(rid, task)
+            task.add_done_callback(lambda task: self._wait_ended(rid, task))  # (cancelled: its client left)
         else:
             self.ledger.handle(ev.AnswerOwed(rid))
 
@@ -193,11 +192,11 @@ class LocalHandlers:
         """A get that can only wait here waits in the entry watch, without a task."""
         if msg.timeout == 0:
             raise self.watch.not_here(msg.request_id)
-        self.waits.admit(rid)
-        self.waits.add(rid, self.watch.park(rid, msg, self._answer_parked))
+        self.ledger.admit_wait(rid)
+        self._wait_started(rid, self.watch.park(rid, msg, self._answer_parked))
 
     def _answer_parked(self, parked: ParkedGet, found: Entry | KvdError) -> None:
-        self.waits.ended(parked.rid, parked)
+        self._wait_ended(parked.rid, parked)
         try:
             if isinstance(found, KvdError):
                 raise found
@@ -210,7 +209,15 @@ class LocalHandlers:
         """What the connection holds or waits for (it is not idle then, whatever its silence)."""
         if self.ledger.holds_any(rid):  # (its tier reservations and pins too)
             return Use.HOLDS
-        return Use.WAITS if self.waits.holds_any(rid) else Use.NOTHING
+        return Use.WAITS if self.ledger.waits_any(rid) else Use.NOTHING
+
+    def _wait_started(self, rid: bytes, wait: asyncio.Task | ParkedGet) -> None:
+        self.ledger.handle(ev.WaitStarted(rid, wait))
+        self.metrics.waiting_reads = self.ledger.waiting
+
+    def _wait_ended(self, rid: bytes, wait: asyncio.Task | ParkedGet) -> None:
+        self.ledger.handle(ev.WaitEnded(rid, wait))
+        self.metrics.waiting_reads = self.ledger.waiting
 
     def _handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
         if isinstance(msg, p.CACHE_REQUESTS) and self.cache is not None:
@@ -269,8 +276,15 @@ class LocalHandlers:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
         they would be at lease expiry; blocks parked for it are free at last."""
         self.pulls.leave_all(rid)
-        self.waits.drop(rid)  # every one of its waits, now
-        actions = self.ledger.handle(ev.ConnectionLost(rid))  # its holds: handoffs, reads, loans, tier pages
+        actions = self.ledger.handle(ev.ConnectionLost(rid))  # its waits, handoffs, reads, loans, tier pages
+        if actions and isinstance(off := actions[0], ev.CallOff):  # every one of its waits, now, unanswered
+            actions.pop(0)
+            self.metrics.waiting_reads = self.ledger.waiting
+            for wait in off.waits:
+                if isinstance(wait, ParkedGet):
+                    self.watch.unpark(wait)
+                elif isinstance(wait, asyncio.Task):
+                    wait.cancel()
         if actions and isinstance(gave := actions[-1], ev.GaveBack):
             actions.pop()
             log.warning("a client disconnected with %d unfinished put(s) and %d open read(s); giving them back",

@@ -6,7 +6,8 @@ commit, or a batch of tier pages between cache_slots and its cache_commit, each 
 `LocalWrite`), read leases (a get between get_slots and get_done), pins of tier pages (a cache_get
 until its cache_release), loans of scratch blocks (one per small put it may have in flight), and
 answers it is owed. Tokens are bound to their connection: another connection naming one finds
-nothing. `LocalLedger.handle(event)` is the only way its books change; it frees and parks blocks in
+nothing. It also keeps each connection's gets that wait for their entry (bounded per connection),
+called off when it goes. `LocalLedger.handle(event)` is the only way its books change; it frees and parks blocks in
 the Store and the page store itself (pure bookkeeping too) and returns what the shell must carry
 out (`put_side`, `handlers`, `tier/service`). `validate()` checks the invariants between events.
 
@@ -17,21 +18,20 @@ machine (`reservation.py`), so the tier's late writer cannot come back.
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvd.errors import KvdError, NotFound, Timeout
+from kvd.errors import BadRequest, KvdError, NotFound, Timeout
 
 from ..store.entries import Store
 from ..store.entry import Entry, State
 from ..tier.page_store import CacheStore
 from . import events as ev
-from .books import Books, Hold, PageHold
-from .reservation import LocalWrite, WriteAction, WriteEvent, WriteState
+from .audit import Ledger, audit
+from .books import MAX_WAITS_PER_CONNECTION, Books, Hold, PageHold
+from .reservation import LocalWrite, WriteAction, WriteEvent
 
 PRUNE_AT = 1024  # per connection: holds tracked before ended ones are pruned
-LIVE = (WriteState.WRITING, WriteState.ENDED)  # a write whose writer may still copy into its blocks
 
 
 class LocalLedger:
@@ -43,6 +43,7 @@ class LocalLedger:
         self._writers: dict[int, bytes] = {}  # live reservation token -> the connection writing it
         self._page_owner: dict[int, bytes] = {}  # open tier token -> the connection it was given to
         self.expired_pages = 0  # tier reservations whose lease ran out before their commit
+        self.waiting = 0  # gets waiting for their entry, on every connection
 
     # --- queries -------------------------------------------------------------------------------------
 
@@ -52,6 +53,17 @@ class LocalLedger:
         if books is None:
             return False
         return bool(books.owed or books.loans or books.pages) or any(self._is_live(h) for h in books.held.values())
+
+    def waits_any(self, conn: bytes) -> bool:
+        books = self._books.get(conn)
+        return books is not None and bool(books.waits)
+
+    def admit_wait(self, conn: bytes) -> None:
+        """Refuse one more wait past the bound (before the shell starts one)."""
+        books = self._books.get(conn)
+        if books is not None and len(books.waits) >= MAX_WAITS_PER_CONNECTION:
+            raise BadRequest(f"too many gets in flight on this connection: at most {MAX_WAITS_PER_CONNECTION} may "
+                             "wait at once (let some end first, or use another connection)")
 
     def in_use(self, conn: bytes) -> bool:
         """The connection holds tier pages (reservations or pins)."""
@@ -146,6 +158,19 @@ class LocalLedger:
         books = self._books_of(event.conn)
         books.owed = max(0, books.owed + event.count)
         self._tidy(event.conn)
+        return []
+
+    def _wait_started(self, event: ev.WaitStarted) -> list[ev.Action]:
+        self._books_of(event.conn).waits[event.wait] = None
+        self.waiting += 1
+        return []
+
+    def _wait_ended(self, event: ev.WaitEnded) -> list[ev.Action]:
+        books = self._books.get(event.conn)
+        if books is not None and event.wait in books.waits:
+            del books.waits[event.wait]
+            self.waiting -= 1
+            self._tidy(event.conn)
         return []
 
     def _commit(self, event: ev.Commit) -> list[ev.Action]:
@@ -288,6 +313,8 @@ class LocalLedger:
         books = self._books.pop(event.conn, None)
         if books is None:
             return []
+        self.waiting -= len(books.waits)
+        actions: list[ev.Action] = [ev.CallOff(tuple(books.waits))] if books.waits else []  # first: now
         for token in books.loans:
             self.store.return_scratch(token)
         for token, held in books.pages.items():
@@ -300,7 +327,6 @@ class LocalLedger:
         for hold in books.held.values():
             if hold.entry is not None:
                 self._writers.pop(hold.token, None)
-        actions: list[ev.Action] = []
         writes = reads = 0
         for hold in [h for h in books.held.values() if self._is_live(h)]:
             if hold.entry is None:
@@ -319,7 +345,7 @@ class LocalLedger:
     def _books_of(self, conn: bytes) -> Books:
         books = self._books.get(conn)
         if books is None:
-            books = self._books[conn] = Books({}, {}, {})
+            books = self._books[conn] = Books({}, {}, {}, {})
         return books
 
     def _tidy(self, conn: bytes) -> None:
@@ -371,65 +397,8 @@ class LocalLedger:
     # --- invariants -----------------------------------------------------------------------------------
 
     def validate(self) -> None:
-        """What must hold between two events (tests call it after every step):
-        - every token is one connection's: a live reservation's writer is the connection holding it;
-        - a write whose writer may still copy (writing, or ended under it) pins its blocks: its entry
-          keeps its writer pin, its tier pages stay reserved to it; a live handoff's entry is listed;
-        - a tier reservation has a deadline while it is live, none once it ended;
-        - every lent scratch block is one connection's loan, and the pool lends no other;
-        - the blocks held for writers, loans and pins are allocated, and no two of them overlap."""
-        owners: dict[tuple[bool, int], bytes] = {}  # (a tier token?, token): the Store and the page store count apart
-        blocks: list[tuple[int, int]] = []
-        for conn, books in self._books.items():
-            assert not books.empty(), f"empty books kept for {conn!r}"
-            for key in [*((False, t) for t in [*books.held, *books.loans]), *((True, t) for t in books.pages)]:
-                assert owners.setdefault(key, conn) == conn, f"token {key[1]} held by two connections"
-            for token, hold in books.held.items():
-                self._validate_hold(conn, token, hold, blocks)
-            for token, held in books.pages.items():
-                assert self._page_owner.get(token) == conn, f"tier token {token} is not {conn!r}'s"
-                self._validate_pages(token, held, blocks)
-            for token in books.loans:
-                blocks += self.store._scratch[token]  # (KeyError: a loan the store does not know)
-        assert set(self._page_owner) == {t for b in self._books.values() for t in b.pages}
-        assert all(self._books.get(c) and t in self._books[c].held for t, c in self._writers.items())
-        lent = sum(n for books in self._books.values() for n in books.loans.values())
-        assert lent == self.store.scratch_blocks, f"{self.store.scratch_blocks} scratch blocks lent, {lent} accounted"
-        self._validate_blocks(blocks)
-
-    def _validate_hold(self, conn: bytes, token: int, hold: Hold, blocks: list[tuple[int, int]]) -> None:
-        assert hold.token == token
-        entry, write = hold.entry, hold.write
-        if entry is None or write is None:
-            return  # a read lease: the Store keeps it (a stream reader's may have been ended by the watch)
-        assert entry.token == token and write.state in LIVE, f"a {write.state.value} write still held"
-        assert (self._writers.get(token) == conn) == (write.state is WriteState.WRITING), \
-            f"reservation {token}: its writer pairing does not match its {write.state.value} write"
-        assert entry.writer, f"a {write.state.value} write whose blocks are not pinned for its writer"
-        if write.state is WriteState.WRITING:
-            assert not entry.removed and self.store.entries.get(entry.request_id) is entry
-        write.validate(pinned=entry.writer, removed=entry.removed)
-        assert entry.extents or not entry.total_bytes, f"the blocks of {entry.request_id!r} were freed under its writer"
-        blocks += entry.extents
-
-    def _validate_pages(self, token: int, held: PageHold, blocks: list[tuple[int, int]]) -> None:
-        pages = self._tier()
-        if held.write is None:
-            assert all(page.extents is not None for page in pages.leased(token)), "a pinned page was freed"
-            return
-        assert held.write.state in LIVE and pages.writing(token), f"tier reservation {token} lost its pages"
-        held.write.validate(pinned=True, removed=held.deadline is None)
-        for page in pages.pending(token):
-            assert page.writing == token and page.extents is not None, "a page freed under its writer"
-            if pages.pool is self.store.allocator:  # (one pool for both, as the daemon has it)
-                blocks += page.extents
-
-    def _validate_blocks(self, held: list[tuple[int, int]]) -> None:
-        """No two holders share a block, and none of them is free."""
-        free = self.store.allocator._free
-        spans = sorted([(start, count, True) for start, count in held] + [(s, n, False) for s, n in free])
-        for (a, n, _), (b, _, _) in itertools.pairwise(spans):
-            assert a + n <= b, f"blocks {b}.. are held twice (or held and free)"
+        """What must hold between two events (tests call it after every step): see `audit.py`."""
+        audit(Ledger(self._books, self._writers, self._page_owner, self.waiting, self.store, self.pages))
 
 
 # each event's handler: `handle` looks the event's type up here (a test checks every event has one)
@@ -440,6 +409,7 @@ ON: dict[type, Callable[[LocalLedger, Any], list[ev.Action]]] = {
     ev.LoanReturned: LocalLedger._loan_returned, ev.LoanUsed: LocalLedger._loan_used,
     ev.LeaseGiven: LocalLedger._lease_given, ev.Release: LocalLedger._release,
     ev.Undelivered: LocalLedger._undelivered, ev.AnswerOwed: LocalLedger._answer_owed,
+    ev.WaitStarted: LocalLedger._wait_started, ev.WaitEnded: LocalLedger._wait_ended,
     ev.PagesReserved: LocalLedger._pages_reserved, ev.PagesCommit: LocalLedger._commit_pages,
     ev.PagesPinned: LocalLedger._pages_pinned, ev.PagesRelease: LocalLedger._pages_release,
     ev.ConnectionLost: LocalLedger._lost, ev.LeaseTick: LocalLedger._tick,

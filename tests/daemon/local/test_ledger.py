@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from kvd.daemon.local import events as ev
+from kvd.daemon.local.books import MAX_WAITS_PER_CONNECTION
 from kvd.daemon.local.ledger import ON, LocalLedger
 from kvd.daemon.local.reservation import WriteState
 from kvd.daemon.store.entries import Entry, State, Store
 from kvd.daemon.tier.page_store import CacheStore, SharedPool
-from kvd.errors import KvdError, NotFound, PoolFull
+from kvd.errors import BadRequest, KvdError, NotFound, PoolFull
 from kvd.wire.layout import TensorSpec
 
 BLOCK = 4096
@@ -180,6 +181,25 @@ def test_tier_pins_end_with_their_reader():
     ledger.validate()
 
 
+def test_waits_are_bounded_per_connection_and_called_off_when_it_goes():
+    ledger, _, _ = make()
+    waits = [object() for _ in range(MAX_WAITS_PER_CONNECTION)]
+    for wait in waits:
+        ledger.admit_wait(b"c1")
+        ledger.handle(ev.WaitStarted(b"c1", wait))
+    with pytest.raises(BadRequest):
+        ledger.admit_wait(b"c1")
+    ledger.admit_wait(b"c2")  # (another connection's are its own)
+    assert ledger.waits_any(b"c1") and not ledger.holds_any(b"c1") and ledger.waiting == len(waits)
+    ledger.handle(ev.WaitEnded(b"c1", waits[0]))
+    ledger.handle(ev.WaitEnded(b"c1", waits[0]))  # (twice: the second is ignored)
+    ledger.validate()
+    assert ledger.handle(ev.ConnectionLost(b"c1")) == [ev.CallOff(tuple(waits[1:]))]
+    assert ledger.waiting == 0 and not ledger.waits_any(b"c1")
+    ledger.handle(ev.WaitEnded(b"c1", waits[1]))  # (a task cancelled by the call-off ends later: ignored)
+    ledger.validate()
+
+
 # --- the state machine ------------------------------------------------------------------------------------
 
 SIZES = st.sampled_from([0, 1, BLOCK, 3 * BLOCK + 5, 8 * BLOCK])
@@ -204,6 +224,7 @@ class Ledger(RuleBasedStateMachine):
         self.loans: dict[int, bytes] = {}
         self.page_writes: dict[int, bytes] = {}
         self.pins: dict[int, bytes] = {}
+        self.waits: dict[object, bytes] = {}  # gets waiting for their entry (the shell's handles)
 
     def _carry(self, actions: list[ev.Action]) -> None:
         for action in actions:
@@ -339,6 +360,20 @@ class Ledger(RuleBasedStateMachine):
             token = data.draw(st.sampled_from(sorted(self.pins)))
             self.ledger.handle(ev.PagesRelease(self.pins.pop(token), token))
 
+    @rule(conn=conns)
+    def wait(self, conn: bytes) -> None:
+        if conn in self.live:
+            self.ledger.admit_wait(conn)
+            handle = object()
+            self.ledger.handle(ev.WaitStarted(conn, handle))
+            self.waits[handle] = conn
+
+    @precondition(lambda self: self.waits)
+    @rule(data=st.data())
+    def wait_ends(self, data: st.DataObject) -> None:
+        handle = data.draw(st.sampled_from(list(self.waits)))
+        self.ledger.handle(ev.WaitEnded(self.waits.pop(handle), handle))
+
     @rule()
     def cache_clear(self) -> None:
         self.pages.clear(NS)
@@ -346,8 +381,10 @@ class Ledger(RuleBasedStateMachine):
     @rule(conn=consumes(conns))
     def hang_up(self, conn: bytes) -> None:
         self.live.discard(conn)
-        self.ledger.handle(ev.ConnectionLost(conn))
-        for table in (self.reads, self.loans, self.page_writes, self.pins):
+        actions = self.ledger.handle(ev.ConnectionLost(conn))
+        mine = [w for w, owner in self.waits.items() if owner == conn]
+        assert (actions[0] == ev.CallOff(tuple(mine))) if mine else not any(isinstance(a, ev.CallOff) for a in actions)
+        for table in (self.reads, self.loans, self.page_writes, self.pins, self.waits):
             for token in [t for t, owner in table.items() if owner == conn]:
                 del table[token]
         for token in [t for t, (owner, _) in self.writes.items() if owner == conn]:
