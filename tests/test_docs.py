@@ -435,3 +435,25 @@ def test_the_vllm_examples_output_in_the_docs_is_what_it_prints():
                 assert scenario.match(line) or verdict.match(line), line
                 shown += 1
     assert shown >= 20
+
+
+# --- docs/internals.md's code map is the code's (tests/docmap.py writes it from the docstrings)
+
+def test_the_code_map_in_internals_is_what_the_docstrings_say():
+    from tests.docmap import INTERNALS, written
+
+    text = INTERNALS.read_text()
+    assert written(text) == text, "docs/internals.md's code map has drifted: run `python -m tests.docmap`"
+
+
+def test_the_code_map_check_finds_a_drifted_map():
+    from tests.docmap import BEGIN, END, code_map, written
+
+    doc = f"intro\n\n{code_map()}\n\nafter\n"
+    assert written(doc) == doc
+    for drift in ("`states.py` holds the transfer's states", "no module over 500 lines",
+                  "- `kvd/integrations/`: the vLLM connector."):
+        drifted = doc.replace(END, f"{drift}\n{END}")
+        assert written(drifted) != drifted and drift not in written(drifted)
+    assert "450 lines" in code_map() and "kvd/daemon/startup.py" not in code_map()  # (modules named by file)
+    assert "`startup.py`: Building the daemon's parts" in code_map() and BEGIN in code_map()

@@ -2,9 +2,9 @@
 process and in routers' processes.
 
 Runs in the daemon (`ClusterMember`: registration, publishing, lookups) and in routers and proxies
-(`Registry`: a read-only view). Imports only the standard library and kvd.errors; the Redis backend
-imports redis-py when it is opened (`pip install redis`); the etcd backend needs nothing
-extra (it speaks etcd's JSON gateway). See proto/REGISTRY.md for the key schema and the semantics.
+(`Registry`: a read-only view). Imports only the standard library and kvd's leaves (kvd.errors,
+kvd.throttle, kvd.trust), never the daemon; the Redis backend imports redis-py when it is opened
+(`pip install redis`); the etcd backend needs nothing extra (it speaks etcd's JSON gateway). See proto/REGISTRY.md for the key schema and the semantics.
 
 Modules: records (records, JSON, keys), signing (signed records: who signs, what a reader
 believes), outbox (what is still to be written), candidates (which holder to try), health

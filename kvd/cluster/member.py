@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvd.throttle import Throttle
 from kvd.trust import NodeCert
 
 from .backends.backend import (
@@ -67,8 +68,7 @@ class ClusterMember:
         self._certs: dict[str, NodeCert] = {}  # node id -> its verified cert (with a verifier)
         # node ids that holders named and the watch has not shown: looked up one at a time, backing off
         self._missing: dict[str, Backoff] = {}
-        self._refusals_logged = 0.0
-        self._unreachable_logged = -60.0
+        self._said = Throttle()  # "refused", "unreachable": an operator must fix it; once a minute is enough
         self._session: Session | None = None
         self._work = asyncio.Event()
         self._registered = asyncio.Event()
@@ -206,9 +206,7 @@ class ClusterMember:
             self.ops[(op, "refused")] += 1
             self.breaker.failure()
             self.last_error, self.refused = str(e), True
-            now = time.monotonic()
-            if now - self._refusals_logged >= 60.0:  # an operator must fix it; once a minute is enough
-                self._refusals_logged = now
+            if self._said.allow("refused"):
                 log.error("%s (static peers keep working; retrying)", e)
             raise
         except RegistryUnavailable as e:
@@ -307,12 +305,11 @@ class ClusterMember:
                 if self.membership.on_refresh_failed():
                     log.warning("registry unreachable for a whole TTL (%s): presuming the session lost", e)
                     self._lost()
-                elif self._session is None or not self.membership.registered:
-                    now = time.monotonic()
-                    if now - self._unreachable_logged >= 60.0 and not isinstance(e, RegistryRefused):
-                        self._unreachable_logged = now  # (a refusal is logged by _guarded, as an error)
-                        log.warning("cannot reach the cluster registry to register %s (%s): serving static peers "
-                                    "meanwhile, retrying", self.record.node_id, e)
+                elif ((self._session is None or not self.membership.registered)
+                      and not isinstance(e, RegistryRefused)  # (a refusal is logged by _guarded, as an error)
+                      and self._said.allow("unreachable")):
+                    log.warning("cannot reach the cluster registry to register %s (%s): serving static peers "
+                                "meanwhile, retrying", self.record.node_id, e)
                 await asyncio.sleep(backoff.failed())
             except Exception:  # a bug here must not end the daemon's membership for good
                 log.exception("registry session task failed; starting over")

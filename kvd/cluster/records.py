@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,6 +216,46 @@ def decode_holder(raw: bytes | str) -> HolderRecord:
         expires_at=f.num("expires_at", optional=True), sig=f.str("sig", optional=True), payload=f.payload(),
     )
 
+
+
+# --- what a reader believes (both backends) ----------------------------------------------------------
+
+Skip = Callable[[str, str, str], None]  # (kind, reason, detail): a record not believed, counted and logged
+
+
+def vet_node(read: Callable[[], bytes | str], where: str, stored_under: Callable[[str], bool],
+             skip: Skip) -> NodeRecord | None:
+    """The node record stored at `where`, or None (skipped) when it does not decode or names a node
+    whose key is not the one it was found under (`stored_under(node_id)`). `read()` gives its bytes
+    (a ValueError: undecodable, as a bad base64 value). The backend checks what only it can see
+    first (size, lease)."""
+    try:
+        rec = decode_node(read())
+    except (RecordError, ValueError) as e:
+        skip("node", "undecodable", f"{where}: {e}")
+        return None
+    if not stored_under(rec.node_id):
+        skip("node", "key_mismatch", f"{where} holds node {rec.node_id!r}")
+        return None
+    return rec
+
+
+def vet_holder(read: Callable[[], bytes | str], where: str, rid: str, stored_under: Callable[[str], bool],
+               now: float, skip: Skip) -> HolderRecord | None:
+    """A holder record of `rid` stored at `where`, or None: skipped when it does not decode or its
+    node's key is not the one it was found under; ignored (not counted) when it is another request's
+    (long ids share a hashed key) or has expired."""
+    try:
+        rec = decode_holder(read())
+    except (RecordError, ValueError) as e:
+        skip("holder", "undecodable", f"{where}: {e}")
+        return None
+    if rec.rid != rid or rec.expired(now):  # rid_key hashes long ids: check the full id
+        return None
+    if not stored_under(rec.node_id):
+        skip("holder", "key_mismatch", f"{where} holds node {rec.node_id!r}")
+        return None
+    return rec
 
 # a peer endpoint as a registry may name one: TCP only (never ipc://, which would skip the uid check
 # and reach local files), a host name or an IP literal, and a port

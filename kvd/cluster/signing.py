@@ -14,9 +14,9 @@ import base64
 import binascii
 import dataclasses
 import logging
-import time
 from collections import Counter
 
+from kvd.throttle import Throttle
 from kvd.trust import Authority, CertError, NodeCert, NodeSigner
 from kvd.trust.certs import HOLDER_RECORD_DOMAIN, NODE_RECORD_DOMAIN, signature_valid
 
@@ -64,7 +64,7 @@ class RecordVerifier:
     def __init__(self, authority: Authority) -> None:
         self.authority = authority
         self.dropped: Counter[tuple[str, str]] = Counter()
-        self._logged: dict[tuple[str, str], float] = {}
+        self._logged = Throttle(LOG_EVERY)  # by (kind, reason)
         self._verified: dict[tuple[str, bytes, str], NodeCert] = {}  # (node id, payload, sig) -> its cert
 
     def node(self, record: NodeRecord) -> NodeCert | None:
@@ -116,9 +116,7 @@ class RecordVerifier:
 
     def _drop(self, kind: str, reason: str, message: str) -> None:
         self.dropped[(kind, reason)] += 1
-        now = time.monotonic()
-        if now - self._logged.get((kind, reason), -LOG_EVERY) >= LOG_EVERY:
-            self._logged[(kind, reason)] = now
+        if self._logged.allow((kind, reason)):
             log.warning("registry: dropped a %s record that does not verify (%s): %s (again at most once a minute; "
                         "counted in kvd_registry_records_dropped_total)", kind, reason, message)
         return None

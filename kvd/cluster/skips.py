@@ -8,8 +8,9 @@ at most one line per kind and reason is logged a minute, saying how many went un
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
+
+from kvd.throttle import Throttle
 
 LOG_EVERY = 60.0  # seconds between two lines for one (kind, reason)
 _DETAIL = 120  # characters of a key or an error shown in a line; the rest is an attacker's to fill
@@ -19,19 +20,14 @@ class Skips:
     def __init__(self, log: logging.Logger, registry: str, every: float = LOG_EVERY) -> None:
         self.log, self.registry, self.every = log, registry, every
         self.dropped: Counter[tuple[str, str]] = Counter()
-        self._logged_at: dict[tuple[str, str], float] = {}
-        self._unlogged: Counter[tuple[str, str]] = Counter()
+        self._logged = Throttle(every)  # by (kind, reason)
 
     def __call__(self, kind: str, reason: str, detail: object) -> None:
         what = (kind, reason)
         self.dropped[what] += 1
-        now = time.monotonic()
-        last = self._logged_at.get(what)
-        if last is not None and now - last < self.every:
-            self._unlogged[what] += 1
+        more = self._logged.due(what)
+        if more is None:
             return
-        self._logged_at[what] = now
-        more = self._unlogged.pop(what, 0)
         text = ascii(detail if isinstance(detail, str) else repr(detail))[1:-1]  # no line breaks of theirs
         self.log.warning("%s: skipped a %s record (%s): %s%s", self.registry, kind, reason, text[:_DETAIL],
                          f" (and {more} more since the last such line)" if more else "")

@@ -1,15 +1,15 @@
-"""The kvd daemon's composition root (daemon process): builds the parts, runs the process's life.
+"""The kvd daemon's process (daemon process): builds the parts, starts them, runs the process's life.
 
-One asyncio loop (uvloop). `start` builds every part, each given its collaborators, in the
-order they depend on each other: pool memory and its bookkeeping (`store/`), the local
-server, the entry watch, the peer side (`peer/`: links, transfers, the ROUTER), the status
-reader, the local handlers. Then it keeps house (expiry, deadlines, heartbeats, watchdog),
-reloads what can change on SIGHUP, and on SIGTERM drains in-flight work before it releases
-the pool and exits. No part below this module receives the Daemon.
+One asyncio loop (uvloop). `start` has `startup.build` make every part, each given its
+collaborators, then starts them: the peer side (the ROUTER and the links), the disk level, the HTTP
+endpoint, the client socket, the registration. Then it keeps house (expiry, deadlines, heartbeats,
+watchdog), reloads what can change on SIGHUP, and on SIGTERM drains in-flight work before it
+releases the pool and exits. No part below this module receives the Daemon.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -19,39 +19,17 @@ from collections.abc import Callable
 
 import zmq
 
-from kvd import __version__
 from kvd.errors import BadRequest
-from kvd.memory import check_fits_in_ram, open_staging_memory
-from kvd.memory.faults import with_fault_injection
 from kvd.memory.heap import keep_receive_buffers
 from kvd.units import format_size
-from kvd.wire.endpoints import tcp_address, unix_path
+from kvd.wire.endpoints import unix_path
 
 from .config import Config
-from .exposure import check_exposure, warn_exposure
-from .http import HttpEndpoint
 from .lifecycle import Lifecycle
-from .local.handlers import HelloInfo, LocalHandlers, LocalSettings
-from .local.server import LocalServer
-from .local.watch import EntryWatch
-from .membership import Directory, RegistrySettings
 from .metrics import Metrics
-from .peer.auth import load_keys, start_authenticator
-from .peer.peers import PeerSet, PeerSettings
-from .peer.router import Router, RouterSettings
-from .peer.transfers import Transfers, TransferSettings
-from .plane.negotiation import PlaneHandshake
-from .plane.nixl import start_plane
-from .plane.poller import PlaneOps
-from .socket_path import claim_socket_path
-from .status import Status, StatusSettings
-from .store.entries import Entry, Store
+from .peer.auth import CurveKeys
+from .startup import Parts, build, leave_registry, load_curve
 from .systemd import Notifier
-from .tier.disk.level import claim_disk, disk_tier_for
-from .tier.disk.media import Media
-from .tier.homes import tier_peers_for
-from .tier.page_store import CacheStore, SharedPool
-from .tier.service import CacheCollector, CacheService
 
 log = logging.getLogger(__name__)
 
@@ -68,124 +46,58 @@ class Daemon:
         self.metrics = Metrics()
         self.notifier = Notifier()
         self._stop_requested = asyncio.Event()
-        # built by start(), in this order; stop() closes whatever was built
-        self.memory = self.store = self.cache = self.disk = self.ctx = self.authenticator = self.plane = None
-        self.directory: Directory | None = None
-        self.curve = None  # our CURVE keys and allow list, when CURVE is on
-        self.local: LocalServer | None = None
-        self.peers: PeerSet | None = None
-        self.transfers: Transfers | None = None
-        self.router: Router | None = None
-        self.handlers: LocalHandlers | None = None
-        self._cache_service: CacheService | None = None
-        self.http: HttpEndpoint | None = None
+        self.parts: Parts | None = None  # built by start(); stop() closes them
         self._housekeeping: asyncio.Task | None = None
         self._made_dirs: list[str] = []  # socket directories this start created
 
     # --- start ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Build every part, then start them."""
+        cfg = self.config
+        keep_receive_buffers()  # (the process's malloc: before the first big receive)
+        caps = fit_connection_caps(raise_open_file_limit(cfg.max_clients + cfg.max_peer_connections),
+                                   cfg.max_clients, cfg.max_peer_connections)
+        self.parts = await build(cfg, self.lifecycle, self.metrics, self._made_dirs, caps)
+        await self._serve(self.parts)
+
+    async def _serve(self, parts: Parts) -> None:
+        """Start the parts, each given the callbacks it needs of parts built after it; the client
+        socket last but the registration: once a client is answered, everything answers."""
         cfg, life = self.config, self.lifecycle
-        keep_receive_buffers()
-        max_clients, max_peer_connections = fit_connection_caps(
-            raise_open_file_limit(cfg.max_clients + cfg.max_peer_connections), cfg.max_clients,
-            cfg.max_peer_connections)
-        # the cheap checks before the pool's prefault (seconds for a big pool)
-        curve = self.curve = self._load_curve(cfg) if cfg.curve_secret_key else None
-        check_exposure(cfg, curve is not None)  # a listener beyond loopback that nothing authenticates
-        if cfg.device == "cpu":
-            check_fits_in_ram(cfg.pool_size, cfg.pool_path, cfg.pool_overcommit)
-        claim_socket_path(cfg.socket, self._made_dirs)  # before anything binds: a second daemon stops here
-        disk_dir = claim_disk(cfg)  # --cache-dir ours alone, and not another daemon's
-        self.memory = open_staging_memory(cfg.device, cfg.pool_size, cfg.pool_path, cfg.pool_prefault)
-        if cfg.registry:  # the holder directory hears of every entry the store publishes or removes
-            self.directory = Directory(RegistrySettings.of(cfg), life.incarnation, curve)
-            if curve is not None:  # a node found in the registry is dialled under the key its cert names
-                curve.registry_key = self.directory.key_of
-        num_blocks = cfg.pool_size // cfg.block_size
-        pool = SharedPool(num_blocks)  # handoffs and the KV tier share it; a handoff may evict tier pages
-        self.cache = CacheStore(pool, cfg.block_size, cfg.cache_budget, cfg.cache_max_pages, cfg.cache_namespace_pages)
-        self.disk = disk_tier_for(cfg, disk_dir, self.cache, self.memory)
-        self.store = Store(pool, cfg.block_size, cfg.default_ttl or None,
-                           on_published=self.directory.entry_published if self.directory else None,
-                           on_removed=self.directory.entry_removed if self.directory else None,
-                           max_entries=cfg.max_entries)
-        self.ctx = zmq.Context(io_threads=cfg.io_threads)
-        if curve is not None:
-            self.authenticator = start_authenticator(self.ctx, curve)
-        warn_exposure(cfg, curve is not None)
-        self.local = LocalServer(max_clients)
-        watch = EntryWatch(self.store, self.local, cfg.node_id, cfg.lease_timeout)
-        # a one-sided data plane (--data-plane): the pool registered, offered in our hellos
-        self.plane = start_plane(cfg.data_plane, cfg.node_id, life.incarnation, self.memory, tcp_address(cfg.listen)[0])
-        handshake = (PlaneHandshake(cfg.data_plane, self.plane, lambda agent: self.transfers.plane.peer_gone(agent))
-                     if self.plane is not None else None)
-        self.peers = PeerSet(PeerSettings.of(cfg), self.ctx, life.incarnation, curve, self.metrics,
-                             resolve=self.directory.endpoint_of if self.directory else None,
-                             explain=self.directory.explain_missing if self.directory else None, plane=handshake)
-        io = with_fault_injection(self.memory.io(cfg.chunk_size, cfg.window))
-        self.transfers = Transfers(TransferSettings.of(cfg), self.store, io, self.metrics, watch, self.peers,
-                                   plane_ops=PlaneOps.from_env(self.plane) if self.plane is not None else None)
-        tier = tier_peers_for(cfg, self.cache, self.memory, self.peers, self.directory)  # pages homed elsewhere
-        on_peer, on_link = self.transfers.on_message, self.transfers.on_link_message
-        if tier is not None:  # (the tier's peer messages are answered there; the rest are transfers')
-            on_peer, on_link = tier.wrap(on_peer), tier.wrap(on_link)
-        self.router = Router(RouterSettings.of(cfg), self.ctx, curve, self.peers, self.metrics, life.incarnation,
-                             on_gone=self.transfers.on_lost, max_connections=max_peer_connections)
+        if parts.handshake is not None:  # (a peer's agent gone for good: the transfers let go of it)
+            parts.handshake.start(parts.transfers.plane.peer_gone)
+        on_peer, on_link = parts.peer_callbacks()
         try:
-            self.router.start(on_peer)
+            parts.router.start(on_peer)
         except zmq.ZMQError as exc:
             raise BadRequest(bind_failure(f"listen for peers on {cfg.listen}", exc, "--listen")) from None
-        self.peers.start(on_link, self.transfers.on_lost)
-        status = Status(StatusSettings.of(cfg), life, self.store, self.transfers, self.peers, self.local, self.metrics,
-                        self.router.bound_endpoint, __version__, self.directory)
-        self.metrics.registry.register(status)
-        self.metrics.registry.register(CacheCollector(self.cache))
-        status.cache = self.cache
-        hello = HelloInfo(cfg.node_id, life.incarnation, self.memory.client_path, cfg.pool_size, cfg.block_size,
-                          cfg.device, self.memory.ipc_handle)
-        self.handlers = LocalHandlers(LocalSettings(hello, cfg.lease_timeout, cfg.scratch_max), self.store, watch,
-                                      self.transfers, self.metrics, self.local, life, stats=status.snapshot,
-                                      directory=self.directory, tier_pages=self.cache)
-        self.handlers.cache = self._cache_service = CacheService(self.cache, cfg.block_size, cfg.lease_timeout,
-                                                                 self.handlers.ledger)
-        self._cache_service.peers = tier
-        self._cache_service.reply = lambda rid, msg: self.local.send(rid, msg)
-        self._cache_service.disk = self.disk
-        media = Media(self.cache, self.disk, (lambda: tier.counts) if tier is not None else None)
-        self.metrics.registry.register(media)
-        status.media = self._cache_service.media = media.as_dict
-        if self.disk is not None:
-            self.disk.start(tier)
-        self._sweeper = Sweeper(self.store, watch, self.handlers.puts.write_expired, self.metrics)
-        if cfg.metrics_port:  # before the client socket: once a client is answered, /healthz answers too
-            self.http = HttpEndpoint(cfg.metrics_host, cfg.metrics_port, self.metrics.render, lambda: life.ready,
-                                     self.directory)
+        parts.peers.start(on_link, parts.transfers.on_lost)
+        if parts.disk is not None:
+            parts.disk.start(parts.tier.is_home if parts.tier is not None else None)
+        if parts.http is not None:  # before the client socket: once a client is answered, /healthz answers too
             try:
-                await self.http.start()
+                await parts.http.start()
             except OSError as exc:
                 raise BadRequest(bind_failure(f"serve metrics on {cfg.metrics_host}:{cfg.metrics_port}", exc,
                                               "--metrics-port", " (0 turns it off)")) from None
+        handlers = parts.handlers
         try:
-            await self.local.start(cfg.socket, self.handlers.on_local_message, self.handlers.on_client_gone)
+            await parts.local.start(cfg.socket, handlers.on_local_message, handlers.on_client_gone, handlers.uses)
         except OSError as exc:
             raise BadRequest(bind_failure(f"serve clients on {cfg.socket}", exc, "--socket")) from None
-        if self.directory is not None:
-            await self.directory.start()  # registers in the background: a registry away never holds us up
-        self._housekeeping = asyncio.get_running_loop().create_task(self._keep_house(), name="housekeeping")
+        if parts.directory is not None:
+            await parts.directory.start()  # registers in the background: a registry away never holds us up
+        self._housekeeping = asyncio.get_running_loop().create_task(self._keep_house(parts), name="housekeeping")
         life.ready = True
-        self.notifier.notify(f"READY=1\nSTATUS=serving {cfg.socket}, peers on {self.router.bound_endpoint}")
+        endpoint = parts.router.bound_endpoint
+        self.notifier.notify(f"READY=1\nSTATUS=serving {cfg.socket}, peers on {endpoint}")
         log.info("kvd %s ready: pool %s on %s (%d blocks of %s), clients on %s, peers on %s, %d peer(s) "
-                 "configured, metrics %s%s", cfg.node_id, format_size(cfg.pool_size), cfg.device, num_blocks,
-                 format_size(cfg.block_size), cfg.socket, self.router.bound_endpoint, len(cfg.peers),
-                 f"on http://{cfg.metrics_host}:{self.http.port}/metrics" if self.http else "off",
-                 curve_summary(curve) + (f", registry {self.directory.url} (registering in the background)"
-                                         if self.directory else ""))
-
-    @staticmethod
-    def _load_curve(cfg: Config):
-        return load_keys(cfg.curve_secret_key, list(cfg.curve_allow), ca_file=cfg.curve_ca, cert_file=cfg.curve_cert,
-                         deny_file=cfg.curve_deny, cluster=cfg.cluster, node_id=cfg.node_id)
+                 "configured, metrics %s%s", cfg.node_id, format_size(cfg.pool_size), cfg.device,
+                 cfg.pool_size // cfg.block_size, format_size(cfg.block_size), cfg.socket, endpoint, len(cfg.peers),
+                 f"on http://{cfg.metrics_host}:{parts.http.port}/metrics" if parts.http else "off",
+                 curve_summary(parts.curve) + (f", registry {parts.directory.url} (registering in the background)"
+                                               if parts.directory else ""))
 
     # --- run and stop ----------------------------------------------------------------------------
 
@@ -214,49 +126,8 @@ class Daemon:
         self.notifier.notify("STOPPING=1")
         (log.info if served else log.debug)("kvd %s shutting down (draining up to %gs)", self.config.node_id,
                                             self.config.drain_timeout)
-        if self.directory is not None:  # leave the registry first: nobody should pull from us any more
-            try:
-                await asyncio.wait_for(self.directory.stop(), 2.0)
-            except (TimeoutError, Exception) as exc:  # (a registry away: our lease runs out by itself)
-                log.warning("leaving the cluster registry failed: %s", exc)
-        deadline = time.monotonic() + self.config.drain_timeout
-        while self.transfers is not None and self.transfers.busy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.transfers is not None:
-            await self.transfers.close()  # aborts what is left, telling peers
-            for _ in range(3):  # let the requests waiting on those transfers send their errors
-                await asyncio.sleep(0)
-        if self.handlers is not None:
-            await self.handlers.close()
-        if self._cache_service is not None:
-            await self._cache_service.close()
-        if self.disk is not None:  # (RAM's pages not on disk yet written out; before the pool goes)
-            await self.disk.close(self.config.drain_timeout)
-        if self._housekeeping is not None:
-            self._housekeeping.cancel()
-            await asyncio.gather(self._housekeeping, return_exceptions=True)
-        if self.http is not None:
-            await self.http.close()
-        if self.local is not None:
-            self.local.close()
-            path = unix_path(self.config.socket)
-            if path is not None:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-        if self.router is not None:
-            self.router.close()
-        if self.peers is not None:
-            self.peers.close()
-        if self.authenticator is not None:
-            self.authenticator.stop()
-        if self.ctx is not None:
-            self.ctx.destroy(linger=500)  # closes any socket a failed start left open
-        if self.plane is not None:  # (after every transfer and connection: nothing reaches it any more)
-            self.plane.close()
-        if self.memory is not None:
-            self.memory.close()
+        if self.parts is not None:  # (a build that failed closed what it had made)
+            await self._close(self.parts)
         if not served:
             for made in self._made_dirs:  # (innermost first; only what is still empty)
                 try:
@@ -264,6 +135,38 @@ class Daemon:
                 except OSError:
                     break
         (log.info if served else log.debug)("kvd %s stopped", self.config.node_id)
+
+    async def _close(self, parts: Parts) -> None:
+        if parts.directory is not None:  # leave the registry first: nobody should pull from us any more
+            await leave_registry(parts.directory)
+        deadline = time.monotonic() + self.config.drain_timeout
+        while parts.transfers.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await parts.transfers.close()  # aborts what is left, telling peers
+        for _ in range(3):  # let the requests waiting on those transfers send their errors
+            await asyncio.sleep(0)
+        await parts.handlers.close()
+        await parts.tier_service.close()
+        if parts.disk is not None:  # (RAM's pages not on disk yet written out; before the pool goes)
+            await parts.disk.close(self.config.drain_timeout)
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            await asyncio.gather(self._housekeeping, return_exceptions=True)
+        if parts.http is not None:
+            await parts.http.close()
+        parts.local.close()
+        path = unix_path(self.config.socket)
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        parts.router.close()
+        parts.peers.close()
+        if parts.authenticator is not None:
+            parts.authenticator.stop()
+        parts.ctx.destroy(linger=500)  # closes any socket a failed start left open
+        if parts.plane is not None:  # (after every transfer and connection: nothing reaches it any more)
+            parts.plane.close()
+        parts.memory.close()
 
     # --- reload ------------------------------------------------------------------------------------
 
@@ -287,14 +190,16 @@ class Daemon:
                                           curve_allow=new.curve_allow)
         if "log_level" in changed:
             logging.getLogger().setLevel(new.log_level.upper())
-        keys_changed = self._reload_curve() if self.curve is not None else set()
+        parts = self.parts
+        keys_changed = (self._reload_curve(parts, parts.curve) if parts is not None and parts.curve is not None
+                        else set())
         if keys_changed:
             changed.add("curve_allow")
-        if ("peers" in changed or keys_changed) and self.peers is not None:
-            self.peers.set_peers(self.config.peers, rekey=keys_changed)
+        if ("peers" in changed or keys_changed) and parts is not None:
+            parts.peers.set_peers(self.config.peers, rekey=keys_changed)
         log.info("SIGHUP: configuration reloaded (%s)", ", ".join(sorted(changed & RELOADABLE)) or "no changes")
 
-    def _reload_curve(self) -> set[str]:
+    def _reload_curve(self, parts: Parts, curve: CurveKeys) -> set[str]:
         """Re-read the CURVE allow list, the deny list and this node's cert (files and directories:
         a node added, a key rotated or revoked, a cert renewed need no restart). The ZAP handler
         checks the same sets, changed in place (first the new keys are added, then the old ones
@@ -302,11 +207,10 @@ class Daemon:
         admitted are cut at once, and their transfers fail. Returns the peer names whose key
         changed: their links are dialled again."""
         try:
-            fresh = self._load_curve(self.config)
+            fresh = load_curve(self.config)
         except BadRequest as exc:
             log.error("SIGHUP: CURVE keys not reloaded: %s", exc)
             return set()
-        curve = self.curve
         added, removed = fresh.allowed - curve.allowed, curve.allowed - fresh.allowed
         newly_denied = fresh.denied - curve.denied
         revoked = curve.take_out(fresh)  # (with a CA, which would still admit them)
@@ -324,8 +228,8 @@ class Daemon:
         curve.unusable = fresh.unusable  # (why a cert beside ours gives no key: for the dial's error)
         if fresh.cert is not None and curve.cert is not None and fresh.cert.raw != curve.cert.raw:
             curve.signer = fresh.signer  # a renewed cert: new hellos show it, the registry record carries it
-            if self.directory is not None:
-                self.directory.renew(fresh.signer)
+            if parts.directory is not None:
+                parts.directory.renew(fresh.signer)
             log.info("SIGHUP: this node's cert renewed, valid until %s",
                      time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(fresh.cert.not_after)))
         if added or removed or rekeyed or newly_denied:
@@ -337,15 +241,13 @@ class Daemon:
                         "(to keep them out after a restart, add them to --curve-deny): %s", len(revoked),
                         ", ".join(sorted(k.decode(errors="replace") for k in revoked)))
         if removed or newly_denied or revoked:
-            if self.router is not None:
-                self.router.readmit()  # cut whoever is connected to us and no longer admitted
-            if self.peers is not None:  # and our links whose peer's key is now refused
-                rekeyed |= self.peers.names_with_keys(newly_denied | revoked)
+            parts.router.readmit()  # cut whoever is connected to us and no longer admitted
+            rekeyed |= parts.peers.names_with_keys(newly_denied | revoked)  # and our links whose peer's key is refused
         return rekeyed | ({"*"} if added or removed or newly_denied or revoked else set())
 
     # --- housekeeping ------------------------------------------------------------------------------
 
-    async def _keep_house(self) -> None:
+    async def _keep_house(self, parts: Parts) -> None:
         last_watchdog = 0.0
         expected = time.monotonic() + HOUSEKEEPING_INTERVAL
         while True:
@@ -353,38 +255,16 @@ class Daemon:
             now = time.monotonic()
             self.metrics.lag(max(0.0, now - expected))
             expected = now + HOUSEKEEPING_INTERVAL
-            self._sweeper.sweep(now)
-            self._cache_service.sweep(now)
-            self.local.enforce(now)
-            self.router.enforce(now)
-            self.transfers.tick(now)
-            self.peers.heartbeat(now, self.transfers.busy_channels())
+            parts.sweeper.sweep(now)
+            parts.tier_service.sweep(now)
+            parts.local.enforce(now)
+            parts.router.enforce(now)
+            parts.transfers.tick(now)
+            parts.peers.heartbeat(now, parts.transfers.busy_channels())
             interval = self.notifier.watchdog_interval
             if interval and now - last_watchdog >= interval:
                 self.notifier.notify("WATCHDOG=1")
                 last_watchdog = now
-
-
-class Sweeper:
-    """Expiry (daemon process): what ran out of time in the store, and who must hear of it."""
-
-    def __init__(self, store: Store, watch: EntryWatch, write_expired: Callable[[Entry], None],
-                 metrics: Metrics) -> None:
-        self.store, self.watch, self.write_expired, self.metrics = store, watch, write_expired, metrics
-
-    def sweep(self, now: float) -> None:
-        expired, abandoned, stale = self.store.sweep(now)
-        for entry in expired:
-            log.info("expired %s (ttl)", entry.request_id)
-        self.metrics.expired.inc(len(expired))
-        for entry in abandoned:
-            log.warning("dropped %s: its writer did not finish within the lease", entry.request_id)
-            self.write_expired(entry)
-        self.metrics.abandoned.inc(len(abandoned))
-        for lease in stale:
-            self.watch.lease_expired(lease)
-            log.warning("read lease on %s expired; entry given back", lease.request_id)
-        self.metrics.lease_expiries.inc(len(stale))
 
 
 # descriptors kept free beyond the connection caps: the pool, ZeroMQ's own, the metrics endpoint,
@@ -430,7 +310,7 @@ def fit_connection_caps(fd_limit: int, max_clients: int, max_peer_connections: i
     return clients, peers
 
 
-def curve_summary(curve) -> str:
+def curve_summary(curve: CurveKeys | None) -> str:
     if curve is None:
         return ""
     ways = ([f"cluster CA, this node's cert valid until "

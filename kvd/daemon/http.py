@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from kvd.errors import KvdError
+from kvd.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class HttpEndpoint:
         self._serving: set[_Conn] = set()  # producing or writing an answer
         self._sweeper: asyncio.TimerHandle | None = None
         self._paused: asyncio.TimerHandle | None = None  # accepting resumes then
-        self._accept_error_logged = -60.0
+        self._accept_errors = Throttle()  # out of descriptors: said once a minute
         self._closed = False
 
     async def start(self) -> None:
@@ -165,9 +166,7 @@ class HttpEndpoint:
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     # out of descriptors: the ones queued wait in the backlog (not closed unanswered)
-                    now = time.monotonic()
-                    if now - self._accept_error_logged >= 60.0:
-                        self._accept_error_logged = now
+                    if self._accept_errors.allow():
                         log.warning("metrics endpoint: cannot accept connections (%s): pausing %gs (again at "
                                     "most once a minute)", exc.strerror, ACCEPT_PAUSE)
                     self._pause_accepting(ACCEPT_PAUSE)

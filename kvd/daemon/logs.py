@@ -30,20 +30,3 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
 
-
-class Throttle:
-    """At most one log line per key per interval (a peer refused every 2 s must not fill the log):
-    `if throttle.allow(key): log.warning(...)`."""
-
-    def __init__(self, interval: float = 60.0, keys: int = 1024) -> None:
-        self.interval, self.keys = interval, keys
-        self._last: dict[object, float] = {}
-
-    def allow(self, key: object) -> bool:
-        now = time.monotonic()
-        if now - self._last.get(key, -self.interval) < self.interval:
-            return False
-        if len(self._last) >= self.keys:  # (bounded: keys may come from anyone)
-            self._last.clear()
-        self._last[key] = now
-        return True

@@ -19,11 +19,11 @@ from kvd.cluster import Candidate, ClusterMember, HolderRecord, NodeRecord, open
 from kvd.cluster.signing import RecordSigner, RecordVerifier
 from kvd.cluster.url import redact
 from kvd.errors import BadRequest, PeerUnavailable
+from kvd.throttle import Throttle
 from kvd.wire.endpoints import is_loopback_endpoint
 from kvd.wire.protocol import PROTOCOL_VERSION
 
 from .config import Config
-from .logs import Throttle
 from .peer.auth import CurveKeys
 from .store.entries import Entry, State
 

@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvd.errors import ERROR_NAMES
+from kvd.throttle import Throttle
 
 # transfer durations: a 64 KiB local handoff takes ~0.1 ms, a 4 GiB push several seconds
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -89,7 +90,7 @@ class Metrics:
         self.tally: collections.Counter = collections.Counter()
         self.recent_errors: collections.deque = collections.deque(maxlen=RECENT_ERRORS)
         self.waiting_reads = 0  # gets and get_streams waiting for their entry now
-        self._undecodable_logged: dict[str, float] = {}
+        self._undecodable_logged = Throttle(UNDECODABLE_LOG_INTERVAL)  # by socket
         self._peer_labels: set[str] = set()
         self._rendered: tuple[float, bytes] = (-RENDER_CACHE, b"")
         self._rendering: asyncio.Task | None = None  # the render in progress
@@ -133,9 +134,7 @@ class Metrics:
         most once per interval per socket (a flood must not flood the log), never raise. The
         caller answers it where it can (an error or abort naming it)."""
         self.undecodable.labels(socket).inc()
-        now = time.monotonic()
-        if now - self._undecodable_logged.get(socket, -UNDECODABLE_LOG_INTERVAL) >= UNDECODABLE_LOG_INTERVAL:
-            self._undecodable_logged[socket] = now
+        if self._undecodable_logged.allow(socket):
             log.warning("undecodable message on the %s socket from %s: %.200s (further ones for %gs: counted in "
                         "kvd_undecodable_messages_total)", socket, source, error, UNDECODABLE_LOG_INTERVAL)
 

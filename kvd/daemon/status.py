@@ -7,7 +7,7 @@ It changes nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
@@ -21,6 +21,7 @@ from .metrics import OTHER, Metrics
 from .peer.peers import PeerSet
 from .peer.transfers import Transfers
 from .store.entries import Store
+from .tier.page_store import CacheStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +41,9 @@ class StatusSettings:
 
 class Status(Collector):
     def __init__(self, config: StatusSettings, lifecycle: Lifecycle, store: Store, transfers: Transfers, peers: PeerSet,
-                 clients: LocalServer, metrics: Metrics, listen: str, version: str,
-                 directory: Directory | None = None) -> None:
+                 clients: LocalServer, metrics: Metrics, listen: Callable[[], str], version: str,
+                 directory: Directory | None = None, cache: CacheStore | None = None,
+                 media: Callable[[], dict] | None = None) -> None:
         self.config = config
         self.directory = directory
         self.lifecycle = lifecycle
@@ -50,10 +52,10 @@ class Status(Collector):
         self.peers = peers
         self.clients = clients
         self.metrics = metrics
-        self.listen = listen  # the peer endpoint as bound
+        self.listen = listen  # the peer endpoint as bound (once the ROUTER has started)
         self.version = version
-        self.cache = None  # the KV tier's store (tier/page_store.py), set by the daemon
-        self.media = None  # its figures by medium, RAM and disk (disk/media.py), set by the daemon
+        self.cache = cache  # the KV tier's store
+        self.media = media  # its figures by medium, RAM and disk (tier/disk/media.py)
 
     def pool(self) -> dict:
         store, block_size = self.store, self.config.block_size
@@ -93,7 +95,7 @@ class Status(Collector):
             "peers": self.peers.states(),
             "counters": {key: self.metrics.tally[key] for key in COUNTERS},
             "recent_errors": list(self.metrics.recent_errors),
-            "listen": self.listen,
+            "listen": self.listen(),
             "metrics": f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None,
             "registry": self.directory.status() if self.directory is not None else None,
             "cache": self._cache(),

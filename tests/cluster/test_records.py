@@ -16,6 +16,8 @@ from kvd.cluster.records import (
     encode_holder,
     encode_node,
     rid_key,
+    vet_holder,
+    vet_node,
 )
 from kvd.errors import KvdError, ProtocolError
 
@@ -100,3 +102,39 @@ def test_key_schema():
     for bad in ("", "a/b", "a:b", "x" * 65, "-a"):
         with pytest.raises(ValueError, match="cluster name"):
             _ = EtcdKeys(bad).prefix
+
+
+# --- vetting: what a reader of either backend believes
+
+def _skips() -> tuple[list[tuple[str, str, str]], object]:
+    seen: list[tuple[str, str, str]] = []
+    return seen, lambda kind, reason, detail: seen.append((kind, reason, detail))
+
+
+def test_vet_node_believes_a_record_under_its_own_key_and_skips_the_rest():
+    seen, skip = _skips()
+    assert vet_node(lambda: encode_node(NODE), "k/pf-1", lambda node_id: node_id == "pf-1", skip) == NODE
+    assert seen == []
+    assert vet_node(lambda: encode_node(NODE), "k/pf-2", lambda node_id: node_id == "pf-2", skip) is None
+    assert vet_node(lambda: b"{not json", "k/x", lambda node_id: True, skip) is None
+
+    def bad_base64() -> bytes:
+        raise ValueError("Incorrect padding")
+
+    assert vet_node(bad_base64, "k/y", lambda node_id: True, skip) is None
+    assert [(kind, reason) for kind, reason, _ in seen] == [("node", "key_mismatch"), ("node", "undecodable"),
+                                                           ("node", "undecodable")]
+    assert seen[0][2] == "k/pf-2 holds node 'pf-1'" and seen[2][2] == "k/y: Incorrect padding"
+
+
+def test_vet_holder_ignores_other_requests_and_expired_records_without_counting_them():
+    seen, skip = _skips()
+    raw = encode_holder(HOLDER)
+    mine = lambda node_id: node_id == "pf-1"  # noqa: E731
+    assert vet_holder(lambda: raw, "h", "req-1", mine, 1700000000.0, skip) == HOLDER
+    assert vet_holder(lambda: raw, "h", "req-2", mine, 1700000000.0, skip) is None  # (a hashed key's other id)
+    assert vet_holder(lambda: raw, "h", "req-1", mine, 1700000601.0, skip) is None  # expired
+    assert seen == []
+    assert vet_holder(lambda: raw, "h", "req-1", lambda node_id: False, 1700000000.0, skip) is None
+    assert vet_holder(lambda: b"[]", "h", "req-1", mine, 1700000000.0, skip) is None
+    assert [(kind, reason) for kind, reason, _ in seen] == [("holder", "key_mismatch"), ("holder", "undecodable")]

@@ -71,7 +71,7 @@ class Conn:
 class Node:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
-        self.store, self.handlers, self.watch = daemon.store, daemon.handlers, daemon.handlers.watch
+        self.store, self.handlers, self.watch = daemon.parts.store, daemon.parts.handlers, daemon.parts.watch
         self.pool = None  # the pool as a client maps it (after hello)
 
     async def connect(self, hello: bool = True) -> Conn:

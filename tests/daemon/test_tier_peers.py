@@ -11,6 +11,7 @@ import pytest
 
 from kvd.daemon.tier.homes import TierPeers
 from kvd.daemon.tier.page_store import CacheStore, SharedPool
+from kvd.errors import ProtocolError
 from kvd.wire import protocol as p
 from kvd.wire.checksum import digest
 
@@ -99,5 +100,40 @@ def test_a_home_that_answers_only_in_the_wrong_kind_costs_a_miss_at_the_deadline
         on_message(links["B"], p.TierHeld(xfer=question.xfer, held=[True]))  # a fetch wants pages
         assert await fetching == [] and peers.counts["fetched"] == 0 and peers.counts["timeouts"] == 1
         assert peers.cache.exists("ns", ["k"]) == 0
+
+    asyncio.run(main())
+
+
+def test_every_tier_peer_message_has_a_route_and_nothing_else_does():
+    peers, _ = tier()
+    assert set(peers.routes()) == set(p.TIER_PEER)
+    passed: list[p.Message] = []
+    on_message = peers.wrap(lambda source, msg: passed.append(msg))
+    other = p.Ping(nonce=1)
+    on_message(Link("B"), other)
+    assert passed == [other]  # (the rest are the transfers')
+    with pytest.raises(ProtocolError, match="not a tier message"):
+        peers.on_peer(Link("B").channel, other)
+
+
+def test_a_malformed_tier_answer_is_a_protocol_error():
+    peers, links = tier()
+    good = pages_answer(7, [b"a" * 8, b"b" * 8])
+    short = p.TierPages(xfer=7, seq=0, offset=0, lengths=[8], digest=good.digest, payload=good.payload[:1],
+                        checksum="xxh3_64", found=[0, 1], pages=good.pages)
+    with pytest.raises(ProtocolError, match="2 pages named, 1 sent"):
+        peers._checked(short, 2)
+    forged = p.TierPages(xfer=7, seq=0, offset=0, lengths=[8, 8], digest=good.digest, payload=[b"a" * 8, b"c" * 8],
+                         checksum="xxh3_64", found=[0, 1], pages=good.pages)
+    with pytest.raises(ProtocolError, match="digest"):
+        peers._checked(forged, 2)
+
+    async def main() -> None:  # an answer of the wrong kind, from the home asked: refused as a protocol error
+        asking = asyncio.ensure_future(peers.held("ns", ["k1"], {"B": [0]}))
+        question = await first_sent(links["B"])
+        with pytest.raises(ProtocolError, match="asked of B"):
+            peers.on_peer(links["B"].channel, pages_answer(question.xfer, [b"x" * 8]))
+        peers.on_peer(links["B"].channel, p.TierHeld(xfer=question.xfer, held=[True]))
+        assert await asking == {0}
 
     asyncio.run(main())

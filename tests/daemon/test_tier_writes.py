@@ -19,12 +19,12 @@ def page_put(conn, key: str, namespace: str = "ns") -> p.CachePut:
 
 def lease_runs_out(node: Node) -> None:
     """The housekeeping sweep, run as if the lease timeout had passed."""
-    node.daemon._cache_service.sweep(time.monotonic() + 3600)
+    node.daemon.parts.tier_service.sweep(time.monotonic() + 3600)
 
 
 def checked(node: Node) -> None:
-    node.daemon._cache_service.validate()
-    node.daemon.cache.check_invariants()
+    node.daemon.parts.tier_service.validate()
+    node.daemon.parts.cache.check_invariants()
 
 
 @pytest.mark.parametrize("then", ["commit", "abort", "hang up"])
@@ -36,7 +36,7 @@ def test_an_expired_reservation_keeps_its_blocks_until_its_writer_lets_go(tmp_pa
         checked(node)
         lease_runs_out(node)
         checked(node)
-        stats = node.daemon.cache.stats()
+        stats = node.daemon.parts.cache.stats()
         assert stats["entries"] == 0 and stats["parked_bytes"] == PAGE  # unlisted, its blocks kept
         assert node.blocks_in_use() == 4
         # the key is free again: a new put reserves afresh, in other blocks
@@ -54,7 +54,7 @@ def test_an_expired_reservation_keeps_its_blocks_until_its_writer_lets_go(tmp_pa
             await writer.close()
         await other.ask(p.Stats(req=other.req()))  # (the hang-up is handled by now)
         checked(node)
-        assert node.daemon.cache.stats()["parked_bytes"] == 0 and node.blocks_in_use() == 4
+        assert node.daemon.parts.cache.stats()["parked_bytes"] == 0 and node.blocks_in_use() == 4
 
     run(tmp_path, scenario, cache_size=1.0)
 
@@ -63,10 +63,10 @@ def test_a_live_reservation_is_not_touched_by_the_sweep(tmp_path):
     async def scenario(node: Node) -> None:
         writer = await node.connect()
         slots = await writer.ask(page_put(writer, "k"))
-        node.daemon._cache_service.sweep(time.monotonic())  # (within its lease)
+        node.daemon.parts.tier_service.sweep(time.monotonic())  # (within its lease)
         checked(node)
         assert (await writer.ask(p.CacheCommit(req=writer.req(), token=slots.token))).value == [True]
-        assert node.daemon.cache.stats()["entries"] == 1
+        assert node.daemon.parts.cache.stats()["entries"] == 1
         checked(node)
 
     run(tmp_path, scenario, cache_size=1.0)

@@ -20,6 +20,7 @@ from vllm.v1.request import RequestStatus
 
 from kvd.daemon.tier.page_store import CacheStore, SharedPool
 from kvd.integrations.paged.tier_pages import TierLoad
+from kvd.integrations.vllm import prefix as prefix_module
 
 from .test_vllm_scheduler import BLOCK, decode_params, make_request, make_scheduler, runner_output
 
@@ -27,6 +28,15 @@ HEADS = dict(num_kv_heads=2, head_size=64, dtype=torch.float32)
 FULL = FullAttentionSpec(block_size=BLOCK, **HEADS)
 SWA = SlidingWindowSpec(block_size=BLOCK, sliding_window=32, **HEADS)
 NOBODY = "unix:///nonexistent/kvd-test.sock"  # no daemon: the tier is the test's
+
+
+@pytest.fixture(autouse=True)
+def patient_lookups(request, monkeypatch):
+    """The scheduler waits QUICK (2 ms) for a lookup's thread; on a loaded CI machine the thread may
+    not even run within that, and the step that should see a hit sees it one step later. Tests that
+    check what a hit loads wait for the answer; the tests of slow and dead daemons keep QUICK."""
+    if "daemon" not in request.node.name:
+        monkeypatch.setattr(prefix_module, "QUICK", 10.0)
 
 
 class Tier:

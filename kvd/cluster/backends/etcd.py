@@ -31,11 +31,10 @@ from ..records import (
     EtcdKeys,
     HolderRecord,
     NodeRecord,
-    RecordError,
-    decode_holder,
-    decode_node,
     encode_holder,
     encode_node,
+    vet_holder,
+    vet_node,
 )
 from ..skips import Skips
 from .backend import (
@@ -211,32 +210,16 @@ class EtcdBackend:
         if int(kv.get("lease") or 0) == 0:  # kvd writes node records only under a lease
             self._skip("node", "unleased", key)
             return None
-        try:
-            rec = decode_node(_unb64(kv.get("value")))
-        except (RecordError, ValueError) as e:
-            self._skip("node", "undecodable", f"{key}: {e}")
-            return None
-        if key != self.keys.node(rec.node_id):
-            self._skip("node", "key_mismatch", f"{key} holds node {rec.node_id!r}")
-            return None
-        return rec
+        return vet_node(lambda: _unb64(kv.get("value")), key, lambda node_id: key == self.keys.node(node_id),
+                        self._skip)
 
     def _holder_of(self, rid: str, kv: dict[str, Any], now: float) -> HolderRecord | None:
         key = _key(kv)
         if len(kv.get("value") or "") > _VALUE_B64_MAX:
             self._skip("holder", "too_large", key)
             return None
-        try:
-            rec = decode_holder(_unb64(kv.get("value")))
-        except (RecordError, ValueError) as e:
-            self._skip("holder", "undecodable", f"{key}: {e}")
-            return None
-        if rec.rid != rid or rec.expired(now):  # rid_key hashes long ids: check the full id
-            return None
-        if key != self.keys.holder(rid, rec.node_id):
-            self._skip("holder", "key_mismatch", f"{key} holds node {rec.node_id!r}")
-            return None
-        return rec
+        return vet_holder(lambda: _unb64(kv.get("value")), key, rid,
+                          lambda node_id: key == self.keys.holder(rid, node_id), now, self._skip)
 
     def _node_id_of(self, key: str) -> str | None:
         """The node id a node key names, or None for a key no node record is ever under."""

@@ -35,11 +35,12 @@ from ..records import (
     NodeRecord,
     RecordError,
     RedisKeys,
-    decode_holder,
     decode_node,
     encode_holder,
     encode_node,
     key_part,
+    vet_holder,
+    vet_node,
 )
 from ..skips import Skips
 from . import redis_lua as lua
@@ -211,15 +212,7 @@ class RedisBackend:
             if code in _REASONS:
                 self._skip("node", _REASONS[code], key)
             return None
-        try:
-            rec = decode_node(value)
-        except RecordError as e:
-            self._skip("node", "undecodable", f"{key}: {e}")
-            return None
-        if key != self.keys.node(rec.node_id):
-            self._skip("node", "key_mismatch", f"{key} holds node {rec.node_id!r}")
-            return None
-        return rec
+        return vet_node(lambda: value, key, lambda node_id: key == self.keys.node(node_id), self._skip)
 
     def _conflicting(self, record: NodeRecord, cur: bytes) -> NodeRecord | None:
         """The live record of another incarnation in `cur`, or None when registration may replace it
@@ -377,17 +370,8 @@ class RedisBackend:
         if code != b"V":
             self._skip("holder", "too_large", where)
             return None
-        try:
-            rec = decode_holder(value)
-        except RecordError as e:
-            self._skip("holder", "undecodable", f"{where}: {e}")
-            return None
-        if rec.rid != rid or rec.expired(now):  # rid_key hashes long ids: check the full id
-            return None
-        if fld != key_part(rec.node_id).encode():
-            self._skip("holder", "key_mismatch", f"{where} holds node {rec.node_id!r}")
-            return None
-        return rec
+        return vet_holder(lambda: value, where, rid, lambda node_id: fld == key_part(node_id).encode(), now,
+                          self._skip)
 
     async def wait_holders(self, rid: str, from_rev: int, timeout: float) -> tuple[int, list[HolderRecord]]:
         # polling with backoff; pub/sub would be lossy, so it could only ever be an optimisation

@@ -23,7 +23,7 @@ from ..membership import Directory
 from ..metrics import Metrics
 from ..peer.transfers import Transfers
 from ..store.entries import Entry, State, Store, validate_request_id
-from ..tier.page_store import CacheStore
+from ..tier.service import CacheService
 from . import events as ev
 from .get_side import MAX_WAIT, Reads, ReadSettings
 from .ledger import LocalLedger
@@ -76,7 +76,7 @@ class LocalSettings:
 class LocalHandlers:
     def __init__(self, settings: LocalSettings, store: Store, watch: EntryWatch, transfers: Transfers,
                  metrics: Metrics, clients: LocalServer, lifecycle: Lifecycle, *, stats: Callable[[], dict],
-                 directory: Directory | None = None, tier_pages: CacheStore | None = None) -> None:
+                 ledger: LocalLedger, directory: Directory | None = None, cache: CacheService | None = None) -> None:
         self.settings = settings
         self.store = store
         self.watch = watch
@@ -85,15 +85,13 @@ class LocalHandlers:
         self.clients = clients
         self.lifecycle = lifecycle
         self.stats = stats
-        # who holds what, handoffs and tier pages alike (the tier's service shares it)
-        self.ledger = LocalLedger(store, tier_pages, settings.lease_timeout)
+        self.ledger = ledger  # who holds what, handoffs and tier pages alike (the tier's service shares it)
         self.pulls = SharedPulls(transfers)
         self.reads = Reads(settings.reads(), store, watch, self.pulls, directory, self._reply)
         self.puts = LocalPuts(settings.puts(), store, watch, transfers, metrics, self.ledger, clients.is_connected,
                               self._reply, self._error)
         self._tasks: set[asyncio.Task] = set()
-        clients.uses = self._uses  # (an idle connection may be evicted at --max-clients)
-        self.cache = None  # the KV tier's requests (tier/service.py), set by the daemon
+        self.cache = cache  # the KV tier's requests
 
     async def close(self) -> None:
         self.watch.close()
@@ -205,7 +203,7 @@ class LocalHandlers:
             reply = self._error(parked.msg, exc)
         self._reply(parked.rid, reply)
 
-    def _uses(self, rid: bytes) -> Use:
+    def uses(self, rid: bytes) -> Use:
         """What the connection holds or waits for (it is not idle then, whatever its silence)."""
         if self.ledger.holds_any(rid):  # (its tier reservations and pins too)
             return Use.HOLDS

@@ -89,7 +89,7 @@ class LocalServer:
         self.partial_bytes = 0  # bytes of unfinished messages buffered, over all connections
         self.partial_cuts = {"budget": 0, "deadline": 0}  # connections cut for an unfinished message
         self._freed = 0  # bytes of cut connections' buffers freed since the heap was last given back
-        # what a connection holds or waits for (set by the handlers): how it may be evicted
+        # what a connection holds or waits for (the handlers', given at start): how it may be evicted
         self.uses: Callable[[bytes], Use] = lambda conn_id: Use.NOTHING
         self.lingering = 0  # refused connections kept open until their client read why
         self._on_message: Callable[[list], None] = lambda frames: None
@@ -99,9 +99,12 @@ class LocalServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, endpoint: str, on_message: Callable[[list], None],
-                    on_disconnect: Callable[[bytes], None]) -> None:
-        """Serve endpoint; on_message gets [connection id, *frames], on_disconnect a departed id."""
+                    on_disconnect: Callable[[bytes], None], uses: Callable[[bytes], Use] | None = None) -> None:
+        """Serve endpoint; on_message gets [connection id, *frames], on_disconnect a departed id,
+        uses what a connection holds or waits for (how it may be evicted at --max-clients)."""
         self._on_message, self._on_disconnect = on_message, on_disconnect
+        if uses is not None:
+            self.uses = uses
         loop = asyncio.get_running_loop()
         path = unix_path(endpoint)
         if path is not None:

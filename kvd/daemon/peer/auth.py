@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from kvd.errors import BadRequest, KvdError
+from kvd.throttle import Throttle
 from kvd.trust import Authority, CertError, NodeCert, NodeSigner, load_ca_public, load_cert, load_deny, load_node_keys
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,6 @@ class CurveKeys:
     listed: set[bytes] = field(default_factory=set)  # the keys --curve-allow names (not the certs beside ours)
     authority: Authority | None = None  # the cluster CA (--curve-ca)
     signer: NodeSigner | None = None  # our signing key and cert, with a CA
-    # a cluster node's key from its registry record, once that record's cert verified (the daemon sets it)
-    registry_key: Callable[[str], bytes | None] = lambda name: None
     cert_dir: str = ""  # with a CA: where this node's cert lies, and the certs of static peers beside it
     unusable: dict[str, str] = field(default_factory=dict)  # NAME -> why NAME.cert there gives no key
 
@@ -61,8 +59,10 @@ class CurveKeys:
     def cert(self) -> NodeCert | None:
         return self.signer.cert if self.signer is not None else None
 
-    def server_key_for(self, peer_name: str) -> bytes:
-        key = self.peer_keys.get(peer_name) or self.registry_key(peer_name)
+    def server_key_for(self, peer_name: str, registry_key: Callable[[str], bytes | None] | None = None) -> bytes:
+        """The key peer_name must prove it holds: its NAME.key, else (registry_key) a cluster node's key
+        from its registry record, once that record's cert verified."""
+        key = self.peer_keys.get(peer_name) or (registry_key(peer_name) if registry_key is not None else None)
         if key is not None:
             if key in self.denied:
                 raise BadRequest(f"the CURVE key of peer {peer_name!r} is on the deny list (--curve-deny)")
@@ -136,15 +136,23 @@ def load_keys(secret_key_file: str, allow: list[str], *, ca_file: str = "", cert
     own = load_node_keys(secret_key_file)
     if not own.curve_secret:
         raise BadRequest(f"{secret_key_file} holds no secret key (use the .key_secret file from `kvd keygen`)")
-    keys = CurveKeys(own.curve_public, own.curve_secret)
-    if deny_file:
-        keys.denied = load_deny(deny_file)
-    if ca_file:
-        keys.authority = Authority(load_ca_public(ca_file), cluster, keys.denied)
-        keys.signer = _own_cert(keys.authority, own, secret_key_file, cert_file, node_id)
-        keys.cert_dir = os.path.dirname(os.path.abspath(cert_file or secret_key_file.removesuffix(".key_secret")
-                                                        + ".cert"))
-        _add_certs_beside(keys, keys.signer.cert.node_id)
+    denied = load_deny(deny_file) if deny_file else frozenset()
+    authority = Authority(load_ca_public(ca_file), cluster, denied) if ca_file else None
+    signer = _own_cert(authority, own, secret_key_file, cert_file, node_id) if authority is not None else None
+    cert_dir = (os.path.dirname(os.path.abspath(cert_file or secret_key_file.removesuffix(".key_secret") + ".cert"))
+                if authority is not None else "")
+    keys = CurveKeys(own.curve_public, own.curve_secret, denied=denied, authority=authority, signer=signer,
+                     cert_dir=cert_dir)
+    if signer is not None:
+        _add_certs_beside(keys, signer.cert.node_id)
+    _add_allowed(keys, allow)
+    if not keys.allowed and keys.authority is None:
+        raise BadRequest("--curve-secret-key without --curve-allow or --curve-ca: no peer could ever connect")
+    return keys
+
+
+def _add_allowed(keys: CurveKeys, allow: list[str]) -> None:
+    """--curve-allow: key files (NAME.key, NAME.cert), directories of them, or Z85 public keys."""
     for item in allow:
         if os.path.isdir(item):
             for name in sorted(os.listdir(item)):
@@ -159,9 +167,6 @@ def load_keys(secret_key_file: str, allow: list[str], *, ca_file: str = "", cert
                         "NAME.key binds it to NAME)", item[:8])
         else:
             raise BadRequest(f"--curve-allow {item!r} is neither a key file, a directory, nor a Z85 public key")
-    if not keys.allowed and keys.authority is None:
-        raise BadRequest("--curve-secret-key without --curve-allow or --curve-ca: no peer could ever connect")
-    return keys
 
 
 def _own_cert(authority: Authority, own, secret_key_file: str, cert_file: str, node_id: str | None) -> NodeSigner:
@@ -237,19 +242,15 @@ REFUSAL_LOG_INTERVAL = 60.0  # seconds: a refused peer dials again every 2 s; sa
 class _AllowList:
     def __init__(self, keys: CurveKeys) -> None:
         self.keys = keys  # read on every handshake: a reload changes what it admits at once
-        self._logged: dict[bytes, float] = {}  # refused key -> when it was last logged
+        # refused key -> its last line (keys are cheap to make: the memo is bounded); only the ZAP thread logs
+        self._logged = Throttle(REFUSAL_LOG_INTERVAL)
 
     def callback(self, domain: str, key: bytes) -> bool:
         z85 = zmq.utils.z85.encode(key) if len(key) == 32 else key
         ok = self.keys.zap_admits(z85)
-        if not ok:
-            now = time.monotonic()
-            if now - self._logged.get(z85, -REFUSAL_LOG_INTERVAL) >= REFUSAL_LOG_INTERVAL:
-                if len(self._logged) > 1024:  # (keys are cheap to make: the memo stays bounded)
-                    self._logged.clear()
-                self._logged[z85] = now
-                log.warning("refused a peer with %s CURVE key %s (again at most once a minute)",
-                            "a denied" if z85 in self.keys.denied else "an unknown", z85.decode(errors="replace"))
+        if not ok and self._logged.allow(z85):
+            log.warning("refused a peer with %s CURVE key %s (again at most once a minute)",
+                        "a denied" if z85 in self.keys.denied else "an unknown", z85.decode(errors="replace"))
         return ok
 
 
@@ -270,9 +271,10 @@ def make_server(sock: zmq.Socket, keys: CurveKeys) -> None:
     sock.zap_domain = ZAP_DOMAIN.encode()
 
 
-def make_client(sock: zmq.Socket, keys: CurveKeys, peer_name: str) -> bytes:
+def make_client(sock: zmq.Socket, keys: CurveKeys, peer_name: str,
+                registry_key: Callable[[str], bytes | None] | None = None) -> bytes:
     """Make sock a CURVE client of peer_name; returns the server key it will hold the peer to."""
-    server_key = keys.server_key_for(peer_name)
+    server_key = keys.server_key_for(peer_name, registry_key)
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = server_key

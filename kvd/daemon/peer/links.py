@@ -18,9 +18,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvd.errors import KvdError, PeerUnavailable, Unauthorized
+from kvd.throttle import Throttle
 from kvd.wire import protocol as p
 
-from ..logs import Throttle
 from ..metrics import Metrics
 from ..plane.negotiation import PlaneHandshake
 from ..transfer.channel import Channel, Sending
@@ -91,7 +91,10 @@ class PeerLink:
                  on_message: Callable[[PeerLink, p.Message], None], curve: CurveKeys | None = None,
                  on_lost: Callable[[PeerLink, str], None] | None = None, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.monotonic, owed: Owed | None = None,
-                 plane: PlaneHandshake | None = None) -> None:
+                 plane: PlaneHandshake | None = None,
+                 registry_key: Callable[[str], bytes | None] | None = None) -> None:
+        """registry_key: a cluster node's CURVE key from its verified registry record (for a peer
+        that no NAME.key names)."""
         self._metrics = metrics or Metrics()
         self._plane = plane  # our one-sided plane, offered in our hello (None: ZeroMQ's frames only)
         self.name = name
@@ -104,14 +107,13 @@ class PeerLink:
         tune_peer_socket(sock)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue into a connection that is not up
         # the key the peer must prove it holds (CURVE), None without CURVE: what a revocation looks for
-        self.server_key = make_client(sock, curve, name) if curve is not None else None
+        self.server_key = make_client(sock, curve, name, registry_key) if curve is not None else None
         self._curve = curve is not None
         self._cert = curve.cert.raw if curve is not None and curve.cert is not None else None
         self._on_lost = on_lost  # (link, why): whatever was in flight on this link is gone
         self._monitor = LoopSocket(sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED),
                                    self._on_socket_event)
         sock.connect(endpoint)
-        self.socket = LoopSocket(sock, self._on_frames, copy=False)
         self.channel = Channel(("dealer", endpoint), name, self._send, self.cut)
         self.connection: TcpConnection | None = None  # the TCP connection the last hello answer came on
         # what ZeroMQ holds for the peer, counted: a peer that sends requests on our link and never
@@ -119,7 +121,7 @@ class PeerLink:
         self._owed = owed or Owed()
         self._account = self._owed.account(self.channel.key, lambda: self.name, lambda: self.connection, self.cut,
                                            sock.copy_threshold, self._curve)
-        self.socket.on_taken = self._account.taken
+        self.socket = LoopSocket(sock, self._on_frames, copy=False, on_taken=self._account.taken)
         # what this shell keeps of each waiter, by the handshake's waiter id
         self._waiter_ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}

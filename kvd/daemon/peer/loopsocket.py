@@ -108,10 +108,12 @@ NOT_SENT = NotSent()
 
 class LoopSocket:
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list], None], copy: bool = True,
-                 fail_when_full: bool = False, max_pending: int = MAX_PENDING) -> None:
+                 fail_when_full: bool = False, max_pending: int = MAX_PENDING,
+                 on_taken: Callable[[list], None] | None = None) -> None:
         """fail_when_full: a send ZeroMQ cannot take fails at once (a ROUTER whose peer's queue is
         full: waiting would hold up every other peer behind it); else it waits its turn, up to
-        max_pending sends (a link that is not up yet)."""
+        max_pending sends (a link that is not up yet). on_taken: told of every message ZeroMQ takes
+        (at once, or from the queue here), so that what it holds is counted."""
         self.sock = sock
         self._fail_when_full = fail_when_full
         self._max_pending = max_pending
@@ -123,8 +125,7 @@ class LoopSocket:
         self._retry_scheduled = False
         self._retry_delay = RETRY_FIRST
         self._closed = False
-        # told of every message ZeroMQ takes (at once, or from the queue here): what it holds is counted
-        self.on_taken: Callable[[list], None] | None = None
+        self.on_taken = on_taken
         self._loop.add_reader(sock.FD, self._on_fd)
         self._schedule_check()
 

@@ -30,8 +30,8 @@ import weakref
 from collections.abc import Callable
 
 from kvd.memory.heap import give_back_heap
+from kvd.throttle import Throttle
 
-from ..logs import Throttle
 from .tcpconn import TcpConnection
 
 log = logging.getLogger(__name__)

@@ -62,10 +62,13 @@ class PeerSet:
 
     def __init__(self, settings: PeerSettings, ctx: zmq.Context, incarnation: int, curve: CurveKeys | None,
                  metrics: Metrics | None = None, resolve: Callable[[str], str | None] | None = None,
-                 explain: Callable[[str], str] | None = None, plane: PlaneHandshake | None = None) -> None:
+                 explain: Callable[[str], str] | None = None, plane: PlaneHandshake | None = None,
+                 key_of: Callable[[str], bytes | None] | None = None) -> None:
         """resolve: a node id -> its endpoint from the cluster registry; explain: why the registry
         gave none (unreachable, not registered, ...), for the error; plane: the one-sided plane our
-        hellos offer (None: every link's bytes go as ZeroMQ frames)."""
+        hellos offer (None: every link's bytes go as ZeroMQ frames); key_of: a node id -> the CURVE
+        key its verified registry record names (for a node no NAME.key names)."""
+        self._key_of = key_of
         self.settings = settings
         self.plane = plane
         self._explain = explain or (lambda name: "")
@@ -103,7 +106,7 @@ class PeerSet:
     def _new_link(self, name: str, endpoint: str) -> PeerLink:
         return PeerLink(self.ctx, name, endpoint, self.settings.node_id, self.incarnation,
                         lambda link, msg: self._on_message(link, msg), self.curve, self._on_link_lost, self.metrics,
-                        owed=self.owed, plane=self.plane)
+                        owed=self.owed, plane=self.plane, registry_key=self._key_of)
 
     def tear_down_plane(self, agent: str) -> None:
         """End the plane's connection to that agent and cut our connections with it: their handshakes,
@@ -155,7 +158,7 @@ class PeerSet:
         if self.curve is None:
             return False
         try:
-            return self.curve.server_key_for(name) != link.server_key
+            return self.curve.server_key_for(name, self._key_of) != link.server_key
         except BadRequest:
             return False  # (no key for it any more: the dial that follows says so)
 

@@ -20,10 +20,10 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvd.errors import KvdError, ProtocolError, Unauthorized
+from kvd.throttle import Throttle
 from kvd.wire import protocol as p
 
 from ..config import Config
-from ..logs import Throttle
 from ..metrics import Metrics
 from ..transfer.channel import Channel
 from .admission import Admissions

@@ -20,11 +20,17 @@ log = logging.getLogger(__name__)
 
 
 class PlaneHandshake:
-    def __init__(self, mode: str, plane: DataPlane | None, on_peer_gone: Callable[[str], None]) -> None:
+    """Built before the peer side (its links offer our plane), and told at `start` whom to tell of
+    a peer's agent gone for good (the transfers, built after the links)."""
+
+    def __init__(self, mode: str, plane: DataPlane | None) -> None:
         self.mode = mode  # auto | nixl (zmq: no PlaneHandshake at all)
         self.plane = plane
-        self.on_peer_gone = on_peer_gone
+        self.on_peer_gone: Callable[[str], None] = lambda agent: None
         self._agents: dict[str, str] = {}  # node id -> its agent on the plane now
+
+    def start(self, on_peer_gone: Callable[[str], None]) -> None:
+        self.on_peer_gone = on_peer_gone
 
     def offer(self) -> dict | None:
         """What our hello says of our plane."""

@@ -15,15 +15,18 @@ import itertools
 import logging
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvd.cluster.rendezvous import homes
-from kvd.errors import KvdError
+from kvd.errors import KvdError, ProtocolError
 from kvd.wire import protocol as p
 from kvd.wire.checksum import digest
 from kvd.wire.layout import physical_segments
 
 from .page_store import CacheStore, Page, check_batch, page_size
+
+if TYPE_CHECKING:
+    from .disk.level import DiskTier
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,8 @@ PER_MESSAGE = p.MAX_PAYLOAD_FRAMES  # pages per tier message (one payload frame 
 
 class TierPeers:
     def __init__(self, node_id: str, cache: CacheStore, pool: memoryview, block_size: int,
-                 link_for: Callable[[str], object], nodes: Callable[[], list[str]], checksum: str) -> None:
+                 link_for: Callable[[str], object], nodes: Callable[[], list[str]], checksum: str,
+                 disk: DiskTier | None = None) -> None:
         self.node_id = node_id
         self.cache = cache
         self.pool = pool
@@ -44,13 +48,18 @@ class TierPeers:
         self._xfers = itertools.count(random.getrandbits(48) << 8)
         self._waiting: dict[int, tuple[str, type, asyncio.Future]] = {}  # xfer -> (home asked, answer type, its answer)
         self.counts = {"stored_sent": 0, "fetched": 0, "asked": 0, "timeouts": 0, "bad": 0}
-        self.disk = None  # DiskTier (disk/level.py), with --cache-dir: a home answers from its disk too
+        self.disk = disk  # with --cache-dir: a home answers from its disk too
+        self._routes = self.routes()
 
     # --- where pages live -----------------------------------------------------------------------------
 
     def others(self) -> list[str]:
         """The tier's other nodes now."""
         return [node for node in self.nodes() if node != self.node_id]
+
+    def is_home(self, namespace: str, key: str) -> bool:
+        """Is this node the page's home (the disk level writes only the pages it is home to)?"""
+        return not self.remote(namespace, [key])
 
     def remote(self, namespace: str, keys: list[str]) -> dict[str, list[int]]:
         """Indices of keys by their home, for the homes that are not this node."""
@@ -97,7 +106,7 @@ class TierPeers:
     def wrap(self, inner: Callable) -> Callable:
         """A peer-message callback that takes the tier's messages and passes the rest to inner."""
         def on_message(source, msg: p.Message) -> None:
-            if isinstance(msg, p.TIER_PEER):
+            if type(msg) in self._routes:
                 channel = getattr(source, "channel", source)  # (a link, or a ROUTER channel)
                 try:
                     self.on_peer(channel, msg)
@@ -110,48 +119,65 @@ class TierPeers:
 
     def _checked(self, msg: p.TierStore | p.TierPages, count: int) -> None:
         if len(msg.pages) != count or len(msg.payload) != count:
-            raise KvdError(f"{msg.TYPE}: {count} pages named, {len(msg.payload)} sent")
+            raise ProtocolError(f"{msg.TYPE}: {count} pages named, {len(msg.payload)} sent")
         if digest(msg.checksum, msg.payload) != msg.digest:
-            raise KvdError(f"{msg.TYPE}: the page bytes fail their {msg.checksum} digest")
+            raise ProtocolError(f"{msg.TYPE}: the page bytes fail their {msg.checksum} digest")
         for (dtype, shape), data in zip(msg.pages, msg.payload, strict=True):
             if page_size(dtype, shape) != len(data):
-                raise KvdError(f"{msg.TYPE}: a page of {dtype} {shape} arrived as {len(data)} bytes")
+                raise ProtocolError(f"{msg.TYPE}: a page of {dtype} {shape} arrived as {len(data)} bytes")
+
+    def routes(self) -> dict[type[p.Message], Callable[[Any, Any], None]]:
+        """Each tier peer message's handler, by type: `on_peer` dispatches through this table, and a
+        test checks that it names every type of `p.TIER_PEER`."""
+        return {p.TierStore: self._on_store, p.TierFetch: self._on_fetch, p.TierAsk: self._on_ask,
+                p.TierClear: self._on_clear,
+                p.TierPages: self._on_answer, p.TierHeld: self._on_answer, p.TierCleared: self._on_answer}
 
     def on_peer(self, channel, msg: p.Message) -> None:
-        match msg:
-            case p.TierStore():
-                self._checked(msg, len(msg.keys))
-                refused = set(self.keep(msg.namespace, msg.keys, msg.pages, msg.payload))
-                channel.send(p.TierHeld(xfer=msg.xfer, held=[i not in refused for i in range(len(msg.keys))]))
-            case p.TierFetch():
-                pinned, on_disk = self._on_disk(msg)
-                if on_disk:
-                    self.disk.spawn(self._pages_from_disk(channel, msg, on_disk, pinned))
-                else:
-                    self.cache.release(pinned)
-                    self._send_pages(channel, msg)
-            case p.TierAsk():
-                held = [self.cache.exists(msg.namespace, [key]) == 1
-                        or (self.disk is not None and self.disk.held(msg.namespace, key)) for key in msg.keys]
-                channel.send(p.TierHeld(xfer=msg.xfer, held=held))
-            case p.TierClear() if self.disk is not None:
-                check_batch(msg.namespace, [])
-                on_disk, cleared = self.disk.clear(msg.namespace,
-                                                   lambda key: self.cache.held_size(msg.namespace, key) is not None)
-                dropped = self.cache.clear(msg.namespace) + on_disk
-                self.disk.spawn(self._cleared(channel, msg.xfer, dropped, cleared))
-            case p.TierClear():
-                channel.send(p.TierCleared(xfer=msg.xfer, dropped=self.cache.clear(msg.namespace)))
-            case p.TierPages() | p.TierHeld() | p.TierCleared():
-                asked = self._waiting.get(msg.xfer)
-                if asked is None:
-                    return  # (a question that timed out, or none of ours)
-                home, answer, waiter = asked
-                if channel.peer_name != home or not isinstance(msg, answer):  # only the home asked, in kind
-                    raise KvdError(f"{msg.TYPE} for exchange {msg.xfer:x}, asked of {home} for a {answer.TYPE}")
-                del self._waiting[msg.xfer]
-                if not waiter.done():
-                    waiter.set_result(msg)
+        handler = self._routes.get(type(msg))
+        if handler is None:
+            raise ProtocolError(f"{msg.TYPE} is not a tier message")
+        handler(channel, msg)
+
+    def _on_store(self, channel, msg: p.TierStore) -> None:
+        self._checked(msg, len(msg.keys))
+        refused = set(self.keep(msg.namespace, msg.keys, msg.pages, msg.payload))
+        channel.send(p.TierHeld(xfer=msg.xfer, held=[i not in refused for i in range(len(msg.keys))]))
+
+    def _on_fetch(self, channel, msg: p.TierFetch) -> None:
+        pinned, on_disk = self._on_disk(msg)
+        if on_disk:
+            self.disk.spawn(self._pages_from_disk(channel, msg, on_disk, pinned))
+        else:
+            self.cache.release(pinned)
+            self._send_pages(channel, msg)
+
+    def _on_ask(self, channel, msg: p.TierAsk) -> None:
+        held = [self.cache.exists(msg.namespace, [key]) == 1
+                or (self.disk is not None and self.disk.held(msg.namespace, key)) for key in msg.keys]
+        channel.send(p.TierHeld(xfer=msg.xfer, held=held))
+
+    def _on_clear(self, channel, msg: p.TierClear) -> None:
+        if self.disk is None:
+            channel.send(p.TierCleared(xfer=msg.xfer, dropped=self.cache.clear(msg.namespace)))
+            return
+        check_batch(msg.namespace, [])
+        on_disk, cleared = self.disk.clear(msg.namespace,
+                                           lambda key: self.cache.held_size(msg.namespace, key) is not None)
+        dropped = self.cache.clear(msg.namespace) + on_disk
+        self.disk.spawn(self._cleared(channel, msg.xfer, dropped, cleared))
+
+    def _on_answer(self, channel, msg: p.TierPages | p.TierHeld | p.TierCleared) -> None:
+        """An answer to one of our questions: taken from the home asked, in the kind asked, once."""
+        asked = self._waiting.get(msg.xfer)
+        if asked is None:
+            return  # (a question that timed out, or none of ours)
+        home, answer, waiter = asked
+        if channel.peer_name != home or not isinstance(msg, answer):
+            raise ProtocolError(f"{msg.TYPE} for exchange {msg.xfer:x}, asked of {home} for a {answer.TYPE}")
+        del self._waiting[msg.xfer]
+        if not waiter.done():
+            waiter.set_result(msg)
 
     def _send_pages(self, channel, msg: p.TierFetch) -> None:
         token, found = self.cache.lease(msg.namespace, msg.keys, msg.sizes)
@@ -273,10 +299,10 @@ class TierPeers:
                 try:
                     self._checked(reply, len(reply.found))
                     if not all(type(j) is int and 0 <= j < len(part) for j in reply.found):
-                        raise KvdError("tier_pages names a key it was not asked for")
+                        raise ProtocolError("tier_pages names a key it was not asked for")
                     if any(len(d) != sizes[part[j]] for j, d in zip(reply.found, reply.payload, strict=True)):
-                        raise KvdError("tier_pages sent a page of another size")
-                except KvdError as exc:
+                        raise ProtocolError("tier_pages sent a page of another size")
+                except KvdError as exc:  # (a ProtocolError, or a checksum we do not know)
                     self.counts["bad"] += 1
                     log.warning("tier: the answer of %s refused: %s", home, exc)
                     return got
@@ -312,11 +338,12 @@ class TierPeers:
         return set().union(*results) if results else set()
 
 
-def tier_peers_for(config, cache: CacheStore, memory, peers, directory) -> TierPeers | None:
-    """The cluster side of the tier, when there is a cluster (a registry) and a host pool."""
+def tier_peers_for(config, cache: CacheStore, memory, peers, directory, disk: DiskTier | None) -> TierPeers | None:
+    """The cluster side of the tier, when there is a cluster (a registry) and a host pool; disk: the
+    disk level under this node's RAM (with --cache-dir), which its pages' homes answer from too."""
     if directory is None or config.device != "cpu":
         return None
     from kvd.cluster.rendezvous import cache_nodes
 
     return TierPeers(config.node_id, cache, memory.host_view(), config.block_size, peers.link_for,
-                     lambda: cache_nodes(directory.member.nodes()), config.checksum)
+                     lambda: cache_nodes(directory.member.nodes()), config.checksum, disk)

@@ -137,11 +137,14 @@ class CacheStore:
         self._by_ns: dict[str, Counts] = {}
         self.events = TierEvents()  # pages stored and removed, for the namespaces a client follows
         pool.reclaim = self.reclaim
-        # the disk level's hooks (disk/level.py): a page published; one about to be evicted (its blocks
-        # still hold its bytes); one unlisted, for any reason
-        self.on_published: Callable[[Page], None] | None = None
-        self.on_evicted: Callable[[Page], None] | None = None
+        self.on_published: Callable[[Page], None] | None = None  # the disk level's hooks (`follow`)
+        self.on_evicted: Callable[[Page], None] | None = None  # (its blocks still hold its bytes)
         self.on_unlisted: Callable[[Page], None] | None = None
+
+    def follow(self, on_published: Callable[[Page], None], on_evicted: Callable[[Page], None],
+               on_unlisted: Callable[[Page], None]) -> None:
+        """The disk level's, from its start: a page published, one about to be evicted, one unlisted."""
+        self.on_published, self.on_evicted, self.on_unlisted = on_published, on_evicted, on_unlisted
 
     @property
     def budget_bytes(self) -> int:

@@ -26,13 +26,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvd.errors import BadRequest, PeerUnavailable
+from kvd.throttle import Throttle
 from kvd.wire import protocol as p
 from kvd.wire.layout import physical_segments
 
 from ..local import events as ev
 from ..local.ledger import LocalLedger
-from ..logs import Throttle
+from .disk.level import DiskTier
 from .homes import TIMEOUT as TIER_TIMEOUT
+from .homes import TierPeers
 from .page_store import TOP_NAMESPACES, CacheStore, Page, check_batch
 
 log = logging.getLogger(__name__)
@@ -41,18 +43,20 @@ MAX_LABEL = 64  # characters of a namespace shown as a metrics label (they are p
 
 
 class CacheService:
-    def __init__(self, store: CacheStore, block_size: int, lease_timeout: float, ledger: LocalLedger) -> None:
+    def __init__(self, store: CacheStore, block_size: int, lease_timeout: float, ledger: LocalLedger, *,
+                 peers: TierPeers | None = None, reply: Callable[[bytes, p.Message], bool] | None = None,
+                 disk: DiskTier | None = None, media: Callable[[], dict] | None = None) -> None:
         self.store = store
         self.block_size = block_size
         self.lease_timeout = lease_timeout
         self.ledger = ledger  # who holds which token (the local handlers' ledger: one for handoffs and pages)
         self._throttle = Throttle()
         # with a registry: pages homed elsewhere are sent there and asked of it (homes.py)
-        self.peers = None  # TierPeers
-        self.reply: Callable[[bytes, p.Message], bool] | None = None  # a late answer to a client
+        self.peers = peers
+        self.reply = reply  # a late answer to a client
         self._tasks: set[asyncio.Task] = set()
-        self.disk = None  # DiskTier (disk/level.py), with --cache-dir: what RAM misses may be on disk
-        self.media: Callable[[], dict] | None = None  # the figures by medium (disk/media.py)
+        self.disk = disk  # with --cache-dir: what RAM misses may be on disk
+        self.media = media  # the figures by medium (disk/media.py)
 
     def handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
         store = self.store

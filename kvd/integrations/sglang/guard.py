@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from kvd.errors import BadRequest, KvdError
+from kvd.throttle import Throttle
 
 log = logging.getLogger("kvd.sglang")
 
@@ -31,8 +32,7 @@ class Guard:
         self.clock = clock
         self._lock = threading.Lock()
         self._down_until = 0.0
-        self._next_log = 0.0
-        self.suppressed = 0  # failures not logged since the last log
+        self._logs = Throttle(log_every, clock=clock)  # (under the lock: the backend's threads share it)
         self.failures = 0  # every failure, for get_stats
 
     def available(self) -> bool:
@@ -48,11 +48,9 @@ class Guard:
             self.failures += 1
             if transport:
                 self._down_until = now + self.retry_after
-            if now < self._next_log:
-                self.suppressed += 1
+            suppressed = self._logs.due("failure")
+            if suppressed is None:
                 return
-            self._next_log = now + self.log_every
-            suppressed, self.suppressed = self.suppressed, 0
         level = logging.WARNING if isinstance(error, KvdError) else logging.ERROR
         log.log(level, "kvd HiCache storage: %s failed, answering misses: %s: %s%s", op, type(error).__name__,
                 error, f" ({suppressed} more failures since the last report)" if suppressed else "",

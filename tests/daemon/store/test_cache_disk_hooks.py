@@ -33,9 +33,9 @@ def test_pages_past_the_budget_take_no_room_from_it():
 def test_hooks_see_publish_eviction_before_the_free_and_unlisting_and_pins_hold_blocks():
     cache = make(budget_blocks=2)
     seen = []
-    cache.on_published = lambda page: seen.append(("published", page.key))
-    cache.on_evicted = lambda page: seen.append(("evicted", page.key, page.extents is not None))
-    cache.on_unlisted = lambda page: seen.append(("unlisted", page.key))
+    cache.follow(lambda page: seen.append(("published", page.key)),
+                 lambda page: seen.append(("evicted", page.key, page.extents is not None)),
+                 lambda page: seen.append(("unlisted", page.key)))
     for key in ("a", "b"):
         token, _ = cache.reserve("ns", [key], [PAGE])
         cache.commit(token)

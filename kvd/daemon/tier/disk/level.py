@@ -27,10 +27,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvd.throttle import Throttle
 from kvd.units import format_size
 from kvd.wire.layout import physical_segments
 
-from ...logs import Throttle
 from ..page_store import CacheStore, Page
 from . import page_files
 from .disk_format import Header, namespace_dir, page_path
@@ -93,21 +93,21 @@ class DiskTier(ReadBack):
         self._closing = False
         self._loop: asyncio.AbstractEventLoop  # (from start())
         self._started = False
-        self.is_home: Callable[[str, str], bool] = lambda namespace, key: True  # a cluster says otherwise
+        self.is_home: Callable[[str, str], bool] = lambda namespace, key: True  # (from start())
         self.read_latency, self.write_latency = Latency(), Latency()
         self.scan_seconds: float | None = None
         self._throttle = Throttle()
         self._write_pause = float(os.environ.get(WRITE_PAUSE_ENV) or 0)
         self._read_pause = float(os.environ.get(READ_PAUSE_ENV) or 0)
-        store.on_published, store.on_evicted, store.on_unlisted = self._published, self._evicted, self._unlisted
 
-    def start(self, cluster=None) -> None:
-        """On the loop: find the pages the directory holds (in the background: they count as found).
-        cluster: the tier's TierPeers, with a registry: a page is written by its home, which answers
-        other nodes from its disk too."""
-        if cluster is not None:
-            cluster.disk = self
-            self.is_home = lambda namespace, key: not cluster.remote(namespace, [key])
+    def start(self, is_home: Callable[[str, str], bool] | None = None) -> None:
+        """On the loop: hear of the store's pages from now on, and find the pages the directory holds
+        (in the background: they count as found). is_home(namespace, key), with a registry: is this
+        node the page's home (a page is written by its home, which answers other nodes from its disk
+        too: homes.TierPeers is given this level when it is built)."""
+        self.store.follow(self._published, self._evicted, self._unlisted)
+        if is_home is not None:
+            self.is_home = is_home
         self._loop = asyncio.get_running_loop()
         self._started = True
         started = time.monotonic()

@@ -58,7 +58,10 @@ class Claimed:
     leftovers: int  # files of writes cut short, removed from tmp/
 
     def release(self) -> None:
-        os.close(self.lock_fd)
+        """Let go of the directory (once: a start that fails after the claim releases it too)."""
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
 
 
 def _check_owned(path: str, what: str) -> None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvd.errors import BadRequest
+from kvd.throttle import Throttle
 
-from ...logs import Throttle
 from ..page_store import CacheStore, Page
 from . import page_files
 from .disk_format import BadPage, disk_bytes
