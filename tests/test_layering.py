@@ -12,7 +12,9 @@
   folder holds more than 12 modules, and `kvd/daemon/`'s top level is the process shell only (the
   local side, the tier, the peers, the transfer machine, the planes and the store have folders).
 - the transfer machine (`kvd.daemon.transfer`) and the tier's and disk level's bookkeeping are pure
-  like the store: no asyncio, no ZeroMQ, no sockets.
+  like the store: no asyncio, no ZeroMQ, no sockets; so is the local side's core (`kvd.daemon.local`'s
+  ledger, events, books, audit and reservation), which may import only the store, the page store, the wire,
+  the errors and the table engine.
 - test doubles live in `kvd.testing`, and nothing in kvd but `kvd.testing` imports it.
 """
 from __future__ import annotations
@@ -215,6 +217,22 @@ def test_the_machines_and_the_bookkeeping_are_pure(name):
         assert top(imported) not in {"asyncio", "zmq", "socket", "torch", "threading"}, (name, imported)
         if within(imported, "kvd.daemon"):
             assert any(within(imported, ok) for ok in PURE_MAY_IMPORT), (name, imported)
+
+
+LOCAL_CORE = ("kvd.daemon.local.ledger", "kvd.daemon.local.events", "kvd.daemon.local.books",
+              "kvd.daemon.local.audit", "kvd.daemon.local.reservation")
+LOCAL_CORE_MAY_IMPORT = (*LOCAL_CORE, "kvd.daemon.store", "kvd.daemon.tier.page_store", "kvd.wire", "kvd.errors",
+                         "kvd.statetable")
+
+
+@pytest.mark.parametrize("name", LOCAL_CORE)
+def test_the_local_core_is_pure(name):
+    """The local side's core (the ledger, its events and records, a write's machine) is bookkeeping: it
+    takes events and returns actions, and the shell around it holds the sockets and the loop."""
+    for imported in IMPORTS[name]:
+        assert top(imported) not in {"asyncio", "zmq", "socket", "torch", "threading"}, (name, imported)
+        if within(imported, "kvd"):
+            assert any(within(imported, ok) for ok in LOCAL_CORE_MAY_IMPORT), (name, imported)
 
 
 @pytest.mark.parametrize("name", [n for n in MODULES if not within(n, "kvd.testing")])

@@ -31,6 +31,7 @@ from .exposure import check_exposure, warn_exposure
 from .http import HttpEndpoint
 from .lifecycle import Lifecycle
 from .local.handlers import HelloInfo, LocalHandlers, LocalSettings
+from .local.ledger import LocalLedger
 from .local.server import LocalServer
 from .local.watch import EntryWatch
 from .membership import Directory, RegistrySettings
@@ -173,13 +174,15 @@ def _build(cfg: Config, life: Lifecycle, metrics: Metrics, made_dirs: list[str],
                     lambda: router.bound_endpoint, __version__, directory, cache=cache, media=media.as_dict)
     for collector in (status, CacheCollector(cache), media):
         metrics.registry.register(collector)
-    tier_service = CacheService(cache, cfg.block_size, cfg.lease_timeout, peers=tier, reply=local.send, disk=disk,
-                                media=media.as_dict)
+    ledger = LocalLedger(store, cache, cfg.lease_timeout)  # who holds what on the local side: handoffs and tier pages
+    tier_service = CacheService(cache, cfg.block_size, cfg.lease_timeout, ledger, peers=tier, reply=local.send,
+                                disk=disk, media=media.as_dict)
     made.push_async_callback(tier_service.close)
     hello = HelloInfo(cfg.node_id, life.incarnation, memory.client_path, cfg.pool_size, cfg.block_size, cfg.device,
                       memory.ipc_handle)
     handlers = LocalHandlers(LocalSettings(hello, cfg.lease_timeout, cfg.scratch_max), store, watch, transfers,
-                             metrics, local, life, stats=status.snapshot, directory=directory, cache=tier_service)
+                             metrics, local, life, stats=status.snapshot, ledger=ledger, directory=directory,
+                             cache=tier_service)
     made.push_async_callback(handlers.close)
     http = (HttpEndpoint(cfg.metrics_host, cfg.metrics_port, metrics.render, lambda: life.ready, directory)
             if cfg.metrics_port else None)

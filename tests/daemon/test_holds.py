@@ -1,48 +1,61 @@
-"""kvd.daemon.local.ledger: what each client connection holds, without sockets (a real Store)."""
+"""kvd.daemon.local.ledger: loans of scratch blocks, each its connection's, without sockets (a real Store)."""
 from __future__ import annotations
 
-from kvd.daemon.local.ledger import Holds
+import pytest
+
+from kvd.daemon.local import events as ev
+from kvd.daemon.local.ledger import LocalLedger
 from kvd.daemon.store.allocator import BlockAllocator
 from kvd.daemon.store.entries import Store
+from kvd.errors import NotFound
 
 BLOCK = 4096
 
 
-def make() -> tuple[Holds, Store]:
+def make() -> tuple[LocalLedger, Store]:
     store = Store(BlockAllocator(64), BLOCK, None)
-    return Holds(store), store
+    return LocalLedger(store, None, 30.0), store
+
+
+def lend(ledger: LocalLedger, store: Store, conn: bytes, blocks: int) -> int:
+    token, _ = store.lend_scratch(blocks)
+    ledger.handle(ev.Lent(conn, token, blocks))
+    return token
 
 
 def test_a_connection_holds_several_loans_each_used_once():
-    holds, store = make()
-    tokens = [store.lend_scratch(2)[0] for _ in range(3)]
-    for token in tokens:
-        holds.lend(b"c1", token, 2)
-    assert holds.loans(b"c1") == {t: 2 for t in tokens} and store.scratch_blocks == 6
-    assert holds.take_loan(b"c1", tokens[1])
-    assert not holds.take_loan(b"c1", tokens[1])  # used up: a second use finds nothing
-    assert set(holds.loans(b"c1")) == {tokens[0], tokens[2]}
+    ledger, store = make()
+    tokens = [lend(ledger, store, b"c1", 2) for _ in range(3)]
+    assert ledger.loans(b"c1") == {t: 2 for t in tokens} and store.scratch_blocks == 6
+    ledger.validate()
+    ledger.handle(ev.LoanUsed(b"c1", tokens[1]))
+    with pytest.raises(NotFound):  # used up: a second use finds nothing
+        ledger.handle(ev.LoanUsed(b"c1", tokens[1]))
+    assert set(ledger.loans(b"c1")) == {tokens[0], tokens[2]}
+    store.return_scratch(tokens[1])  # (the shell turns a used loan into an entry; here it goes back)
+    ledger.validate()
 
 
 def test_a_loan_is_only_its_connections():
-    holds, store = make()
-    token, _ = store.lend_scratch(1)
-    holds.lend(b"c1", token, 1)
-    assert not holds.take_loan(b"c2", token)
-    assert not holds.take_loan(b"c1", None) and not holds.take_loan(b"c1", 424242)
-    assert holds.loans(b"c1") == {token: 1} and holds.loans(b"c2") == {}
+    ledger, store = make()
+    token = lend(ledger, store, b"c1", 1)
+    with pytest.raises(NotFound):
+        ledger.handle(ev.LoanUsed(b"c2", token))
+    ledger.handle(ev.LoanReturned(b"c2", token))  # (another's give_back is ignored)
+    ledger.handle(ev.LoanReturned(b"c1", None))
+    ledger.handle(ev.LoanReturned(b"c1", 424242))
+    assert ledger.loans(b"c1") == {token: 1} and ledger.loans(b"c2") == {} and store.scratch_blocks == 1
+    ledger.handle(ev.LoanReturned(b"c1", token))  # its own give_back: the blocks go back
+    assert ledger.loans(b"c1") == {} and store.scratch_blocks == 0 and not ledger.holds_any(b"c1")
+    ledger.validate()
 
 
 def test_a_departed_connection_gives_back_every_loan():
-    holds, store = make()
-    tokens = [store.lend_scratch(1)[0] for _ in range(4)]
-    for token in tokens:
-        holds.lend(b"c1", token, 1)
-    other, _ = store.lend_scratch(1)
-    holds.lend(b"c2", other, 1)
-    loans, held = holds.gone(b"c1")
-    assert sorted(loans) == sorted(tokens) and held == []
-    for token in loans:
-        store.return_scratch(token)
-    assert store.scratch_blocks == 1 and holds.loans(b"c1") == {} and holds.loans(b"c2") == {other: 1}
-    assert holds.gone(b"c1") == ([], [])  # twice is harmless
+    ledger, store = make()
+    for _ in range(4):
+        lend(ledger, store, b"c1", 1)
+    other = lend(ledger, store, b"c2", 1)
+    assert ledger.handle(ev.ConnectionLost(b"c1")) == []  # (loans: nothing to tell anyone)
+    assert store.scratch_blocks == 1 and ledger.loans(b"c1") == {} and ledger.loans(b"c2") == {other: 1}
+    assert ledger.handle(ev.ConnectionLost(b"c1")) == []  # twice is harmless
+    ledger.validate()

@@ -25,7 +25,13 @@ async def reserve(node: Node, conn: Conn, request_id: str, stream: bool = False)
 
 def hold_of(node: Node, token: int):
     """The hold of reservation `token`, whichever connection has it (None: none has)."""
-    return next((held[token] for held in node.handlers.holds._held.values() if token in held), None)
+    return next((books.held[token] for books in node.handlers.ledger._books.values() if token in books.held), None)
+
+
+def checked(node: Node) -> None:
+    """The daemon's ledger keeps its invariants (every token one connection's, nothing a writer may
+    still write into freed, every lent block accounted)."""
+    node.handlers.ledger.validate()
 
 
 def write_of(node: Node, token: int):
@@ -63,12 +69,14 @@ def test_a_write_removed_under_its_writer_ends_and_its_blocks_wait_for_the_write
         write = hold.write
         assert write.state is WriteState.ENDED and "r2" not in node.store.entries
         write.validate(pinned=hold.entry.writer, removed=hold.entry.removed)
+        checked(node)
         assert node.blocks_in_use() == 3  # parked: the writer may still be copying
         await writer.send(p.PutPart(req=writer.req(), request_id="r2", token=slots.token, tensors=[0]))
         await writer.nothing()  # ignored: it was told why
         failed = await writer.ask(p.PutCommit(req=writer.req(), request_id="r2", token=slots.token))
         assert isinstance(failed, p.Error) and failed.code == NotFound.code and "deleted" in failed.message
         assert write.state is WriteState.RELEASED and node.blocks_in_use() == 0
+        checked(node)
 
     run(tmp_path, scenario)
 
@@ -90,6 +98,7 @@ def test_a_writer_that_aborts_or_hangs_up_loses_its_put_and_nothing_else(tmp_pat
             await asyncio.sleep(0.01)
         assert "left" not in node.store.entries and node.daemon.metrics.abandoned._value.get() == abandoned + 1
         assert set(node.store.entries) == {"kept"} and node.blocks_in_use() == 3
+        checked(node)
         assert isinstance(await keeper.ask(p.PutCommit(req=keeper.req(), request_id="kept", token=kept.token)),
                           p.PutOk)
         got = await keeper.ask(p.Get(req=keeper.req(), request_id="kept", timeout=0.0, keep=True))
@@ -105,6 +114,7 @@ def test_a_reservation_whose_lease_runs_out_tells_its_writer_and_fails_its_commi
         told = await writer.recv(timeout=3)  # the sweep runs every 0.2 s
         assert isinstance(told, p.Error) and told.code == Timeout.code and "--lease-timeout" in told.message
         assert write_of(node, slots.token).state is WriteState.ENDED and node.blocks_in_use() == 3
+        checked(node)
         failed = await writer.ask(p.PutCommit(req=writer.req(), request_id="slow", token=slots.token))
         assert isinstance(failed, p.Error) and failed.code == Timeout.code
         assert node.blocks_in_use() == 0 and not node.store.entries
@@ -148,6 +158,7 @@ def test_a_small_put_takes_one_round_trip_into_blocks_lent_ahead(tmp_path):
         done = await conn.ask(p.Put(req=conn.req(), request_id="second", tensors=[tensor("x", len(PAYLOAD))],
                                     scratch=ok.scratch))
         assert isinstance(done, p.PutOk)
+        checked(node)
         got = await conn.ask(p.Get(req=conn.req(), request_id="second", timeout=0.0, keep=True))
         assert node.read(got.segments) == [PAYLOAD[::-1]]
         reused = await conn.ask(p.Put(req=conn.req(), request_id="third", tensors=[tensor("x", 10)],
@@ -188,5 +199,6 @@ def test_a_stream_consumed_before_its_commit_ends_the_write_and_frees_its_blocks
         failed = await writer.ask(p.PutCommit(req=writer.req(), request_id="s", token=slots.token))
         assert isinstance(failed, p.Error) and failed.code == NotFound.code and "consumed" in failed.message
         assert node.blocks_in_use() == 0 and not node.store.entries
+        checked(node)
 
     run(tmp_path, scenario)

@@ -1,10 +1,10 @@
-"""Reads and ConnectionWaits in process: gets and get_streams that wait, on a real daemon on this
+"""Reads and the ledger's count of waits in process: gets and get_streams that wait, on a real daemon on this
 test's event loop (and a pair, for an entry pushed away), through a raw client connection."""
 from __future__ import annotations
 
 import asyncio
 
-from kvd.daemon.local.get_side import MAX_WAITS_PER_CONNECTION
+from kvd.daemon.local.books import MAX_WAITS_PER_CONNECTION
 from kvd.errors import BadRequest, NotFound, Timeout
 from kvd.wire import protocol as p
 
@@ -46,7 +46,7 @@ def test_a_client_that_hangs_up_takes_its_waits_along_and_their_number_is_bounde
             if node.daemon.metrics.waiting_reads == 0:
                 break
             await asyncio.sleep(0.01)
-        assert node.daemon.metrics.waiting_reads == 0 and not node.handlers.waits.holds_any(b"")
+        assert node.daemon.metrics.waiting_reads == 0 and not node.handlers.ledger.waits_any(b"")
 
     run(tmp_path, scenario)
 

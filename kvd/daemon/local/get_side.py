@@ -2,10 +2,9 @@
 or somewhere in the cluster) and a get_stream that follows an entry as it is written. The
 handlers run these as tasks; each resolves to the reply (or the first reply: a stream's
 TensorsReady follow through the entry watch). A get that can only wait here is parked in the
-entry watch instead (no task). `ConnectionWaits` counts each connection's waits, and bounds them."""
+entry watch instead (no task). The ledger (`ledger.py`) counts each connection's waits, and bounds them."""
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,58 +13,12 @@ from kvd.errors import BadRequest, NotFound, Timeout
 from kvd.wire import protocol as p
 
 from ..membership import Directory
-from ..metrics import Metrics
 from ..store.entries import Entry, State, Store
+from .books import MAX_WAITS_PER_CONNECTION as MAX_WAITS_PER_CONNECTION
 from .shared_pulls import HolderSearch, SharedPulls
-from .watch import EntryWatch, ParkedGet, StreamReader
+from .watch import EntryWatch, StreamReader
 
 MAX_WAIT = 3600.0  # longest get timeout we accept
-# gets and get_streams one local connection may have waiting at once: each holds memory for as long
-# as it waits (up to MAX_WAIT), so one client must not add them without end
-MAX_WAITS_PER_CONNECTION = 1024
-
-
-class ConnectionWaits:
-    """The waiting reads of each local connection: tasks, and gets parked in the entry watch. A
-    connection that hangs up takes all of its own along at once (`drop`)."""
-
-    def __init__(self, watch: EntryWatch, metrics: Metrics) -> None:
-        self.watch = watch
-        self.metrics = metrics
-        self._waits: dict[bytes, set[asyncio.Task | ParkedGet]] = {}
-
-    def admit(self, rid: bytes) -> None:
-        """Refuse one more wait past the bound."""
-        if len(self._waits.get(rid, ())) >= MAX_WAITS_PER_CONNECTION:
-            raise BadRequest(f"too many gets in flight on this connection: at most {MAX_WAITS_PER_CONNECTION} may "
-                             "wait at once (let some end first, or use another connection)")
-
-    def add(self, rid: bytes, wait: asyncio.Task | ParkedGet) -> None:
-        self._waits.setdefault(rid, set()).add(wait)
-        self.metrics.waiting_reads += 1
-
-    def ended(self, rid: bytes, wait: asyncio.Task | ParkedGet) -> None:
-        waits = self._waits.get(rid)
-        if waits is not None and wait in waits:
-            waits.discard(wait)
-            if not waits:
-                del self._waits[rid]
-            self.metrics.waiting_reads -= 1
-
-    def holds_any(self, rid: bytes) -> bool:
-        return rid in self._waits
-
-    def drop(self, rid: bytes) -> None:
-        """The connection hung up: its waits end now, unanswered (its tasks are cancelled)."""
-        waits = self._waits.pop(rid, None)
-        if not waits:
-            return
-        self.metrics.waiting_reads -= len(waits)
-        for wait in waits:
-            if isinstance(wait, ParkedGet):
-                self.watch.unpark(wait)
-            else:
-                wait.cancel()
 
 
 @dataclass(frozen=True)

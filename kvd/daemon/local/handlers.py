@@ -2,9 +2,10 @@
 
 Handlers that can answer at once do so inside the socket callback; those that wait (for data
 to arrive, or on a peer) run as tasks this object owns, so one slow request never holds up
-another. Any exception becomes an Error reply carrying its wire code. Puts are `LocalPuts`'
-(put_side.py: a write's life is the machine in reservation.py); gets that wait are `Reads`'; a get from
-a source is one pull, shared by every get of the same entry (`SharedPulls`).
+another. Any exception becomes an Error reply carrying its wire code. Who holds what (reservations,
+read leases, loans, tier pages) is the ledger's (`ledger.py`): these handlers tell it what happened
+and carry out what it answers. Puts are `LocalPuts`' (put_side.py); gets that wait are `Reads`'; a get
+from a source is one pull, shared by every get of the same entry (`SharedPulls`).
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from ..metrics import Metrics
 from ..peer.transfers import Transfers
 from ..store.entries import Entry, State, Store, validate_request_id
 from ..tier.service import CacheService
-from .get_side import MAX_WAIT, ConnectionWaits, Reads, ReadSettings
-from .ledger import Hold, Holds
+from . import events as ev
+from .get_side import MAX_WAIT, Reads, ReadSettings
+from .ledger import LocalLedger
 from .put_side import LocalPuts, PutSettings
 from .server import LocalServer, Use
 from .shared_pulls import SharedPulls
@@ -74,7 +76,7 @@ class LocalSettings:
 class LocalHandlers:
     def __init__(self, settings: LocalSettings, store: Store, watch: EntryWatch, transfers: Transfers,
                  metrics: Metrics, clients: LocalServer, lifecycle: Lifecycle, *, stats: Callable[[], dict],
-                 directory: Directory | None = None, cache: CacheService | None = None) -> None:
+                 ledger: LocalLedger, directory: Directory | None = None, cache: CacheService | None = None) -> None:
         self.settings = settings
         self.store = store
         self.watch = watch
@@ -83,13 +85,12 @@ class LocalHandlers:
         self.clients = clients
         self.lifecycle = lifecycle
         self.stats = stats
-        self.holds = Holds(store)
+        self.ledger = ledger  # who holds what, handoffs and tier pages alike (the tier's service shares it)
         self.pulls = SharedPulls(transfers)
         self.reads = Reads(settings.reads(), store, watch, self.pulls, directory, self._reply)
-        self.puts = LocalPuts(settings.puts(), store, watch, transfers, metrics, self.holds, clients.is_connected,
+        self.puts = LocalPuts(settings.puts(), store, watch, transfers, metrics, self.ledger, clients.is_connected,
                               self._reply, self._error)
         self._tasks: set[asyncio.Task] = set()
-        self.waits = ConnectionWaits(watch, metrics)  # each connection's gets still waiting
         self.cache = cache  # the KV tier's requests
 
     async def close(self) -> None:
@@ -125,10 +126,12 @@ class LocalHandlers:
         """Send msg to a client; False if that client has gone (a read lease meant for it goes back)."""
         if not self.clients.is_connected(rid):
             if isinstance(msg, p.GetSlots):  # a get that waited for its entry outlived its caller
-                self._return_lease(msg.token)
+                self.puts.carry(self.ledger.handle(ev.Undelivered(msg.token)))
             return False
         if isinstance(msg, p.GetSlots):
-            self.holds.hold(rid, Hold(msg.token, self.store.lease_of(msg.token).request_id))
+            lease = self.store.lease_of(msg.token)
+            assert lease is not None  # (given just now)
+            self.ledger.handle(ev.LeaseGiven(rid, msg.token, lease.request_id))
         return self.clients.send(rid, msg)
 
     def _error(self, msg: p.Message | None, exc: Exception) -> p.Error:
@@ -157,7 +160,7 @@ class LocalHandlers:
         hour, and a client that hangs up must not leave it behind)."""
         if waits:
             try:
-                self.waits.admit(rid)  # (at most so many per connection)
+                self.ledger.admit_wait(rid)  # (at most so many per connection)
             except BaseException:
                 coro.close()
                 raise
@@ -168,9 +171,9 @@ class LocalHandlers:
             except Exception as exc:
                 reply = self._error(msg, exc)
             if waits:
-                self.waits.ended(rid, task)  # before the reply: the client's next call sees it ended
+                self._wait_ended(rid, task)  # before the reply: the client's next call sees it ended
             else:
-                self.holds.owe(rid, -1)
+                self.ledger.handle(ev.AnswerOwed(rid, -1))
             if reply is not None:
                 self._reply(rid, reply)
 
@@ -178,20 +181,20 @@ class LocalHandlers:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if waits:
-            self.waits.add(rid, task)
-            task.add_done_callback(lambda task: self.waits.ended(rid, task))  # (cancelled: its client left)
+            self._wait_started(rid, task)
+            task.add_done_callback(lambda task: self._wait_ended(rid, task))  # (cancelled: its client left)
         else:
-            self.holds.owe(rid, 1)
+            self.ledger.handle(ev.AnswerOwed(rid))
 
     def _park(self, rid: bytes, msg: p.Get) -> None:
         """A get that can only wait here waits in the entry watch, without a task."""
         if msg.timeout == 0:
             raise self.watch.not_here(msg.request_id)
-        self.waits.admit(rid)
-        self.waits.add(rid, self.watch.park(rid, msg, self._answer_parked))
+        self.ledger.admit_wait(rid)
+        self._wait_started(rid, self.watch.park(rid, msg, self._answer_parked))
 
     def _answer_parked(self, parked: ParkedGet, found: Entry | KvdError) -> None:
-        self.waits.ended(parked.rid, parked)
+        self._wait_ended(parked.rid, parked)
         try:
             if isinstance(found, KvdError):
                 raise found
@@ -202,9 +205,17 @@ class LocalHandlers:
 
     def uses(self, rid: bytes) -> Use:
         """What the connection holds or waits for (it is not idle then, whatever its silence)."""
-        if self.holds.owed(rid) or self.holds.holds_any(rid) or (self.cache is not None and self.cache.in_use(rid)):
+        if self.ledger.holds_any(rid):  # (its tier reservations and pins too)
             return Use.HOLDS
-        return Use.WAITS if self.waits.holds_any(rid) else Use.NOTHING
+        return Use.WAITS if self.ledger.waits_any(rid) else Use.NOTHING
+
+    def _wait_started(self, rid: bytes, wait: asyncio.Task | ParkedGet) -> None:
+        self.ledger.handle(ev.WaitStarted(rid, wait))
+        self.metrics.waiting_reads = self.ledger.waiting
+
+    def _wait_ended(self, rid: bytes, wait: asyncio.Task | ParkedGet) -> None:
+        self.ledger.handle(ev.WaitEnded(rid, wait))
+        self.metrics.waiting_reads = self.ledger.waiting
 
     def _handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
         if isinstance(msg, p.CACHE_REQUESTS) and self.cache is not None:
@@ -263,32 +274,27 @@ class LocalHandlers:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
         they would be at lease expiry; blocks parked for it are free at last."""
         self.pulls.leave_all(rid)
-        if self.cache is not None:
-            self.cache.client_gone(rid)  # its tier reservations and pins
-        self.waits.drop(rid)  # every one of its waits, now
-        loans, holds = self.holds.gone(rid)
-        for token in loans:
-            self.store.return_scratch(token)
-        writes = reads = 0
-        for hold in holds:
-            if hold.writing:
-                writes += self.puts.writer_gone(hold)
-            else:
-                self._return_lease(hold.token)
-                reads += 1
-        if writes or reads:
+        actions = self.ledger.handle(ev.ConnectionLost(rid))  # its waits, handoffs, reads, loans, tier pages
+        if actions and isinstance(off := actions[0], ev.CallOff):  # every one of its waits, now, unanswered
+            actions.pop(0)
+            self.metrics.waiting_reads = self.ledger.waiting
+            for wait in off.waits:
+                if isinstance(wait, ParkedGet):
+                    self.watch.unpark(wait)
+                elif isinstance(wait, asyncio.Task):
+                    wait.cancel()
+        if actions and isinstance(gave := actions[-1], ev.GaveBack):
+            actions.pop()
             log.warning("a client disconnected with %d unfinished put(s) and %d open read(s); giving them back",
-                        writes, reads)
+                        gave.writes, gave.reads)
+        self.puts.carry(actions)
 
     # --- gets ---------------------------------------------------------------------------------------------
 
     def _get_done(self, rid: bytes, msg: p.GetDone) -> p.Ok | None:
-        self.holds.read_hold(rid, msg.token)
-        self.holds.release(rid, msg.token)
-        lease = self.store.lease_of(msg.token)
-        claiming = lease is not None and lease.claiming
-        # (a lease that ran out was given back already: releasing it only unpins its blocks)
-        entry = self.store.release(msg.token, success=msg.consume)
+        (released,) = self.ledger.handle(ev.Release(rid, msg.token, msg.consume))
+        assert isinstance(released, ev.Released)
+        entry, lease, claiming = released.entry, released.lease, released.claiming
         if claiming and msg.consume:
             self.metrics.duration.labels("local_get").observe(time.monotonic() - lease.started)
             self.metrics.local_bytes.labels("out").inc(entry.total_bytes)
@@ -304,12 +310,3 @@ class LocalHandlers:
             self.watch.wake(entry.request_id)  # a claim given back: the next reader may have it now
         self.metrics.tally["gets"] += 1
         return p.Ok(req=msg.req) if msg.reply else None
-
-    def _return_lease(self, token: int) -> None:
-        """Give a client's read lease back now: the entry is readable again, waiters are woken."""
-        lease = self.store.lease_of(token)
-        if lease is None:
-            return
-        self.watch.drop_reader(token)
-        self.store.release(token, success=False)
-        self.watch.lease_expired(lease)

@@ -2,9 +2,9 @@
 lent scratch blocks, and a put with a destination as one push fed as the client writes.
 
 What happens to a write when its writer writes, commits, aborts or hangs up, or when its entry
-is removed under it, is decided by `writes.LocalWrite` (the table there); this module carries
-the actions out on the store, the entry watch and the transfers. `LocalHandlers` dispatches the
-messages here and owns the replies.
+is removed under it, is decided by the local ledger (`ledger.py`, with each write's machine in
+`reservation.py`); this module tells it what happened and carries its actions out on the entry
+watch and the transfers (`carry`). `LocalHandlers` dispatches the messages here and owns the replies.
 """
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvd.errors import InternalError, KvdError, NotFound, Timeout
+from kvd.errors import InternalError, KvdError
 from kvd.wire import protocol as p
 from kvd.wire.layout import TensorSpec, blocks_needed
 
 from ..metrics import Metrics
 from ..peer.transfers import Push, Transfers
 from ..store.entries import Entry, State, Store
-from .ledger import Hold, Holds
-from .reservation import WriteAction, WriteEvent
+from . import events as ev
+from .ledger import LocalLedger
 from .watch import EntryWatch
 
 # loans of scratch blocks one connection may hold: one per small put it has in flight, up to this
@@ -41,22 +41,21 @@ class PutSettings:
 
 class LocalPuts:
     def __init__(self, settings: PutSettings, store: Store, watch: EntryWatch, transfers: Transfers,
-                 metrics: Metrics, holds: Holds, is_connected: Callable[[bytes], bool], reply: Reply,
+                 metrics: Metrics, ledger: LocalLedger, is_connected: Callable[[bytes], bool], reply: Reply,
                  error: ErrorReply) -> None:
         self.settings = settings
-        self.store, self.watch, self.transfers, self.metrics, self.holds = store, watch, transfers, metrics, holds
+        self.store, self.watch, self.transfers, self.metrics, self.ledger = store, watch, transfers, metrics, ledger
         self._is_connected, self._reply, self._error = is_connected, reply, error
         self._pushes: dict[int, Push] = {}  # entry token -> its push (to a peer), until committed
 
     # --- the writer's messages ----------------------------------------------------------------------
 
     def alloc(self, rid: bytes, msg: p.PutAlloc) -> p.PutSlots:
-        if self.holds.take_loan(rid, msg.give_back):
-            self.store.return_scratch(msg.give_back)
+        self.ledger.handle(ev.LoanReturned(rid, msg.give_back))
         specs = [TensorSpec.from_wire(t) for t in msg.tensors]
         entry = self.store.reserve(msg.request_id, specs, msg.ttl, msg.meta, State.WRITING,
                                    time.monotonic() + self.settings.lease_timeout)
-        self.holds.hold(rid, Hold(entry.token, entry.request_id, entry, req=msg.req, stream=msg.stream))
+        self.ledger.handle(ev.Reserved(rid, entry, msg.req, msg.stream))
         if msg.stream and self._is_remote(msg.dest):
             self._start_push(entry, msg.dest, sealed=False, rid=rid)
         if msg.stream:
@@ -64,21 +63,20 @@ class LocalPuts:
         return p.PutSlots(req=msg.req, token=entry.token, segments=entry.segments(self.settings.block_size))
 
     def part(self, rid: bytes, msg: p.PutPart) -> None:
-        hold = self.holds.write_hold(rid, msg.token, msg.request_id)
-        if hold.write.step(WriteEvent.WRITE) is WriteAction.NOTHING:
-            return  # the writer was told why; its next write or commit lets go of the blocks
-        entry = hold.entry
+        for action in self.ledger.handle(ev.Wrote(rid, msg.token, msg.request_id)):
+            assert isinstance(action, ev.Copied)  # (none: the writer was told why the put ended)
+            self._copied(action.entry, msg.tensors)
+
+    def _copied(self, entry: Entry, tensors: list[int]) -> None:
         entry.write_deadline = time.monotonic() + self.settings.lease_timeout  # a stream that writes is alive
-        self._written(entry, entry.mark_tensors(msg.tensors), msg.tensors)
+        self._written(entry, entry.mark_tensors(tensors), tensors)
 
     def commit(self, rid: bytes, msg: p.PutCommit) -> p.PutOk | None:
-        hold = self.holds.write_hold(rid, msg.token, msg.request_id)
-        self.holds.release(rid, msg.token)
-        # (an ended write committed after its every copy: the parked blocks can go)
-        if hold.write.step(WriteEvent.COMMIT) is WriteAction.FAIL:
-            self.store.release_writer(hold.entry)
-            raise hold.write.ended
-        entry = self.store.writing_entry(msg.request_id, msg.token, State.WRITING)
+        (action,) = self.ledger.handle(ev.Commit(rid, msg.token, msg.request_id))
+        if isinstance(action, ev.Fail):  # the put ended under its writer (who let go of the blocks now)
+            raise action.error
+        assert isinstance(action, ev.Publish)
+        entry = action.entry
         push = self._pushes.get(entry.token)
         written = entry.mark_rest()
         if push is None and self._is_remote(msg.dest):
@@ -89,8 +87,7 @@ class LocalPuts:
 
     def in_scratch(self, rid: bytes, msg: p.Put) -> p.PutOk | None:
         """A one-round-trip put: the client filled blocks lent to it, and says what they hold."""
-        if not self.holds.take_loan(rid, msg.scratch):  # used up, whatever happens next
-            raise NotFound(f"scratch blocks {msg.scratch} are not lent to this connection")
+        self.ledger.handle(ev.LoanUsed(rid, msg.scratch))  # (NotFound: not lent to it)
         try:
             specs = [TensorSpec.from_wire(t) for t in msg.tensors]
         except BaseException:
@@ -105,24 +102,31 @@ class LocalPuts:
 
     def abort(self, rid: bytes, msg: p.Delete) -> p.Ok:
         """A writer gives up its own reservation (a delete with its token): True if it was live."""
-        hold = self.holds.get(rid, msg.token)
-        if hold is None or not hold.writing or hold.request_id != msg.request_id:
-            return p.Ok(req=msg.req, value=False)
-        self.holds.release(rid, msg.token)
-        dropped = hold.write.step(WriteEvent.ABORT) is WriteAction.DROP
-        if dropped:
-            self.remove(hold.entry, NotFound(f"the put of {msg.request_id!r} was aborted by its writer"))
-        self.store.release_writer(hold.entry)
-        return p.Ok(req=msg.req, value=dropped)
+        answer = self.carry(self.ledger.handle(ev.Abort(rid, msg.token, msg.request_id)))
+        return p.Ok(req=msg.req, value=answer)
 
-    def writer_gone(self, hold: Hold) -> bool:
-        """The writer of this reservation hung up: True if that dropped a live put."""
-        dropped = hold.write.step(WriteEvent.GONE) is WriteAction.DROP
-        if dropped:
-            self.remove(hold.entry, NotFound(f"the writer of {hold.request_id!r} disconnected before committing"))
-            self.metrics.abandoned.inc()
-        self.store.release_writer(hold.entry)
-        return dropped
+    def carry(self, actions: list[ev.Action]) -> object:
+        """Carry out what the ledger decided about handoffs; returns the value of an Answer."""
+        answer = None
+        for action in actions:
+            match action:
+                case ev.Tell():  # on its put_alloc's req: its next write fails at once, and it lets go
+                    self._reply(action.conn, p.error_reply(action.req, action.error, self.settings.node_id))
+                case ev.Ended():
+                    if action.readers:
+                        self.watch.on_dropped(action.entry, action.error)  # stream readers
+                    # a push being written or committed, a pull served, an arrival
+                    self.transfers.abort_entry(action.entry, action.error)
+                case ev.Abandoned():
+                    self.metrics.abandoned.inc()
+                case ev.LeaseEnded():
+                    self.watch.drop_reader(action.lease.token)
+                    self.watch.lease_expired(action.lease)
+                case ev.Answer():
+                    answer = action.value
+                case _:
+                    raise InternalError(f"the put side cannot carry out {action}")
+        return answer
 
     # --- pushes -------------------------------------------------------------------------------------
 
@@ -133,23 +137,16 @@ class LocalPuts:
         try:
             push = self.transfers.push(entry, lease.token, dest, sealed=sealed)
         except BaseException:
-            if rid is not None:
-                hold = self.holds.get(rid, entry.token)
-                self.holds.release(rid, entry.token)
-                if hold is not None:
-                    hold.write.step(WriteEvent.REMOVED_UNHEARD)  # (its put_alloc gets the error)
-            self.store.remove(entry)
-            self.store.release_writer(entry)  # (the client has not written yet, or has finished)
+            self.ledger.handle(ev.PushRefused(entry, rid))  # (its request gets the error)
             raise
         self._pushes[entry.token] = push
 
         def ended(outcome: asyncio.Future) -> None:
             self._pushes.pop(entry.token, None)
             error = None if outcome.cancelled() else outcome.exception()
-            if error is not None and entry.state is State.WRITING and not entry.removed:
-                # a stream whose push failed before its commit can never be delivered: end it now,
-                # so that its writer's next write fails instead of its commit
-                self.remove(entry, error if isinstance(error, KvdError) else InternalError(str(error)))
+            if error is not None:  # (a stream's push that failed before its commit ends the put)
+                why = error if isinstance(error, KvdError) else InternalError(str(error))
+                self.carry(self.ledger.handle(ev.PushEnded(entry, why)))
 
         self.transfers.outcome(push).add_done_callback(ended)
         return push
@@ -171,12 +168,12 @@ class LocalPuts:
             return self._put_ok(rid, msg, entry.total_bytes)
         # answered as the push ends, not from a task nor a future's callback (each costs a turn of
         # the loop, more than the rest of a small push's handling here)
-        self.holds.owe(rid, 1)
+        self.ledger.handle(ev.AnswerOwed(rid))
         self.transfers.when_ended(push, lambda error: self._push_ended(rid, msg, entry, error))
         return None
 
     def _push_ended(self, rid: bytes, msg: p.PutCommit | p.Put, entry: Entry, error: KvdError | None) -> None:
-        self.holds.owe(rid, -1)
+        self.ledger.handle(ev.AnswerOwed(rid, -1))
         if error is None:
             self._reply(rid, self._put_ok(rid, msg, entry.total_bytes))
             return
@@ -198,7 +195,7 @@ class LocalPuts:
         reply = p.PutOk(req=msg.req)
         if isinstance(msg, p.PutCommit) and not msg.lend:
             return reply
-        loans = self.holds.loans(rid)
+        loans = self.ledger.loans(rid)
         if len(loans) >= LOANS_PER_CONNECTION or not 0 < total_bytes <= self.settings.scratch_max:
             return reply
         if not self._is_connected(rid):
@@ -213,47 +210,19 @@ class LocalPuts:
             return reply
         reply.scratch, extents = self.store.lend_scratch(blocks)
         reply.extents = [list(extent) for extent in extents]
-        self.holds.lend(rid, reply.scratch, blocks)
+        self.ledger.handle(ev.Lent(rid, reply.scratch, blocks))
         return reply
 
     # --- entries that end without their writer -------------------------------------------------------
 
     def remove(self, entry: Entry, error: KvdError) -> None:
-        """Remove an entry in any state, ending whatever is still at work on it."""
-        self.store.remove(entry)
-        if entry.state is State.WRITING:
-            self._end_write(entry, error)  # its writer may still be copying: park the blocks, tell it
-        if entry.state in (State.WRITING, State.RECEIVING):
-            self.watch.on_dropped(entry, error)  # stream readers
-        self.transfers.abort_entry(entry, error)  # a push being written or committed, a pull served, an arrival
-
-    def _end_write(self, entry: Entry, error: KvdError) -> None:
-        """A reservation was removed while its writer may still be copying into it: park its
-        blocks and tell the writer (on its put_alloc's req), so that its next write fails at
-        once and it lets go of them."""
-        writer = self.holds.writer_of(entry)
-        if writer is None:
-            self.store.release_writer(entry)  # nobody left who could write
-            return
-        rid, hold = writer
-        if not self._is_connected(rid):
-            hold.write.step(WriteEvent.REMOVED_UNHEARD)
-            self.store.release_writer(entry)
-        elif hold.write.step(WriteEvent.REMOVED, error) is WriteAction.TELL:
-            self._reply(rid, p.error_reply(hold.req, error, self.settings.node_id))
+        """Remove an entry in any state, ending whatever is still at work on it (its writer is
+        told, its blocks parked for it)."""
+        self.carry(self.ledger.handle(ev.Remove(entry, error)))
 
     def write_expired(self, entry: Entry) -> None:
         """A reservation's lease ran out (the housekeeping sweep removed it)."""
-        hold = self.holds.stream_hold(entry)
-        lease = f"{self.settings.lease_timeout:g} s"
-        if hold is not None and hold.stream:
-            error = Timeout(f"the stream's lease expired after {lease} without a write (--lease-timeout)")
-        else:
-            error = Timeout(f"the put of {entry.request_id!r} was not committed within {lease} of its reservation "
-                            "(--lease-timeout)")
-        self._end_write(entry, error)
-        self.watch.on_dropped(entry, error)
-        self.transfers.abort_entry(entry, error)
+        self.carry(self.ledger.handle(ev.WriteExpired(entry)))
 
     def _is_remote(self, peer: str | None) -> bool:
         return peer is not None and peer != self.settings.node_id

@@ -14,6 +14,7 @@ through the local server; it never touches pool bytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -227,10 +228,8 @@ class EntryWatch:
         for reader in [r for r in self._readers.pop(entry.request_id, []) if r.entry is entry]:
             self.clients.send(reader.rid, p.error_reply(reader.req, error, self.node_id))
             self.stream_leases.discard(reader.lease_token)
-            try:
+            with contextlib.suppress(NotFound):  # (released already)
                 self.store.release(reader.lease_token, success=False)
-            except NotFound:
-                pass
 
     def on_departed(self, entry: Entry, peer: str, pushed: bool) -> None:
         """A transfer took the entry to peer and it is gone from here: stream readers still waiting

@@ -6,7 +6,9 @@ where to write them (the client copies, then commits the token); a get pins its 
 where to read them (the client copies, then releases the token, without a reply). Tokens belong
 to the connection that got them: another connection cannot commit or release them, and a
 connection that hangs up gives back what it held (its uncommitted pages go, its pins end).
-A reservation's life is a handoff's: the machine in `local/reservation.py` (`LocalWrite`) decides it. One not
+Who holds which token is the local side's ledger (`local/ledger.py`), the one that keeps the handoffs'
+reservations too, and a reservation's life is a handoff's (`local/reservation.py`): this service tells
+the ledger what happened and answers as it says. One not
 committed within the lease timeout ends (its pages are unlisted, and its commit answers None), but
 its blocks stay parked until the writer commits, gives up or hangs up, since a writer that was only
 paused (GC, SIGSTOP, swap) still copies into them when it runs again: freed at once, they could be
@@ -23,12 +25,13 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvd.errors import BadRequest, NotFound, PeerUnavailable, Timeout
+from kvd.errors import BadRequest, PeerUnavailable
 from kvd.throttle import Throttle
 from kvd.wire import protocol as p
 from kvd.wire.layout import physical_segments
 
-from ..local.reservation import LocalWrite, WriteAction, WriteEvent
+from ..local import events as ev
+from ..local.ledger import LocalLedger
 from .disk.level import DiskTier
 from .homes import TIMEOUT as TIER_TIMEOUT
 from .homes import TierPeers
@@ -40,17 +43,13 @@ MAX_LABEL = 64  # characters of a namespace shown as a metrics label (they are p
 
 
 class CacheService:
-    def __init__(self, store: CacheStore, block_size: int, lease_timeout: float, *, peers: TierPeers | None = None,
-                 reply: Callable[[bytes, p.Message], bool] | None = None, disk: DiskTier | None = None,
-                 media: Callable[[], dict] | None = None) -> None:
+    def __init__(self, store: CacheStore, block_size: int, lease_timeout: float, ledger: LocalLedger, *,
+                 peers: TierPeers | None = None, reply: Callable[[bytes, p.Message], bool] | None = None,
+                 disk: DiskTier | None = None, media: Callable[[], dict] | None = None) -> None:
         self.store = store
         self.block_size = block_size
         self.lease_timeout = lease_timeout
-        self._owner: dict[int, bytes] = {}  # open token -> the connection it was given to
-        self._held: dict[bytes, set[int]] = {}  # connection -> its open tokens
-        self._writes: dict[int, LocalWrite] = {}  # open reservation token -> its write's life
-        self._deadlines: dict[int, float] = {}  # live reservation token -> commit deadline (monotonic)
-        self.expired = 0  # reservations whose lease ran out before their commit
+        self.ledger = ledger  # who holds which token (the local handlers' ledger: one for handoffs and pages)
         self._throttle = Throttle()
         # with a registry: pages homed elsewhere are sent there and asked of it (homes.py)
         self.peers = peers
@@ -65,22 +64,15 @@ class CacheService:
             case p.CachePut():
                 token, results = store.reserve(msg.namespace, msg.keys, msg.pages)
                 if store.writing(token):
-                    self._own(rid, token)
-                    self._writes[token] = LocalWrite()
-                    self._deadlines[token] = time.monotonic() + self.lease_timeout
+                    self.ledger.handle(ev.PagesReserved(rid, token, time.monotonic() + self.lease_timeout))
                 return p.CacheSlots(req=msg.req, token=token, slots=[self._slot(r) for r in results])
             case p.CacheCommit():
-                if self._owner.get(msg.token) != rid:  # it ran out (or was never this connection's)
-                    return p.Ok(req=msg.req, value=None)
-                self._disown(rid, msg.token, "reservation")
-                self._deadlines.pop(msg.token, None)
-                write = self._writes.pop(msg.token)
-                action = write.step(WriteEvent.COMMIT if msg.ok else WriteEvent.ABORT)
-                if action is not WriteAction.PUBLISH:  # given up, or its lease ran out: the blocks go now
-                    dropped = store.commit(msg.token, ok=False)
-                    return p.Ok(req=msg.req, value=None if action is WriteAction.FAIL else dropped)
-                pages = store.pending(msg.token)
-                published = store.commit(msg.token)
+                # (None: not this connection's, or its lease ran out; a list: dropped, as it gave up)
+                (done,) = self.ledger.handle(ev.PagesCommit(rid, msg.token, msg.ok))
+                if isinstance(done, ev.Answer):
+                    return p.Ok(req=msg.req, value=done.value)
+                assert isinstance(done, ev.PagesPublished)
+                pages, published = done.pages, done.published
                 if self.peers is not None and self.reply is not None:
                     by_home = self._homes_of([page for page, ok in zip(pages, published, strict=True) if ok])
                     if by_home:  # answered once the homes have them (or within the tier's deadline)
@@ -118,9 +110,7 @@ class CacheService:
             case p.CacheGet():
                 return self._get(rid, msg)
             case p.CacheRelease():
-                if self._owner.get(msg.token) == rid:  # (fire and forget: a stale token is ignored)
-                    self._disown(rid, msg.token, "lease")
-                    store.release(msg.token)
+                self.ledger.handle(ev.PagesRelease(rid, msg.token))  # (fire and forget: a stale token is ignored)
                 return None
             case p.CacheExists():
                 return p.Ok(req=msg.req, value=store.exists(msg.namespace, msg.keys))
@@ -142,7 +132,7 @@ class CacheService:
             case p.CacheStats():
                 stats = store.stats(msg.namespace)
                 if msg.namespace is None:
-                    stats["expired_writes"] = self.expired
+                    stats["expired_writes"] = self.ledger.expired_pages
                     if self.peers is not None:  # the exchanges with other homes
                         stats["cluster"] = dict(self.peers.counts)
                     if self.media is not None:
@@ -160,7 +150,7 @@ class CacheService:
                 raise BadRequest(f"cache_get: page {msg.keys[i]!r} of namespace {msg.namespace!r} holds {held} bytes, "
                                  f"and the out given for it has {msg.sizes[i]}: give an out of the page's size")
         if any(page is not None for page in found):
-            self._own(rid, token)
+            self.ledger.handle(ev.PagesPinned(rid, token))
         return p.CacheSlots(req=msg.req, token=token,
                             slots=[None if page is None else self._segments(page) for page in found])
 
@@ -239,9 +229,8 @@ class CacheService:
                 self.disk.release(read_back)
             if pinned is not None:
                 self.store.release(pinned)
-        if not self.reply(rid, reply) and isinstance(reply, p.CacheSlots) and self._owner.get(reply.token) == rid:
-            self._disown(rid, reply.token, "lease")  # its reader left meanwhile
-            self.store.release(reply.token)
+        if not self.reply(rid, reply) and isinstance(reply, p.CacheSlots):
+            self.ledger.handle(ev.PagesRelease(rid, reply.token))  # its reader left meanwhile
 
     async def _exists_at_homes(self, rid: bytes, msg: p.CacheExists, local: int, by_home: dict[str, list[int]]) -> None:
         try:
@@ -287,58 +276,23 @@ class CacheService:
             return [[extents[0][0] * self.block_size, page.nbytes]] if page.nbytes else []
         return [list(s) for s in physical_segments(extents, self.block_size, 0, page.nbytes)]
 
-    def _own(self, rid: bytes, token: int) -> None:
-        self._owner[token] = rid
-        self._held.setdefault(rid, set()).add(token)
-
-    def _disown(self, rid: bytes, token: int, what: str) -> None:
-        if self._owner.get(token) != rid:
-            raise NotFound(f"no cache {what} {token} open on this connection (it ran out, or it was never "
-                           "this connection's)")
-        del self._owner[token]
-        held = self._held[rid]
-        held.discard(token)
-        if not held:
-            del self._held[rid]
-
     def in_use(self, rid: bytes) -> bool:
-        return rid in self._held
-
-    def client_gone(self, rid: bytes) -> None:
-        """Its reservations are dropped, its pins end (it copies nothing any more)."""
-        for token in self._held.pop(rid, ()):
-            del self._owner[token]
-            self._deadlines.pop(token, None)
-            write = self._writes.pop(token, None)
-            if write is None:
-                self.store.release(token)
-            else:
-                write.step(WriteEvent.GONE)  # (DROP or FREE: either way, nobody copies into them now)
-                self.store.commit(token, ok=False)
+        return self.ledger.in_use(rid)
 
     def sweep(self, now: float) -> None:
         """End the reservations whose writer did not commit in time: their pages are unlisted at
         once, their blocks parked until the writer lets go (its commit answers None)."""
-        late = [token for token, deadline in self._deadlines.items() if deadline <= now]
-        for token in late:
-            del self._deadlines[token]
-            error = Timeout(f"the cache put was not committed within {self.lease_timeout:g} s (--lease-timeout)")
-            # (TELL: the writer is told by its commit's answer; it has no other request open to tell it on)
-            self._writes[token].step(WriteEvent.REMOVED, error)
-            self.store.expire(token)
-            self.expired += 1
+        for action in self.ledger.handle(ev.LeaseTick(now)):
+            assert isinstance(action, ev.PagesExpired)
             if self._throttle.allow("expired"):  # (a client that never commits could fill the log)
-                    log.warning("a cache put was not committed within %gs (--lease-timeout): its pages are dropped, "
+                log.warning("a cache put was not committed within %gs (--lease-timeout): its pages are dropped, "
                             "their blocks kept until its writer commits or disconnects (%d so far)",
-                            self.lease_timeout, self.expired)
+                            self.lease_timeout, action.total)
 
     def validate(self) -> None:
-        """For tests: every open reservation is its connection's, pinned in the store, live while it has a
-        deadline and ended once it has none."""
-        for token, write in self._writes.items():
-            assert token in self._owner and self.store.writing(token), f"reservation {token} is nobody's"
-            write.validate(pinned=True, removed=token not in self._deadlines)
-        assert set(self._deadlines) <= set(self._writes)
+        """For tests: the ledger's invariants (every open token is one connection's, a reservation's
+        pages stay reserved while its writer may still write)."""
+        self.ledger.validate()
 
 
 def label(namespace: str) -> str:
