@@ -1,6 +1,7 @@
 """What a transfer between daemons is (daemon process): its states, the events that move it and
-the actions it asks for. Plain data: `table.py` says which event does what in which state, and
-`machine.py` walks that table.
+the actions it asks for, and the books the machine keeps of them (`Books`, what every handler is
+handed). Plain data: `table.py` says which event does what in which state, and `machine.py`
+walks that table.
 
 A transfer object holds protocol state only (what the peer and we have said, the entry and the
 bytes in flight); what the I/O layer keeps about a transfer (futures, callbacks, trackers) is
@@ -9,13 +10,17 @@ that layer's, keyed by transfer id (`transfers.py`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvd.errors import KvdError
+from kvd.memory.io import PoolIO
+from kvd.statetable import Fail
 from kvd.wire import protocol as p
 
-from ..store.entries import Entry
+from ..store.entries import Entry, Store
 from .channel import Channel
+from .limits import Limits
 from .window import ReceiveLedger, SendWindow
 
 
@@ -288,4 +293,19 @@ class Finished:
     error: KvdError | None
 
 
-Action = Send | SendChunk | PostOp | Received | WaitForEntry | Progress | Published | Dropped | Finished
+# (a row that fails returns Fail, which the machine turns into the abort, the drop and the Finished)
+Action = Send | SendChunk | PostOp | Received | WaitForEntry | Progress | Published | Dropped | Finished | Fail
+
+
+class Books:
+    """What the transfer machine keeps, and what its handlers (`sending.py`, `receiving.py`, `onesided.py`,
+    `failures.py`) read and change: the live transfers by id, the store's books, the pool's bytes
+    through `io`, the limits and the clock. `Machine` is the one subclass: it adds walking the table."""
+
+    def __init__(self, node_id: str, limits: Limits, store: Store, io: PoolIO, clock: Callable[[], float]) -> None:
+        self.node_id = node_id
+        self.limits = limits
+        self.store = store
+        self.io = io  # pool bytes <-> network buffers (direct for host pools, bounced for GPU pools)
+        self.clock = clock
+        self.transfers: dict[int, Transfer] = {}
