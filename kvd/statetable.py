@@ -30,6 +30,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from kvd.errors import KvdError
 
+St = TypeVar("St", bound=enum.Enum)  # a machine's states (an enum, or a union of enums)
 H = TypeVar("H")  # what a row does: a handler, or the outcome it names
 
 
@@ -41,20 +42,20 @@ class Guard:
     test: Callable[[Any, Any], bool]  # (machine or record, event): their types are the row's
 
 
-class Row(NamedTuple, Generic[H]):
-    state: enum.Enum
+class Row(NamedTuple, Generic[St, H]):
+    state: St
     event: object  # an event class, or an enum member
     when: Guard | None
     does: H
-    next: enum.Enum
+    next: St
 
 
-class Step(NamedTuple, Generic[H]):
+class Step(NamedTuple, Generic[St, H]):
     """A row as the hot path walks it: the guard's bare test, the handler, the next state."""
 
     test: Callable[[Any, Any], bool] | None
     does: H
-    next: enum.Enum
+    next: St
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,7 @@ class Fail:
     notify: bool = True
 
 
-def same(state: enum.Enum) -> enum.Enum:
+def same(state: St) -> St:
     """`next` for a row that keeps its state (a row's next may be a function of its state)."""
     return state
 
@@ -77,25 +78,25 @@ class Coverage(NamedTuple):
     both: tuple[tuple[enum.Enum, object], ...]  # handled and refused: a contradiction
 
 
-class Table(Generic[H]):
+class Table(Generic[St, H]):
     """The rows and refusals of one machine over its `states` and `events` (every pair of them is
     either handled or refused, `coverage()` checks)."""
 
-    def __init__(self, states: Iterable[enum.Enum], events: Iterable[object]) -> None:
+    def __init__(self, states: Iterable[St], events: Iterable[object]) -> None:
         self.states = tuple(states)
         self.events = tuple(events)
-        self.rows: list[Row[H]] = []
-        self.refusals: dict[tuple[enum.Enum, object], str] = {}
+        self.rows: list[Row[St, H]] = []
+        self.refusals: dict[tuple[St, object], str] = {}
 
-    def add(self, states: Iterable[enum.Enum], events: object | tuple[object, ...], does: H,
-            next: enum.Enum | Callable[[enum.Enum], enum.Enum] = same, when: Guard | None = None) -> None:
+    def add(self, states: Iterable[St], events: object | tuple[object, ...], does: H,
+            next: St | Callable[[St], St] = same, when: Guard | None = None) -> None:
         """A row for each of `states` and `events`; `next` a state, or a function of the row's state."""
         for state in states:
             target = next(state) if callable(next) else next
             for event in events if isinstance(events, tuple) else (events,):
                 self.rows.append(Row(state, event, when, does, target))
 
-    def refuse(self, states: Iterable[enum.Enum], events: object | tuple[object, ...], reason: str) -> None:
+    def refuse(self, states: Iterable[St], events: object | tuple[object, ...], reason: str) -> None:
         """Say why the pairs of `states` and `events` that have no row have none (call it once the
         rows are in: a pair refused already keeps its first reason, one that has a row is skipped)."""
         handled = {(row.state, row.event) for row in self.rows}
@@ -106,18 +107,18 @@ class Table(Generic[H]):
 
     # --- reading it -------------------------------------------------------------------------------
 
-    def compile(self) -> dict[tuple[enum.Enum, object], tuple[Step[H], ...]]:
+    def compile(self) -> dict[tuple[St, object], tuple[Step[St, H], ...]]:
         """(state, event) -> its rows' steps, in the table's order: what a machine's hot path looks up."""
-        steps: dict[tuple[enum.Enum, object], list[Step[H]]] = {}
+        steps: dict[tuple[St, object], list[Step[St, H]]] = {}
         for row in self.rows:
             test = row.when.test if row.when is not None else None
             steps.setdefault((row.state, row.event), []).append(Step(test, row.does, row.next))
         return {key: tuple(rows) for key, rows in steps.items()}
 
-    def rows_of(self, state: enum.Enum, event: object) -> list[Row[H]]:
+    def rows_of(self, state: St, event: object) -> list[Row[St, H]]:
         return [row for row in self.rows if row.state is state and row.event == event]
 
-    def refusal(self, state: enum.Enum, event: object) -> str | None:
+    def refusal(self, state: St, event: object) -> str | None:
         """Why the pair has no row (None: it has rows, or nobody said)."""
         return self.refusals.get((state, event))
 
@@ -139,7 +140,7 @@ class Table(Generic[H]):
 
     def markdown(self, *, merge: bool = True, same_as: str | None = "same", code: bool = True,
                  event_name: Callable[[object], str] = lambda e: getattr(e, "__name__", str(e)),
-                 states_name: Callable[[tuple[enum.Enum, ...]], str] | None = None) -> str:
+                 states_name: Callable[[tuple[St, ...]], str] | None = None) -> str:
         """The table as markdown rows: | state | event | when | does | next |.
 
         merge: rows that differ only in their state, or then only in their event, share a line (a
@@ -154,15 +155,15 @@ class Table(Generic[H]):
                          f"| {when.says if when else ''} | {f'`{name}`' if code else name} | {next_state} |")
         return "\n".join(lines) + "\n"
 
-    def _lines(self, merge: bool, same_as: str | None) -> list[tuple[tuple[enum.Enum, ...], list[object],
-                                                                     Guard | None, H, str]]:
-        def next_name(row: Row[H]) -> str:
+    def _lines(self, merge: bool, same_as: str | None) -> list[tuple[tuple[St, ...], list[object], Guard | None, H,
+                                                                     str]]:
+        def next_name(row: Row[St, H]) -> str:
             return same_as if same_as is not None and row.next is row.state else str(row.next.value)
 
         if not merge:
             return [((row.state,), [row.event], row.when, row.does, next_name(row)) for row in self.rows]
-        by_state: dict[tuple[Any, ...], list[enum.Enum]] = {}
-        rank: dict[tuple[enum.Enum, object], int] = {}
+        by_state: dict[tuple[Any, ...], list[St]] = {}
+        rank: dict[tuple[St, object], int] = {}
         for row in self.rows:
             place = rank[row.state, row.event] = rank.get((row.state, row.event), -1) + 1
             by_state.setdefault((row.event, row.when, _Same(row.does), next_name(row), place), []).append(row.state)

@@ -21,7 +21,6 @@ machine's log of recent transitions (`kvd.statetable.Story`).
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import random
 import time
@@ -58,7 +57,7 @@ from .states import (
     Tick,
     Transfer,
 )
-from .table import TABLE, Handler
+from .table import TABLE, Handler, TransferState
 from .window import SendWindow
 
 __all__ = ["EAGER_CHUNKS", "MAX_PULL_WAIT", "Limits", "Machine", "peer_ttl"]
@@ -68,7 +67,7 @@ _NO_XFER = -1  # the id of no transfer (ids are 63 random bits): what an event w
 _FAILED = frozenset({S.FAILED, R.FAILED})
 # (state, event type) -> its rows' (guard's test, handler, next state), in order; the next state is a
 # side's own (test_table holds each side to its states), which the engine's Enum does not say
-_STEPS: Mapping[tuple[enum.Enum, object], tuple[tuple[Callable[[Any, Any], bool] | None, Handler, Any], ...]] = \
+_STEPS: Mapping[tuple[TransferState, object], tuple[tuple[Callable[[Any, Any], bool] | None, Handler, Any], ...]] = \
     TABLE.compile()
 
 

@@ -22,9 +22,8 @@ the two equal (`python -m kvd.daemon.transfer.table` prints it).
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from kvd.statetable import Guard, Table
 from kvd.wire import protocol as p
@@ -85,7 +84,6 @@ from .sending import (
 from .states import (
     LOCAL_EVENTS,
     NONE,
-    TERMINAL,
     Action,
     Books,
     Cancel,
@@ -95,14 +93,18 @@ from .states import (
     ConnectFailed,
     EntryMissing,
     EntryReady,
+    NoTransfer,
     OpEnded,
     R,
+    ReceiverState,
     S,
     Send,
+    SenderState,
     Tick,
     Written,
 )
 
+TransferState: TypeAlias = SenderState | ReceiverState | NoTransfer
 # a row's handler: (the machine's books, the transfer or in `no transfer` the channel, the event) -> actions
 Handler = Callable[[Books, Any, Any], list[Action]]
 
@@ -115,12 +117,12 @@ def pong(m: Books, channel: Any, msg: p.Ping) -> list[Action]:
     return [Send(channel, p.Pong(nonce=msg.nonce))]
 
 
-def failed(state: enum.Enum) -> enum.Enum:
+def failed(state: TransferState) -> TransferState:
     """`next` for a row that fails: its side's FAILED."""
     return S.FAILED if isinstance(state, S) else R.FAILED
 
 
-def done(state: enum.Enum) -> enum.Enum:
+def done(state: TransferState) -> TransferState:
     return S.DONE if isinstance(state, S) else R.DONE
 
 
@@ -175,7 +177,7 @@ SENDER_OFFERED = (S.OFFERED, S.STREAM_OFFERED, S.SENDING, S.STREAM_SENDING,
 PEER_MESSAGES = (p.Offer, p.Pull, p.Accept, p.Chunk, p.ChunkAck, p.Seal, p.Done, p.Abort, p.Grant, p.Placed)
 
 
-def _rows(table: Table[Handler]) -> Table[Handler]:
+def _rows(table: Table[TransferState, Handler]) -> Table[TransferState, Handler]:
     add = table.add
 
     # starting: an offer (pushed to us, or answering our pull), a pull we serve
@@ -280,11 +282,12 @@ def _rows(table: Table[Handler]) -> Table[Handler]:
     return table
 
 
-def _refusals(table: Table[Handler]) -> Table[Handler]:
+def _refusals(table: Table[TransferState, Handler]) -> Table[TransferState, Handler]:
     """Why every other pair of a state and an event has no row (what the machine then does is the
     rule above: a protocol error that fails a live transfer, a drop in `no transfer`)."""
     refuse, live = table.refuse, (*SENDER_LIVE, *RECEIVER_LIVE)
-    refuse(TERMINAL, EVENTS, "an ended transfer is no longer held: what comes for its id is looked up in no transfer")
+    ended = (S.DONE, S.FAILED, R.DONE, R.FAILED)
+    refuse(ended, EVENTS, "an ended transfer is no longer held: what comes for its id is looked up in no transfer")
     refuse([NONE], (Tick, ChannelLost), "handed to each live transfer (of that connection), never to no transfer")
     refuse(live, (p.Ping, p.Pong), "a ping carries no transfer id: it is looked up in no transfer")
     refuse(live, p.Released, "the plane's I/O takes every released before the machine (planeio.py)")
@@ -298,7 +301,7 @@ def _refusals(table: Table[Handler]) -> Table[Handler]:
 
 STATES = (NONE, *S, *R)
 EVENTS = (*PEER_MESSAGES, p.Ping, p.Pong, p.Released, *LOCAL_EVENTS)
-TABLE: Table[Handler] = _refusals(_rows(Table(STATES, EVENTS)))
+TABLE: Table[TransferState, Handler] = _refusals(_rows(Table(STATES, EVENTS)))
 
 
 # --- the table as documentation -----------------------------------------------------------------------
@@ -315,7 +318,7 @@ def markdown() -> str:
     return TABLE.markdown(event_name=event_name, states_name=_states)
 
 
-def _states(states: tuple[enum.Enum, ...]) -> str:
+def _states(states: tuple[TransferState, ...]) -> str:
     live = (*SENDER_LIVE, *RECEIVER_LIVE)
     missing = [s for s in live if s not in states]
     if set(states) <= set(live) and len(missing) <= 2:
