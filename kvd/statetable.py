@@ -17,8 +17,8 @@ What a machine does on a refused pair is its own (a protocol error, an internal 
 only knows that the pair was thought about.
 
 `markdown()` prints a table as proto/PROTOCOL.md shows it. `Story` is a bounded log of recent
-transitions (Dask's `story()`): it keeps names, keys and times only, never an event, so it holds
-no payload alive.
+transitions (Dask's `story()`): it keeps states, event type names, keys and times only, never an
+event, so it holds no payload alive.
 """
 from __future__ import annotations
 
@@ -209,18 +209,24 @@ class Transition(NamedTuple):
 
 class Story:
     """A bounded log of a machine's recent transitions, every key together (Dask's `story()`): the
-    oldest go first once `limit` are kept. It stores names, keys and times only, never an event
-    or a record: a log of chunks must not keep their buffers alive."""
+    oldest go first once `limit` are kept. It holds small values only, never an event or a record
+    (a log of chunks must not keep their buffers alive): a time, a key, the states (enum members,
+    named when told), the event's type name and a short note.
+
+    `add((at, key, state, event, next, note))` is the hot path's call (one append of a plain tuple:
+    a machine records every chunk); `of` and `show` read it back as `Transition`s."""
 
     def __init__(self, limit: int = 10_000) -> None:
-        self.log: collections.deque[Transition] = collections.deque(maxlen=limit)
+        self.log: collections.deque[tuple[float, object, object, str, object, str]] = collections.deque(maxlen=limit)
+        self.add = self.log.append
 
-    def record(self, at: float, key: object, state: str, event: str, next: str, note: str = "") -> None:
-        self.log.append(Transition(at, key, state, event, next, note))
+    def record(self, at: float, key: object, state: object, event: str, next: object, note: str = "") -> None:
+        self.add((at, key, state, event, next, note))
 
     def of(self, key: object) -> list[Transition]:
         """The transitions of `key` still in the log, oldest first."""
-        return [t for t in self.log if t.key == key]
+        return [Transition(at, k, _named(state), event, _named(next), note)
+                for at, k, state, event, next, note in self.log if k == key]
 
     def show(self, key: object, last: int = 30) -> str:
         """`key`'s last transitions, one a line, times relative to the first shown."""
@@ -230,6 +236,10 @@ class Story:
         start = story[0].at
         return "\n".join(f"  +{t.at - start:.6f}s {t.state} --{t.event}--> {t.next}"
                          + (f" ({t.note})" if t.note else "") for t in story)
+
+
+def _named(state: object) -> str:
+    return str(state.value) if isinstance(state, enum.Enum) else str(state)
 
 
 class InvariantBroken(AssertionError):

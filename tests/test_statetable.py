@@ -174,11 +174,12 @@ def test_the_story_keeps_no_event_alive():
     story, payload = Story(), Payload(b"x" * 4096)
     gone = weakref.ref(payload)
     event = Push(force=len(payload))
-    story.record(1.0, 7, Door.SHUT.value, type(event).__name__, Door.OPEN.value)
+    story.record(1.0, 7, Door.SHUT, type(event).__name__, Door.OPEN)
     del payload, event
     gc.collect()
     assert gone() is None
-    assert all(isinstance(v, (str, int, float)) for t in story.log for v in t)
+    assert all(isinstance(v, (str, int, float, Door)) for entry in story.log for v in entry)
+    assert story.of(7) == [(1.0, 7, "shut", "Push", "open", "")]
 
 
 def test_an_invariant_broken_names_its_key():

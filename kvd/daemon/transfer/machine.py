@@ -94,7 +94,7 @@ class Machine(Books):
                        make_window(entry.total_bytes, self.limits.chunk_size, self.limits.window),
                        started=self.clock(), plane_min=self.limits.plane_min_bytes)
         self.transfers[out.xfer] = out
-        self.story.record(out.started, out.xfer, NONE.value, "start_push", out.state.value)
+        self.story.add((out.started, out.xfer, NONE, "start_push", out.state, ""))
         return out, []
 
     def start_pull(self, request_id: str, channel: Channel, timeout: float, keep: bool,
@@ -104,7 +104,7 @@ class Machine(Books):
         inbound = Inbound(self._new_xfer(), channel, request_id, Kind.PULL, R.PULLING,
                           deadline=now + timeout + self.limits.transfer_timeout, started=now)
         self.transfers[inbound.xfer] = inbound
-        self.story.record(now, inbound.xfer, NONE.value, "start_pull", R.PULLING.value)
+        self.story.add((now, inbound.xfer, NONE, "start_pull", R.PULLING, ""))
         return inbound, [Send(channel, p.Pull(xfer=inbound.xfer, request_id=request_id, timeout=timeout, keep=keep,
                                               expect_gen=expect_gen, plane=channel.plane))]
 
@@ -155,7 +155,7 @@ class Machine(Books):
             assert type(fail) is Fail and len(actions) == 1, f"a failing row's handler returned {actions}"
             return self._fail(transfer, fail, type(event).__name__)
         if next_state is not state or type(event) is not Tick:  # (a tick that changes nothing is no story)
-            self.story.record(self.clock(), transfer.xfer, state.value, type(event).__name__, next_state.value)
+            self.story.add((self.clock(), transfer.xfer, state, type(event).__name__, next_state, ""))
         transfer.state = next_state
         if next_state in TERMINAL:
             del self.transfers[transfer.xfer]
@@ -169,7 +169,7 @@ class Machine(Books):
         if next_state is not NONE:
             return self.transfers[xfer]
         if xfer != _NO_XFER:
-            self.story.record(self.clock(), xfer, NONE.value, type(event).__name__, NONE.value)
+            self.story.add((self.clock(), xfer, NONE, type(event).__name__, NONE, ""))
         return None
 
     def _unexpected(self, transfer: Transfer | None, event: Any, channel: Channel | None) -> list[Action]:
@@ -190,7 +190,7 @@ class Machine(Books):
                 if channel is None:
                     raise exc
                 log.warning("transfer %x with %s refused: %s", xfer, channel.peer_name, exc)
-                self.story.record(self.clock(), xfer, NONE.value, type(event).__name__, NONE.value, _why(exc))
+                self.story.add((self.clock(), xfer, NONE, type(event).__name__, NONE, _why(exc)))
                 return [Send(channel, p.Abort(xfer=xfer, code=exc.code, message=exc.message))]
         return self._failed(transfer, exc, event)
 
@@ -219,7 +219,7 @@ class Machine(Books):
             if transfer.entry is not None:
                 self.store.remove(transfer.entry)
                 actions.append(Dropped(transfer.entry, error))
-        self.story.record(self.clock(), transfer.xfer, state.value, event, transfer.state.value, _why(error))
+        self.story.add((self.clock(), transfer.xfer, state, event, transfer.state, _why(error)))
         return [*actions, Finished(transfer, error)]
 
     # --- questions --------------------------------------------------------------------------------
