@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -129,13 +129,6 @@ class Table(Generic[St, H]):
         return Coverage(handled, refused, tuple(p for p in pairs if p not in handled and p not in refused),
                         tuple(p for p in pairs if p in handled and p in refused))
 
-    def handlers(self) -> Iterator[H]:
-        seen: list[H] = []
-        for row in self.rows:
-            if not any(row.does is h for h in seen):
-                seen.append(row.does)
-                yield row.does
-
     # --- the table as documentation ---------------------------------------------------------------
 
     def markdown(self, *, merge: bool = True, same_as: str | None = "same", code: bool = True,
@@ -166,27 +159,12 @@ class Table(Generic[St, H]):
         rank: dict[tuple[St, object], int] = {}
         for row in self.rows:
             place = rank[row.state, row.event] = rank.get((row.state, row.event), -1) + 1
-            by_state.setdefault((row.event, row.when, _Same(row.does), next_name(row), place), []).append(row.state)
+            by_state.setdefault((row.event, row.when, row.does, next_name(row), place), []).append(row.state)
         by_event: dict[tuple[Any, ...], list[object]] = {}
         for (event, when, does, next_state, place), states in by_state.items():
             by_event.setdefault((tuple(states), when, does, next_state, place), []).append(event)
-        return [(states, events, when, does.what, next_state)
+        return [(states, events, when, does, next_state)
                 for (states, when, does, next_state, _), events in by_event.items()]
-
-
-class _Same:
-    """A handler as a dict key by identity (a bound method or an enum compares by value otherwise)."""
-
-    __slots__ = ("what",)
-
-    def __init__(self, what: Any) -> None:
-        self.what = what
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.what is self.what
-
-    def __hash__(self) -> int:
-        return id(self.what)
 
 
 def handler_name(does: object) -> str:

@@ -77,7 +77,7 @@ class Machine(Books):
         """clock: the time every deadline and duration is read from; the store's (time.monotonic),
         where entries have a ttl (an offer says what is left of it)."""
         super().__init__(node_id, limits, store, io, clock)
-        # the recent transitions of every transfer, for a post-mortem (names and times only: no payload)
+        # the recent transitions of every transfer, for a post-mortem (states, event type names, times: no payload)
         self.story = Story()
 
     # --- starting -------------------------------------------------------------------------------
