@@ -195,8 +195,13 @@ class Machine(Books):
         return self._failed(transfer, exc, event)
 
     def _failed(self, transfer: Transfer, error: KvdError, event: Any) -> list[Action]:
+        """A transfer failed by a fault (a protocol error, a broken chunk, a full pool...): logged, and
+        at debug level with its story."""
         log.warning("transfer %x with %s failed: %s", transfer.xfer, transfer.channel.peer_name, error)
-        return self._fail(transfer, Fail(error), type(event).__name__)
+        actions = self._fail(transfer, Fail(error), type(event).__name__)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("the story of transfer %x:\n%s", transfer.xfer, self.story.show(transfer.xfer))
+        return actions
 
     def _fail(self, transfer: Transfer, fail: Fail, event: str) -> list[Action]:
         """FAILED: the transfer's claim on its entry ends (a sender's blocks stay pinned until

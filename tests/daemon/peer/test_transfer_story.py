@@ -51,6 +51,17 @@ def test_a_failure_is_in_the_story_with_why_and_what_came_after_it_too():
     assert (aborted.event, aborted.next) == ("Abort", "failed") and "deleted on A" in aborted.note
 
 
+def test_a_transfer_that_fails_by_a_fault_logs_its_story_at_debug_level(caplog):
+    a, b, _ = pair()
+    out = push(a, b, a.entry("r", data_of(5 * CHUNK)))
+    a.handle(Connected(out.xfer))
+    with caplog.at_level(logging.DEBUG, logger="kvd.daemon.transfer.machine"):
+        a.on_message(b.channel.key, p.Seal(xfer=out.xfer))  # (a sender's message, to a sender)
+    assert out.state is SenderState.FAILED
+    assert f"the story of transfer {out.xfer:x}:" in caplog.text
+    assert "offered --Seal--> failed (ProtocolError: unexpected seal for a transfer that is offered)" in caplog.text
+
+
 def test_validate_tells_the_story_of_the_transfer_whose_invariant_broke(caplog):
     a, b, _ = pair()
     out = push(a, b, a.entry("r", data_of(5 * CHUNK)))
