@@ -19,8 +19,9 @@ from kvd.statetable import Fail
 from kvd.wire import protocol as p
 
 from ..store.entries import Entry, Store
-from .channel import Channel
+from .channel import Channel, ChannelKey
 from .limits import Limits
+from .ranges import Ranges
 from .window import ReceiveLedger, SendWindow
 
 
@@ -104,8 +105,8 @@ class Outbound:
     started: float = 0.0  # by the machine's clock
     plane: str | None = None  # the one-sided plane its bytes ride (None: chunk frames)
     plane_min: int = 0  # entries smaller than this go as chunk frames even on a link with a plane
-    regions: list | None = None  # a push on a plane: the receiver's granted ranges, in the entry's order
-    placed: dict = field(default_factory=dict)  # seq -> the placed message to send once its write ended
+    regions: Ranges | None = None  # a push on a plane: the receiver's granted ranges, in the entry's order
+    placed: dict[int, p.Placed] = field(default_factory=dict)  # seq -> the placed message to send once its write ended
     ops: int = 0  # plane operations of ours running
 
     def sending(self) -> tuple[Entry, SendWindow]:
@@ -130,8 +131,8 @@ class Inbound:
     deadline: float = 0.0
     started: float = 0.0  # by the machine's clock: a pull from its Pull, a pushed entry from its Offer
     plane: str | None = None  # the one-sided plane its bytes ride (None: chunk frames)
-    regions: list | None = None  # a pull on a plane: the holder's ranges, in the entry's order
-    slices: list | None = None  # ... and its slices to read: (offset, length, digest) by seq
+    regions: Ranges | None = None  # a pull on a plane: the holder's ranges, in the entry's order
+    slices: list[tuple[int, int, int]] | None = None  # ... and its slices to read: (offset, length, digest) by seq
     reads: SendWindow | None = None  # ... which of them our plane reads now
 
     def receiving(self) -> tuple[Entry, ReceiveLedger]:
@@ -140,7 +141,7 @@ class Inbound:
             raise AssertionError(f"transfer {self.xfer:x} is {self.state} without an entry")
         return self.entry, self.ledger
 
-    def reading(self) -> tuple[Entry, SendWindow, list, list]:
+    def reading(self) -> tuple[Entry, SendWindow, Ranges, list[tuple[int, int, int]]]:
         """A pull on a plane's entry, reads, the holder's ranges and its slices (from its offer on)."""
         if self.entry is None or self.reads is None or self.regions is None or self.slices is None:
             raise AssertionError(f"transfer {self.xfer:x} is {self.state} without its reads")
@@ -202,7 +203,7 @@ class Cancel:
 class ChannelLost:
     """The connection under a channel is gone (closed, peer restarted, silent past the heartbeat).
     Every transfer on it sees this event."""
-    key: tuple
+    key: ChannelKey
     reason: str
 
 
@@ -250,8 +251,8 @@ class PostOp:
     transfer: Transfer
     seq: int
     op: str
-    local: list
-    remote: list
+    local: Ranges
+    remote: Ranges
 
 
 @dataclass
