@@ -16,6 +16,9 @@
   ledger, events, books, audit and reservation), which may import only the store, the page store, the wire,
   the errors and the table engine.
 - test doubles live in `kvd.testing`, and nothing in kvd but `kvd.testing` imports it.
+- one table engine: `kvd.statetable` alone defines a table's row, guard or table class, every state
+  machine's table is built on it (the transfers, a link's handshake, a local write), and it is pure
+  (no asyncio, ZeroMQ, sockets or threads; nothing of kvd but its errors).
 """
 from __future__ import annotations
 
@@ -239,3 +242,35 @@ def test_the_local_core_is_pure(name):
 def test_only_tests_import_the_test_doubles(name):
     for imported in kvd_imports(name):
         assert not within(imported, "kvd.testing"), (name, imported)
+
+
+TABLE_ENGINE = "kvd.statetable"
+TABLE_MACHINES = ("kvd.daemon.transfer.table", "kvd.daemon.peer.link_state", "kvd.daemon.local.reservation")
+
+
+def table_dialects(name: str) -> list[str]:
+    """The classes of a module that are a state table's parts: named Row or Table, or holding a row's
+    fields (state, event, next) or a guard's (says, test)."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.ClassDef):
+            fields = {item.target.id for item in node.body
+                      if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+            if node.name in {"Row", "Table"} or {"state", "event", "next"} <= fields or {"says", "test"} <= fields:
+                found.append(node.name)
+    return found
+
+
+def test_one_table_engine():
+    assert {"Guard", "Row", "Table"} <= set(table_dialects(TABLE_ENGINE))  # (and the story's Transition)
+    dialects = {name: found for name in MODULES if name != TABLE_ENGINE and (found := table_dialects(name))}
+    assert not dialects, f"a table of its own: build it on {TABLE_ENGINE} instead: {dialects}"
+    for machine in TABLE_MACHINES:
+        assert TABLE_ENGINE in IMPORTS[machine], machine
+
+
+def test_the_table_engine_is_pure():
+    for imported in IMPORTS[TABLE_ENGINE]:
+        assert top(imported) not in {"asyncio", "zmq", "socket", "threading", "time", "torch"}, imported
+        if within(imported, "kvd"):
+            assert imported == "kvd.errors", imported

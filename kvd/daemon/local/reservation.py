@@ -6,25 +6,23 @@ stream's parts as written (put_part), and commits (put_commit) or gives up (a de
 token). The entry can also end under it: deleted, its lease ran out, its push failed. Its writer
 may still be copying then, so its blocks stay parked (the store's writer pin) until the writer
 lets go: told why at once, its next write is ignored, its commit fails with the reason, and its
-commit, abort or hang-up frees the blocks. `TABLE` is all of it (`describe()` prints it):
+commit, abort or hang-up frees the blocks. `TABLE` is all of it, on `kvd.statetable`'s engine (a row's
+`does` is the action to carry out; `describe()` prints it, "same" keeping the state):
 
-| state | event | action | next |
-|---|---|---|---|
-| writing | write | copied | writing |
-| writing | commit | publish | committed |
-| writing | abort | drop | released |
-| writing | removed | tell | ended |
-| writing | removed_unheard | free | released |
-| writing | gone | drop | released |
-| ended | write | nothing | ended |
-| ended | commit | fail | released |
-| ended | abort | free | released |
-| ended | removed | nothing | ended |
-| ended | removed_unheard | free | released |
-| ended | gone | free | released |
+| state | event | when | does | next |
+|---|---|---|---|---|
+| writing | write |  | copied | same |
+| writing | commit |  | publish | committed |
+| writing | abort, gone |  | drop | released |
+| writing | removed |  | tell | ended |
+| writing, ended | removed_unheard |  | free | released |
+| ended | write, removed |  | nothing | same |
+| ended | commit |  | fail | released |
+| ended | abort, gone |  | free | released |
 
 committed and released are final: the connection no longer holds the write, so no event can
-name it (a put_part or commit after them is NotFound before it reaches the machine).
+name it (a put_part or commit after them is NotFound before it reaches the machine); the table
+refuses every event there, with that reason.
 """
 from __future__ import annotations
 
@@ -32,6 +30,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvd.errors import InternalError, KvdError
+from kvd.statetable import Table
 
 
 class WriteState(Enum):
@@ -61,21 +60,30 @@ class WriteAction(Enum):
 
 
 S, E, A = WriteState, WriteEvent, WriteAction
-TABLE: dict[tuple[WriteState, WriteEvent], tuple[WriteAction, WriteState]] = {
-    (S.WRITING, E.WRITE): (A.COPIED, S.WRITING),
-    (S.WRITING, E.COMMIT): (A.PUBLISH, S.COMMITTED),
-    (S.WRITING, E.ABORT): (A.DROP, S.RELEASED),
-    (S.WRITING, E.REMOVED): (A.TELL, S.ENDED),
-    (S.WRITING, E.REMOVED_UNHEARD): (A.FREE, S.RELEASED),
-    (S.WRITING, E.GONE): (A.DROP, S.RELEASED),
-    (S.ENDED, E.WRITE): (A.NOTHING, S.ENDED),
-    (S.ENDED, E.COMMIT): (A.FAIL, S.RELEASED),
-    (S.ENDED, E.ABORT): (A.FREE, S.RELEASED),
-    (S.ENDED, E.REMOVED): (A.NOTHING, S.ENDED),  # (once removed, an entry is not removed again)
-    (S.ENDED, E.REMOVED_UNHEARD): (A.FREE, S.RELEASED),
-    (S.ENDED, E.GONE): (A.FREE, S.RELEASED),
-}
 FINAL = frozenset({S.COMMITTED, S.RELEASED})
+
+
+def _rows(table: Table[WriteState, WriteAction]) -> Table[WriteState, WriteAction]:
+    """A row's `does` is the action itself: the shell carries it out."""
+    add = table.add
+    add([S.WRITING], E.WRITE, A.COPIED)
+    add([S.WRITING], E.COMMIT, A.PUBLISH, S.COMMITTED)
+    add([S.WRITING], E.ABORT, A.DROP, S.RELEASED)
+    add([S.WRITING], E.REMOVED, A.TELL, S.ENDED)
+    add([S.WRITING], E.REMOVED_UNHEARD, A.FREE, S.RELEASED)
+    add([S.WRITING], E.GONE, A.DROP, S.RELEASED)
+    add([S.ENDED], E.WRITE, A.NOTHING)
+    add([S.ENDED], E.COMMIT, A.FAIL, S.RELEASED)
+    add([S.ENDED], E.ABORT, A.FREE, S.RELEASED)
+    add([S.ENDED], E.REMOVED, A.NOTHING)  # (once removed, an entry is not removed again)
+    add([S.ENDED], (E.REMOVED_UNHEARD, E.GONE), A.FREE, S.RELEASED)
+    table.refuse(FINAL, tuple(WriteEvent), "the write is over: its connection no longer holds it, so no event "
+                                           "names it (a put_part or commit is NotFound before it gets here)")
+    return table
+
+
+TABLE: Table[WriteState, WriteAction] = _rows(Table(WriteState, WriteEvent))
+_STEPS = TABLE.compile()
 
 
 @dataclass(eq=False)
@@ -87,10 +95,11 @@ class LocalWrite:
 
     def step(self, event: WriteEvent, error: KvdError | None = None) -> WriteAction:
         """Move on `event` (`error`: why the entry was removed); returns what to carry out."""
-        row = TABLE.get((self.state, event))
-        if row is None:  # a final write: the shell forgot the hold, or let an event through twice
-            raise InternalError(f"a local write that is {self.state.value} cannot take {event.value}")
-        action, self.state = row
+        steps = _STEPS.get((self.state, event))
+        if steps is None:  # refused: a final write (the shell forgot the hold, or let an event through twice)
+            raise InternalError(f"a local write that is {self.state.value} cannot take {event.value}: "
+                                f"{TABLE.refusal(self.state, event)}")
+        _, action, self.state = steps[0]  # (one row a pair, none with a guard)
         if event is WriteEvent.REMOVED and action is WriteAction.TELL:
             self.ended = error
         return action
@@ -115,7 +124,4 @@ class LocalWrite:
 
 def describe() -> str:
     """The table as markdown, as the module docstring shows it."""
-    rows = ["| state | event | action | next |", "|---|---|---|---|"]
-    rows += [f"| {state.value} | {event.value} | {action.value} | {after.value} |"
-             for (state, event), (action, after) in TABLE.items()]
-    return "\n".join(rows)
+    return TABLE.markdown(code=False, event_name=lambda event: str(getattr(event, "value", event)))

@@ -3,8 +3,9 @@
 It never touches a socket, a loop or the wall clock (its clock is injected). `links.PeerLink`
 feeds it what its sockets, its timers and the heartbeat saw, and carries out the actions: send a
 hello or a ping, dial again, start a waiter's timer, resolve or fail a waiter, report the link
-lost. Who decides is the table, as for transfers (`table.py`): in each state, for each event,
-the first row whose guard holds names the handler and the state it leaves the link in.
+lost. Who decides is the table (`TABLE`, on `kvd.statetable`'s engine, as for transfers): in each
+state, for each event, the first row whose guard holds holds the handler and the state it leaves
+the link in. Every state has a row for every event (nothing is refused).
 
 A link is "known down" once it was up and lost its connection (or went silent), or a handshake
 went unanswered (a waiter's whole budget, or a heartbeat's hello still queued a heartbeat later:
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.errors import KvdError, PeerUnavailable
+from kvd.statetable import Guard, Table
 
 DOWN_GRACE = 1.0  # seconds: twice ZeroMQ's longest redial interval (0.5 s), for a peer just back
 REDIAL_INTERVAL = 2.0  # seconds between new attempts on a link whose handshake the peer refused
@@ -139,65 +141,6 @@ class Log:
 Action = SendHello | SendPing | Redial | StartTimer | Resolve | Fail | Lost | Forward | Log
 
 
-# --- the table --------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Guard:
-    says: str
-    test: Callable[[Handshake, Any], bool]  # (the link, the event)
-
-
-@dataclass(frozen=True)
-class Row:
-    state: State
-    event: type
-    when: Guard | None
-    does: str  # a Handshake method, without its underscore
-    next: State
-
-
-D, H, U, DN, RF = State.DIALLING, State.HELLO_SENT, State.UP, State.DOWN, State.REFUSED
-NOT_UP = (D, H, DN, RF)
-PENDING = Guard("the waiter still waits", lambda hs, e: e.waiter in hs.waiters)
-BACKLOG = Guard("the last message has not left", lambda hs, e: e.backlog)
-REDIAL_DUE = Guard(f"ZeroMQ gave up, {REDIAL_INTERVAL:g}s ago or more",
-                   lambda hs, e: hs.needs_redial and hs.clock() - hs.dialled_at >= REDIAL_INTERVAL)
-
-TABLE: tuple[Row, ...] = (
-    Row(U, Wait, None, "resolve", U),
-    Row(D, Wait, None, "wait", H),
-    Row(H, Wait, None, "wait", H),
-    Row(DN, Wait, None, "wait_briefly", DN),
-    Row(RF, Wait, None, "wait_briefly", RF),
-    *(Row(s, Expired, PENDING, "expire", DN) for s in (D, H, DN)),
-    Row(RF, Expired, PENDING, "expire", RF),
-    *(Row(s, Expired, None, "nothing", s) for s in (*NOT_UP, U)),
-    *(Row(s, Answered, None, "up", U) for s in (*NOT_UP, U)),
-    *(Row(s, Refused, None, "refuse", RF) for s in (*NOT_UP, U)),
-    *(Row(s, Retrying, None, "note", s) for s in (*NOT_UP, U)),
-    Row(U, Closed, None, "close", DN),
-    *(Row(s, Closed, None, "nothing", s) for s in NOT_UP),
-    Row(U, Silent, None, "go_silent", DN),
-    *(Row(s, Silent, None, "nothing", s) for s in NOT_UP),
-    Row(U, Forgotten, None, "hello_again", H),
-    *(Row(s, Forgotten, None, "forward", s) for s in NOT_UP),
-    Row(U, Heartbeat, BACKLOG, "nothing", U),
-    Row(U, Heartbeat, None, "ping", U),
-    Row(D, Heartbeat, BACKLOG, "unreachable", DN),
-    Row(D, Heartbeat, None, "hello", H),
-    Row(H, Heartbeat, BACKLOG, "unreachable", DN),
-    Row(H, Heartbeat, None, "hello", H),
-    Row(DN, Heartbeat, BACKLOG, "nothing", DN),
-    Row(DN, Heartbeat, None, "hello", DN),
-    Row(RF, Heartbeat, REDIAL_DUE, "redial", RF),
-    Row(RF, Heartbeat, BACKLOG, "nothing", RF),
-    Row(RF, Heartbeat, None, "hello", RF),
-)
-ROWS: dict[tuple[State, type], list[Row]] = {}
-for _row in TABLE:
-    ROWS.setdefault((_row.state, _row.event), []).append(_row)
-
-
 class Handshake:
     """The state of one link's handshake: `handle(event) -> actions` is the only way it moves."""
 
@@ -224,12 +167,14 @@ class Handshake:
         return f"peer {self.name} ({self.endpoint})"
 
     def handle(self, event: Event) -> list[Action]:
-        rows = ROWS[self.state, type(event)]  # (every state has a row for every event: a test checks)
-        row = next(r for r in rows if r.when is None or r.when.test(self, event))
-        actions = getattr(self, "_" + row.does)(event)
-        if row.next is State.DOWN and self.state is not State.DOWN:
+        steps = _STEPS[self.state, type(event)]  # (every state has a row for every event: a test checks)
+        for test, does, next_state in steps:  # noqa: B007 (the row taken: used after the break)
+            if test is None or test(self, event):
+                break
+        actions = does(self, event)
+        if next_state is State.DOWN and self.state is not State.DOWN:
             self.down_since = self.clock()
-        self.state = row.next
+        self.state = next_state
         return actions
 
     # --- handlers: what the row does; none assigns the state ----------------------------------------
@@ -319,14 +264,59 @@ class Handshake:
         return [Redial(), *([SendHello()] if hello and event is not None and not event.backlog else [])]
 
 
+# --- the table ------------------------------------------------------------------------------------
+
+D, H, U, DN, RF = State.DIALLING, State.HELLO_SENT, State.UP, State.DOWN, State.REFUSED
+NOT_UP = (D, H, DN, RF)
+PENDING = Guard("the waiter still waits", lambda hs, e: e.waiter in hs.waiters)
+BACKLOG = Guard("the last message has not left", lambda hs, e: e.backlog)
+REDIAL_DUE = Guard(f"ZeroMQ gave up, {REDIAL_INTERVAL:g}s ago or more",
+                   lambda hs, e: hs.needs_redial and hs.clock() - hs.dialled_at >= REDIAL_INTERVAL)
+Handler = Callable[[Handshake, Any], list[Action]]  # a Handshake method: (the link, the event) -> actions
+EVENTS = (Wait, Expired, Answered, Refused, Retrying, Closed, Silent, Forgotten, Heartbeat)
+
+
+def _rows(table: Table[State, Handler]) -> Table[State, Handler]:
+    add, hs = table.add, Handshake
+    add([U], Wait, hs._resolve, U)
+    add([D], Wait, hs._wait, H)
+    add([H], Wait, hs._wait, H)
+    add([DN], Wait, hs._wait_briefly, DN)
+    add([RF], Wait, hs._wait_briefly, RF)
+    add((D, H, DN), Expired, hs._expire, DN, PENDING)
+    add([RF], Expired, hs._expire, RF, PENDING)
+    add((*NOT_UP, U), Expired, hs._nothing)
+    add((*NOT_UP, U), Answered, hs._up, U)
+    add((*NOT_UP, U), Refused, hs._refuse, RF)
+    add((*NOT_UP, U), Retrying, hs._note)
+    add([U], Closed, hs._close, DN)
+    add(NOT_UP, Closed, hs._nothing)
+    add([U], Silent, hs._go_silent, DN)
+    add(NOT_UP, Silent, hs._nothing)
+    add([U], Forgotten, hs._hello_again, H)
+    add(NOT_UP, Forgotten, hs._forward)
+    add([U], Heartbeat, hs._nothing, U, BACKLOG)
+    add([U], Heartbeat, hs._ping, U)
+    add([D], Heartbeat, hs._unreachable, DN, BACKLOG)
+    add([D], Heartbeat, hs._hello, H)
+    add([H], Heartbeat, hs._unreachable, DN, BACKLOG)
+    add([H], Heartbeat, hs._hello, H)
+    add([DN], Heartbeat, hs._nothing, DN, BACKLOG)
+    add([DN], Heartbeat, hs._hello, DN)
+    add([RF], Heartbeat, hs._redial, RF, REDIAL_DUE)
+    add([RF], Heartbeat, hs._nothing, RF, BACKLOG)
+    add([RF], Heartbeat, hs._hello, RF)
+    return table
+
+
+TABLE: Table[State, Handler] = _rows(Table(State, EVENTS))
+_STEPS = TABLE.compile()
+
+
 def markdown() -> str:
-    """The table as PROTOCOL.md-style rows (for a reader; nothing generates code from it)."""
-    lines = ["| state | event | when | does | next |", "|---|---|---|---|---|"]
-    for row in TABLE:
-        lines.append(f"| {row.state.value} | {row.event.__name__} | {row.when.says if row.when else ''} "
-                     f"| {row.does} | {row.next.value} |")
-    return "\n".join(lines)
+    """The table as PROTOCOL.md shows it: a line per row (for a reader; nothing generates code from it)."""
+    return TABLE.markdown(merge=False, same_as=None, code=False)
 
 
 if __name__ == "__main__":
-    print(markdown())
+    print(markdown(), end="")

@@ -21,8 +21,11 @@ class Sending(Protocol):
     def add_done_callback(self, callback: Callable[[Any], object], /) -> None: ...
 
 
+ChannelKey = tuple[str, str | bytes]  # (the socket's kind, the peer's endpoint or routing id)
+
+
 class Channel:
-    def __init__(self, key: tuple, peer_name: str, sender: Callable[[list, bool], Sending],
+    def __init__(self, key: ChannelKey, peer_name: str, sender: Callable[[list[p.Frame], bool], Sending],
                  cutter: Callable[[], bool]) -> None:
         self.key = key  # identifies the connection, so a message on another one is refused
         self.peer_name = peer_name

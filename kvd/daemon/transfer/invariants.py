@@ -1,6 +1,8 @@
 """What must hold of a transfer machine between any two events (daemon process), as Dask's
 worker state machine checks its own (`validate_state`): `Machine.validate()` calls this after
-every step of the property tests. It reads, never changes, and is too slow for the hot path.
+every step of the property tests. It reads, never changes, and is too slow for the hot path. A
+broken invariant of one transfer is raised keyed by its id (`InvariantBroken`), so that
+`validate()` can tell that transfer's story.
 
 - every transfer held is live (no terminal state), under its own id, in a state its kind has;
 - a sender holds a lease on its entry that still claims it (none while WAITING), no two
@@ -18,34 +20,45 @@ from __future__ import annotations
 
 import itertools
 
+from kvd.statetable import InvariantBroken
 from kvd.wire.layout import blocks_needed
 
 from ..store.entries import State
-from .states import KIND_STATES, STREAM_SENDER, TERMINAL, Inbound, Kind, Outbound, R, S
+from .states import KIND_STATES, STREAM_SENDER, TERMINAL, Books, Inbound, Kind, Outbound, R, S, Transfer
 
 PLANE_SENDER = frozenset({S.ASKED, S.STREAM_ASKED, S.PLACING, S.STREAM_PLACING, S.LENT})
 PLANE_RECEIVER = frozenset({R.GRANTED, R.STREAM_GRANTED, R.READING})
 
 
-def check_machine(machine) -> None:
+def check_machine(machine: Books) -> None:
+    """Raise InvariantBroken, keyed by the transfer it concerns, for the first invariant that does not hold."""
     leases: set[int] = set()
     entries: set[int] = set()
     for xfer, transfer in machine.transfers.items():
-        where = f"transfer {xfer:x} ({transfer.kind.value}, {transfer.state.value})"
-        assert transfer.xfer == xfer, f"{where} is held under another id"
-        assert transfer.state not in TERMINAL, f"{where} has ended but is still held"
-        assert transfer.state in KIND_STATES[transfer.kind], f"{where}: a state a {transfer.kind.value} never has"
-        if isinstance(transfer, Outbound):
-            _check_sender(machine, transfer, where, leases)
-        else:
-            _check_receiver(machine, transfer, where, entries)
+        try:
+            _check_transfer(machine, xfer, transfer, leases, entries)
+        except InvariantBroken:
+            raise
+        except AssertionError as exc:
+            raise InvariantBroken(xfer, str(exc)) from exc
     # only a receiver reserves an entry RECEIVING: one left in the store with none is lost blocks
     for entry in machine.store.entries.values():
         assert entry.state is not State.RECEIVING or id(entry) in entries, \
             f"{entry.request_id!r} is receiving, but no transfer receives it"
 
 
-def _check_sender(machine, out: Outbound, where: str, leases: set[int]) -> None:
+def _check_transfer(machine: Books, xfer: int, transfer: Transfer, leases: set[int], entries: set[int]) -> None:
+    where = f"transfer {xfer:x} ({transfer.kind.value}, {transfer.state.value})"
+    assert transfer.xfer == xfer, f"{where} is held under another id"
+    assert transfer.state not in TERMINAL, f"{where} has ended but is still held"
+    assert transfer.state in KIND_STATES[transfer.kind], f"{where}: a state a {transfer.kind.value} never has"
+    if isinstance(transfer, Outbound):
+        _check_sender(machine, transfer, where, leases)
+    else:
+        _check_receiver(machine, transfer, where, entries)
+
+
+def _check_sender(machine: Books, out: Outbound, where: str, leases: set[int]) -> None:
     assert (out.kind is Kind.SERVE) == (out.pull is not None), f"{where}: a served pull, and only one, has a pull"
     if out.state is S.WAITING:
         assert out.entry is None and out.window is None and out.lease_token == 0, f"{where} holds an entry"
@@ -76,7 +89,7 @@ def _check_sender(machine, out: Outbound, where: str, leases: set[int]) -> None:
     _check_plane_sender(machine, out, where)
 
 
-def _check_plane_sender(machine, out: Outbound, where: str) -> None:
+def _check_plane_sender(machine: Books, out: Outbound, where: str) -> None:
     entry, window = out.sending()
     assert (out.plane is not None) == (out.state in PLANE_SENDER), f"{where}: its plane is {out.plane}"
     if out.plane is None:
@@ -100,7 +113,7 @@ def _check_plane_sender(machine, out: Outbound, where: str) -> None:
     assert len(window.in_flight) <= machine.limits.plane_in_flight, f"{where}: more writes than its window"
 
 
-def _check_receiver(machine, inbound: Inbound, where: str, entries: set[int]) -> None:
+def _check_receiver(machine: Books, inbound: Inbound, where: str, entries: set[int]) -> None:
     if inbound.state is R.PULLING:
         assert inbound.entry is None and inbound.ledger is None, f"{where} holds an entry before the offer"
         assert inbound.plane is None and inbound.reads is None, f"{where} reads before the offer"
@@ -121,7 +134,7 @@ def _check_receiver(machine, inbound: Inbound, where: str, entries: set[int]) ->
     _check_plane_receiver(machine, inbound, where)
 
 
-def _check_plane_receiver(machine, inbound: Inbound, where: str) -> None:
+def _check_plane_receiver(machine: Books, inbound: Inbound, where: str) -> None:
     entry, ledger = inbound.receiving()
     if inbound.state in PLANE_RECEIVER:
         assert inbound.plane is not None, f"{where} has no plane"

@@ -1,6 +1,7 @@
 """What a transfer between daemons is (daemon process): its states, the events that move it and
-the actions it asks for. Plain data: `table.py` says which event does what in which state, and
-`machine.py` walks that table.
+the actions it asks for, and the books the machine keeps of them (`Books`, what every handler is
+handed). Plain data: `table.py` says which event does what in which state, and `machine.py`
+walks that table.
 
 A transfer object holds protocol state only (what the peer and we have said, the entry and the
 bytes in flight); what the I/O layer keeps about a transfer (futures, callbacks, trackers) is
@@ -9,13 +10,18 @@ that layer's, keyed by transfer id (`transfers.py`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvd.errors import KvdError
+from kvd.memory.io import PoolIO
+from kvd.statetable import Fail
 from kvd.wire import protocol as p
 
-from ..store.entries import Entry
-from .channel import Channel
+from ..store.entries import Entry, Store
+from .channel import Channel, ChannelKey
+from .limits import Limits
+from .ranges import Ranges
 from .window import ReceiveLedger, SendWindow
 
 
@@ -99,8 +105,8 @@ class Outbound:
     started: float = 0.0  # by the machine's clock
     plane: str | None = None  # the one-sided plane its bytes ride (None: chunk frames)
     plane_min: int = 0  # entries smaller than this go as chunk frames even on a link with a plane
-    regions: list | None = None  # a push on a plane: the receiver's granted ranges, in the entry's order
-    placed: dict = field(default_factory=dict)  # seq -> the placed message to send once its write ended
+    regions: Ranges | None = None  # a push on a plane: the receiver's granted ranges, in the entry's order
+    placed: dict[int, p.Placed] = field(default_factory=dict)  # seq -> the placed message to send once its write ended
     ops: int = 0  # plane operations of ours running
 
     def sending(self) -> tuple[Entry, SendWindow]:
@@ -125,8 +131,8 @@ class Inbound:
     deadline: float = 0.0
     started: float = 0.0  # by the machine's clock: a pull from its Pull, a pushed entry from its Offer
     plane: str | None = None  # the one-sided plane its bytes ride (None: chunk frames)
-    regions: list | None = None  # a pull on a plane: the holder's ranges, in the entry's order
-    slices: list | None = None  # ... and its slices to read: (offset, length, digest) by seq
+    regions: Ranges | None = None  # a pull on a plane: the holder's ranges, in the entry's order
+    slices: list[tuple[int, int, int]] | None = None  # ... and its slices to read: (offset, length, digest) by seq
     reads: SendWindow | None = None  # ... which of them our plane reads now
 
     def receiving(self) -> tuple[Entry, ReceiveLedger]:
@@ -135,7 +141,7 @@ class Inbound:
             raise AssertionError(f"transfer {self.xfer:x} is {self.state} without an entry")
         return self.entry, self.ledger
 
-    def reading(self) -> tuple[Entry, SendWindow, list, list]:
+    def reading(self) -> tuple[Entry, SendWindow, Ranges, list[tuple[int, int, int]]]:
         """A pull on a plane's entry, reads, the holder's ranges and its slices (from its offer on)."""
         if self.entry is None or self.reads is None or self.regions is None or self.slices is None:
             raise AssertionError(f"transfer {self.xfer:x} is {self.state} without its reads")
@@ -197,7 +203,7 @@ class Cancel:
 class ChannelLost:
     """The connection under a channel is gone (closed, peer restarted, silent past the heartbeat).
     Every transfer on it sees this event."""
-    key: tuple
+    key: ChannelKey
     reason: str
 
 
@@ -245,8 +251,8 @@ class PostOp:
     transfer: Transfer
     seq: int
     op: str
-    local: list
-    remote: list
+    local: Ranges
+    remote: Ranges
 
 
 @dataclass
@@ -288,4 +294,19 @@ class Finished:
     error: KvdError | None
 
 
-Action = Send | SendChunk | PostOp | Received | WaitForEntry | Progress | Published | Dropped | Finished
+# (a row that fails returns Fail, which the machine turns into the abort, the drop and the Finished)
+Action = Send | SendChunk | PostOp | Received | WaitForEntry | Progress | Published | Dropped | Finished | Fail
+
+
+class Books:
+    """What the transfer machine keeps, and what its handlers (`sending.py`, `receiving.py`, `onesided.py`,
+    `failures.py`) read and change: the live transfers by id, the store's books, the pool's bytes
+    through `io`, the limits and the clock. `Machine` is the one subclass: it adds walking the table."""
+
+    def __init__(self, node_id: str, limits: Limits, store: Store, io: PoolIO, clock: Callable[[], float]) -> None:
+        self.node_id = node_id
+        self.limits = limits
+        self.store = store
+        self.io = io  # pool bytes <-> network buffers (direct for host pools, bounced for GPU pools)
+        self.clock = clock
+        self.transfers: dict[int, Transfer] = {}
