@@ -53,26 +53,13 @@ from .connector_report import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTEXT = 4096  # tokens: the example's model says 2048; its weights do not care (RoPE, no position table)
+CONTEXT = eng.CONTEXT
 WARMUP_TOKENS = 64
 # kvd's engine sets: the connector as it is, and (a change measured against it) with every push's
 # commit off the engine's thread (kvd.integrations.vllm.worker)
 KVD_SIDES = {"kvd": {}, "background": {"KVD_VLLM_COMMIT_IN_BACKGROUND": "1"}, "pp": {}, "plane": {}}
 DAEMON_FLAGS = {"plane": ["--data-plane", "nixl"]}  # kvd sets whose daemons take flags of their own
 PIPELINED = {"pp": 2}  # kvd sets whose prefill engine has pipeline stages (one core each)
-
-
-def make_model(workdir: Path) -> tuple[str, int]:
-    """The example's tiny Llama with its context raised; (its path, bytes of KV per 32-token block)."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    import vllm_disagg  # the example's model, seed and tokenizer: the same engines as its tests
-
-    path = vllm_disagg.make_tiny_llama(workdir / "tiny-llama")
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = CONTEXT
-    (path / "config.json").write_text(json.dumps(config))
-    per_token = 2 * config["num_key_value_heads"] * config["head_dim"] * 4 * config["num_hidden_layers"]
-    return str(path), per_token * vllm_disagg.BLOCK_SIZE
 
 
 def uptime() -> str:
@@ -92,7 +79,7 @@ class Bench:
         # row; share_cores leaves them all running, as two engine sets on one host would
         self.share_cores = share_cores
         self.paused: dict[str, bool] = {}
-        self.model, self.block_bytes = make_model(workdir)
+        self.model, self.block_bytes = eng.make_model(workdir, CONTEXT)
         self.daemons = DaemonFactory(workdir, log_level="warning")
         self.servers: dict[str, eng.Server] = {}
         self.pids: dict[str, dict[str, int]] = {}  # engine set -> process name -> pid

@@ -21,9 +21,25 @@ from pathlib import Path
 
 from kvd.testing.daemons import free_port
 
+ROOT = Path(__file__).resolve().parents[1]
+CONTEXT = 4096  # tokens: the example's model says 2048; its weights do not care (RoPE, no position table)
+
 READY_TIMEOUT = 600.0  # seconds for an engine to answer /health (about 70 on 2 busy cores)
 LOAD_TIMEOUT = 30.0  # kvd_load_timeout: decode waits this long for a pushed entry before recomputing
 NIXL_PACKAGES = ("nixl", "nixl_cu12", "nixl_cu12.libs", "nixl_meta_utils.py")
+
+
+def make_model(workdir: Path, context: int) -> tuple[str, int]:
+    """The example's tiny Llama with its context raised; (its path, bytes of KV per 32-token block)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import vllm_disagg  # the example's model, seed and tokenizer: the same engines as its tests
+
+    path = vllm_disagg.make_tiny_llama(workdir / "tiny-llama")
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = context
+    (path / "config.json").write_text(json.dumps(config))
+    per_token = 2 * config["num_key_value_heads"] * config["head_dim"] * 4 * config["num_hidden_layers"]
+    return str(path), per_token * vllm_disagg.BLOCK_SIZE
 
 
 @dataclass

@@ -121,10 +121,9 @@ class PrefixBench:
     """Daemons A and C on a temporary etcd, engines A, B (daemon A), C (daemon C) and R (plain)."""
 
     def __init__(self, workdir: Path, registry: str) -> None:
-        from .connector import make_model
 
         self.workdir = workdir
-        self.model, _ = make_model(workdir)
+        self.model, _ = eng.make_model(workdir, eng.CONTEXT)
         self.daemons = DaemonFactory(workdir, log_level="warning")
         flags = ["--registry", registry, "--cluster", f"bench-prefix-{os.getpid()}"]
         self.daemon = {name: self.daemons.start(name, pool_size="1GiB", extra=[*flags, "--cache-size", "0.5"])
