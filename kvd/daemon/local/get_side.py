@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from kvd.errors import BadRequest, NotFound, Timeout
 from kvd.wire import protocol as p
@@ -38,7 +39,8 @@ class Reads:
         self._directory = directory  # the cluster registry's holder directory, with --registry
         self._reply = reply
 
-    def _is_remote(self, peer: str | None) -> bool:
+    def _is_remote(self, peer: str | None) -> TypeGuard[str]:
+        """Whether peer names another node (so it is not None)."""
         return peer is not None and peer != self.settings.node_id
 
     def lease_for_client(self, msg: p.Get, entry: Entry) -> p.GetSlots:
@@ -107,8 +109,8 @@ class Reads:
                                   lambda: self.watch.wake(msg.request_id))
 
         def find() -> Entry | None:
-            if pull is not None and pull.done() and not pull.cancelled() and pull.exception() is not None:
-                raise pull.exception()
+            if pull is not None and pull.done() and not pull.cancelled() and (failed := pull.exception()) is not None:
+                raise failed
             entry = self.watch.streamable(msg.request_id)
             if entry is None:  # (one that left is sought where it went, with a source or a registry)
                 self._check_not_leaving(msg.request_id, departed_too=pull is None and search is None)

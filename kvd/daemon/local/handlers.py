@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from kvd.errors import BadRequest, KvdError, NotFound, ShuttingDown
 from kvd.wire import protocol as p
@@ -75,7 +76,7 @@ class LocalSettings:
 
 class LocalHandlers:
     def __init__(self, settings: LocalSettings, store: Store, watch: EntryWatch, transfers: Transfers,
-                 metrics: Metrics, clients: LocalServer, lifecycle: Lifecycle, *, stats: Callable[[], dict],
+                 metrics: Metrics, clients: LocalServer, lifecycle: Lifecycle, *, stats: Callable[[], dict[str, Any]],
                  ledger: LocalLedger, directory: Directory | None = None, cache: CacheService | None = None) -> None:
         self.settings = settings
         self.store = store
@@ -90,8 +91,9 @@ class LocalHandlers:
         self.reads = Reads(settings.reads(), store, watch, self.pulls, directory, self._reply)
         self.puts = LocalPuts(settings.puts(), store, watch, transfers, metrics, self.ledger, clients.is_connected,
                               self._reply, self._error)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.cache = cache  # the KV tier's requests
+        self._routes = self.routes()
 
     async def close(self) -> None:
         self.watch.close()
@@ -101,16 +103,17 @@ class LocalHandlers:
 
     # --- messages in, replies out -------------------------------------------------------------------
 
-    def on_local_message(self, frames: list) -> None:
+    def on_local_message(self, frames: list[bytes]) -> None:
         rid = frames[0]
         try:
             msg = p.decode(frames[1:])
         except KvdError as exc:  # answered with the req the header's first keys give, when they do
             self.metrics.report_undecodable("client", f"client {rid.decode()}", exc, log)
-            reply = self._error(None, exc)
-            reply.req = p.request_number(frames[1]) if len(frames) > 1 else 0
-            self._reply(rid, reply)
+            refusal = self._error(None, exc)
+            refusal.req = p.request_number(frames[1]) if len(frames) > 1 else 0
+            self._reply(rid, refusal)
             return
+        reply: p.Message | None
         try:
             if self.lifecycle.draining and not isinstance(msg, ALLOWED_WHILE_DRAINING):
                 raise ShuttingDown(f"daemon {self.settings.node_id} is shutting down")
@@ -147,14 +150,15 @@ class LocalHandlers:
             "request_id": request_id[:MAX_NOTE] if isinstance(request_id, str) else None})
         return reply
 
-    def _list_page(self, after: str | None, limit: int | None) -> list[dict]:
+    def _list_page(self, after: str | None, limit: int | None) -> list[dict[str, Any]]:
         """Entries by request id after `after`, at most LIST_PAGE (one reply must fit a header:
         the client library and `kvd ls` ask for the next page until one comes back short)."""
         count = p.LIST_PAGE if limit is None else max(0, min(limit, p.LIST_PAGE))
         ids = sorted(i for i in self.store.entries if after is None or i > after)[:count]
         return [self.store.entries[i].describe() for i in ids]
 
-    def _later(self, rid: bytes, msg: p.Message, coro, waits: bool = False) -> None:
+    def _later(self, rid: bytes, msg: p.Message, coro: Coroutine[Any, Any, p.Message | None],
+               waits: bool = False) -> None:
         """Run a handler that waits (on a peer, or for data) without holding up other clients. A
         waiting read (waits=True) ends with its client: nobody is left to answer (a get may wait an
         hour, and a client that hangs up must not leave it behind)."""
@@ -166,6 +170,7 @@ class LocalHandlers:
                 raise
 
         async def run() -> None:
+            reply: p.Message | None
             try:
                 reply = await coro
             except Exception as exc:
@@ -195,6 +200,7 @@ class LocalHandlers:
 
     def _answer_parked(self, parked: ParkedGet, found: Entry | KvdError) -> None:
         self._wait_ended(parked.rid, parked)
+        reply: p.Message
         try:
             if isinstance(found, KvdError):
                 raise found
@@ -209,66 +215,59 @@ class LocalHandlers:
             return Use.HOLDS
         return Use.WAITS if self.ledger.waits_any(rid) else Use.NOTHING
 
-    def _wait_started(self, rid: bytes, wait: asyncio.Task | ParkedGet) -> None:
+    def _wait_started(self, rid: bytes, wait: asyncio.Task[None] | ParkedGet) -> None:
         self.ledger.handle(ev.WaitStarted(rid, wait))
         self.metrics.waiting_reads = self.ledger.waiting
 
-    def _wait_ended(self, rid: bytes, wait: asyncio.Task | ParkedGet) -> None:
+    def _wait_ended(self, rid: bytes, wait: asyncio.Task[None] | ParkedGet) -> None:
         self.ledger.handle(ev.WaitEnded(rid, wait))
         self.metrics.waiting_reads = self.ledger.waiting
 
+    def routes(self) -> dict[type[p.Message], Callable[[bytes, Any], p.Message | None]]:
+        """Each client request's handler, by type: `_handle` dispatches through this table. The KV
+        tier's requests go to its service when the daemon has a tier (without one, they are not
+        client requests here)."""
+        routes: dict[type[p.Message], Callable[[bytes, Any], p.Message | None]] = {
+            p.Hello: self._hello, p.PutAlloc: self.puts.alloc, p.PutPart: self.puts.part,
+            p.PutCommit: self.puts.commit, p.Put: self.puts.in_scratch, p.GetStream: self._get_stream,
+            p.Get: self._get, p.GetDone: self._get_done, p.Delete: self._delete, p.Stats: self._stats,
+            p.ClusterNodes: self._cluster_nodes, p.ClusterLocate: self._cluster_locate,
+            p.ListEntries: self._list_entries}
+        if self.cache is not None:
+            routes.update(dict.fromkeys(p.CACHE_REQUESTS, self.cache.handle))
+        return routes
+
     def _handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
-        if isinstance(msg, p.CACHE_REQUESTS) and self.cache is not None:
-            return self.cache.handle(rid, msg)
-        match msg:
-            case p.Hello():
-                h = self.settings.hello
-                return p.HelloOk(req=msg.req, node_id=h.node_id, incarnation=h.incarnation, pool_path=h.pool_path,
-                                 pool_size=h.pool_size, block_size=h.block_size, device=h.device,
-                                 pool_handle=h.pool_handle)
-            case p.PutAlloc():
-                return self.puts.alloc(rid, msg)
-            case p.PutPart():
-                return self.puts.part(rid, msg)
-            case p.PutCommit():
-                return self.puts.commit(rid, msg)
-            case p.Put():
-                return self.puts.in_scratch(rid, msg)
-            case p.GetStream():
-                self._later(rid, msg, self.reads.get_stream(rid, msg), waits=True)
-                return None
-            case p.Get():
-                if not 0 <= msg.timeout <= MAX_WAIT:
-                    raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
-                entry = self.store.ready(msg.request_id)
-                if entry is not None:
-                    return self.reads.lease_for_client(msg, entry)
-                if self.reads.waits_here(msg):
-                    self._park(rid, msg)
-                else:
-                    self._later(rid, msg, self.reads.get(rid, msg), waits=True)
-                return None
-            case p.GetDone():
-                return self._get_done(rid, msg)
-            case p.Delete() if msg.token is not None:  # a writer gives up its own reservation
-                return self.puts.abort(rid, msg)
-            case p.Delete():
-                entry = self.store.entries.get(msg.request_id)
-                if entry is None:
-                    return p.Ok(req=msg.req, value=False)
-                self.puts.remove(entry, NotFound(f"request {msg.request_id!r} was deleted on {self.settings.node_id}"))
-                return p.Ok(req=msg.req, value=True)
-            case p.Stats():
-                return p.Ok(req=msg.req, value=self.stats())
-            case p.ClusterNodes():
-                return p.Ok(req=msg.req, value=self.reads.directory().nodes())
-            case p.ClusterLocate():
-                self._later(rid, msg, self.reads.locate(msg))
-                return None
-            case p.ListEntries():
-                return p.Ok(req=msg.req, value=self._list_page(msg.after, msg.limit))
-            case _:
-                raise BadRequest(f"{msg.TYPE} is not a client request")
+        handler = self._routes.get(type(msg))
+        if handler is None:
+            raise BadRequest(f"{msg.TYPE} is not a client request")
+        return handler(rid, msg)
+
+    def _hello(self, rid: bytes, msg: p.Hello) -> p.HelloOk:
+        h = self.settings.hello
+        return p.HelloOk(req=msg.req, node_id=h.node_id, incarnation=h.incarnation, pool_path=h.pool_path,
+                         pool_size=h.pool_size, block_size=h.block_size, device=h.device, pool_handle=h.pool_handle)
+
+    def _delete(self, rid: bytes, msg: p.Delete) -> p.Ok:
+        if msg.token is not None:  # a writer gives up its own reservation
+            return self.puts.abort(rid, msg, msg.token)
+        entry = self.store.entries.get(msg.request_id)
+        if entry is None:
+            return p.Ok(req=msg.req, value=False)
+        self.puts.remove(entry, NotFound(f"request {msg.request_id!r} was deleted on {self.settings.node_id}"))
+        return p.Ok(req=msg.req, value=True)
+
+    def _stats(self, rid: bytes, msg: p.Stats) -> p.Ok:
+        return p.Ok(req=msg.req, value=self.stats())
+
+    def _cluster_nodes(self, rid: bytes, msg: p.ClusterNodes) -> p.Ok:
+        return p.Ok(req=msg.req, value=self.reads.directory().nodes())
+
+    def _cluster_locate(self, rid: bytes, msg: p.ClusterLocate) -> None:
+        self._later(rid, msg, self.reads.locate(msg))
+
+    def _list_entries(self, rid: bytes, msg: p.ListEntries) -> p.Ok:
+        return p.Ok(req=msg.req, value=self._list_page(msg.after, msg.limit))
 
     def on_client_gone(self, rid: bytes) -> None:
         """A client hung up: its unfinished puts are dropped and its reads given back now, as
@@ -291,11 +290,27 @@ class LocalHandlers:
 
     # --- gets ---------------------------------------------------------------------------------------------
 
+    def _get(self, rid: bytes, msg: p.Get) -> p.GetSlots | None:
+        if not 0 <= msg.timeout <= MAX_WAIT:
+            raise BadRequest(f"timeout must be between 0 and {MAX_WAIT:g} seconds")
+        entry = self.store.ready(msg.request_id)
+        if entry is not None:
+            return self.reads.lease_for_client(msg, entry)
+        if self.reads.waits_here(msg):
+            self._park(rid, msg)
+        else:
+            self._later(rid, msg, self.reads.get(rid, msg), waits=True)
+        return None
+
+    def _get_stream(self, rid: bytes, msg: p.GetStream) -> None:
+        self._later(rid, msg, self.reads.get_stream(rid, msg), waits=True)
+
     def _get_done(self, rid: bytes, msg: p.GetDone) -> p.Ok | None:
         (released,) = self.ledger.handle(ev.Release(rid, msg.token, msg.consume))
         assert isinstance(released, ev.Released)
         entry, lease, claiming = released.entry, released.lease, released.claiming
         if claiming and msg.consume:
+            assert lease is not None  # (a lease that still claims its entry was there)
             self.metrics.duration.labels("local_get").observe(time.monotonic() - lease.started)
             self.metrics.local_bytes.labels("out").inc(entry.total_bytes)
         if msg.token in self.watch.stream_leases:

@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from kvd.errors import InternalError, KvdError
 from kvd.wire import protocol as p
@@ -100,9 +101,9 @@ class LocalPuts:
         self._written(entry, *written)
         return self._publish(rid, msg, entry, push)
 
-    def abort(self, rid: bytes, msg: p.Delete) -> p.Ok:
-        """A writer gives up its own reservation (a delete with its token): True if it was live."""
-        answer = self.carry(self.ledger.handle(ev.Abort(rid, msg.token, msg.request_id)))
+    def abort(self, rid: bytes, msg: p.Delete, token: int) -> p.Ok:
+        """A writer gives up its own reservation (a delete with its token, msg.token): True if it was live."""
+        answer = self.carry(self.ledger.handle(ev.Abort(rid, token, msg.request_id)))
         return p.Ok(req=msg.req, value=answer)
 
     def carry(self, actions: list[ev.Action]) -> object:
@@ -141,7 +142,7 @@ class LocalPuts:
             raise
         self._pushes[entry.token] = push
 
-        def ended(outcome: asyncio.Future) -> None:
+        def ended(outcome: asyncio.Future[None]) -> None:
             self._pushes.pop(entry.token, None)
             error = None if outcome.cancelled() else outcome.exception()
             if error is not None:  # (a stream's push that failed before its commit ends the put)
@@ -224,5 +225,6 @@ class LocalPuts:
         """A reservation's lease ran out (the housekeeping sweep removed it)."""
         self.carry(self.ledger.handle(ev.WriteExpired(entry)))
 
-    def _is_remote(self, peer: str | None) -> bool:
+    def _is_remote(self, peer: str | None) -> TypeGuard[str]:
+        """Whether peer names another node (so it is not None)."""
         return peer is not None and peer != self.settings.node_id

@@ -37,6 +37,7 @@ from kvd.memory.heap import give_back_heap
 from kvd.wire import protocol as p
 from kvd.wire.endpoints import tcp_address, unix_path
 from kvd.wire.framing import MessageReader, encode_message
+from kvd.wire.protocol import Frame
 
 from ..peer.tcpconn import TcpConnection, foreign_user, foreign_user_refusal
 
@@ -92,13 +93,13 @@ class LocalServer:
         # what a connection holds or waits for (the handlers', given at start): how it may be evicted
         self.uses: Callable[[bytes], Use] = lambda conn_id: Use.NOTHING
         self.lingering = 0  # refused connections kept open until their client read why
-        self._on_message: Callable[[list], None] = lambda frames: None
+        self._on_message: Callable[[list[bytes]], None] = lambda frames: None
         self._on_disconnect: Callable[[bytes], None] = lambda conn_id: None
         self._connections: dict[bytes, _ClientConnection] = {}
         self._ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
 
-    async def start(self, endpoint: str, on_message: Callable[[list], None],
+    async def start(self, endpoint: str, on_message: Callable[[list[bytes]], None],
                     on_disconnect: Callable[[bytes], None], uses: Callable[[bytes], Use] | None = None) -> None:
         """Serve endpoint; on_message gets [connection id, *frames], on_disconnect a departed id,
         uses what a connection holds or waits for (how it may be evicted at --max-clients)."""
@@ -152,8 +153,8 @@ class LocalServer:
     def enforce(self, now: float) -> None:
         """Housekeeping: cut connections that began a message and did not finish it in time; give
         the heap back once cut connections freed enough of it."""
-        for conn in [c for c in self._connections.values() if c.partial_since is not None]:
-            if now - conn.partial_since > PARTIAL_DEADLINE:
+        for conn in list(self._connections.values()):
+            if conn.partial_since is not None and now - conn.partial_since > PARTIAL_DEADLINE:
                 self.cut_partial(conn, "deadline",
                                  f"it began a message and did not finish it within {PARTIAL_DEADLINE:g}s")
         if self._freed >= TRIM_AFTER and self.partial_bytes < TRIM_AFTER:
@@ -229,8 +230,8 @@ class _ClientConnection(asyncio.Protocol):
         self.conn_id = conn_id
         self.full = full  # came at the cap: let in only if an idle one makes room, else told why and closed
         self.reader = MessageReader()
-        self.transport: asyncio.Transport | None = None
-        self._backlog: collections.deque = collections.deque()  # decoded, not yet handled
+        self._transport: asyncio.Transport | None = None  # (from connection_made)
+        self._backlog: collections.deque[list[bytes]] = collections.deque()  # decoded, not yet handled
         self._paused = False
         self.partial_since: float | None = None  # when the message now buffered began
         self.connected_at = time.monotonic()
@@ -238,11 +239,20 @@ class _ClientConnection(asyncio.Protocol):
         self.refused = False  # told why it is not served; closed once it read that
         self._lingers = False  # (counted among the refused connections kept open)
 
+    @property
+    def transport(self) -> asyncio.Transport:
+        """The connection's transport: asyncio calls connection_made first (a connection is listed
+        from its protocol's creation, a moment before: `eviction_rank` allows for that)."""
+        transport = self._transport
+        assert transport is not None, "a client connection used before connection_made"
+        return transport
+
     def eviction_rank(self, now: float) -> tuple[int, float] | None:
         """(kind, since when) if this connection may be evicted at the cap, the lowest first: 0 never
         spoke, 1 idle, 2 only waiting; None if it may not (mid-message, unanswered, or holding)."""
-        if (self.transport is None or self.transport.is_closing() or self._backlog or self.reader.buffered
-                or self.transport.get_write_buffer_size()):
+        transport = self._transport
+        if (transport is None or transport.is_closing() or self._backlog or self.reader.buffered
+                or transport.get_write_buffer_size()):
             return None
         if self.last_message is None:
             return (0, self.connected_at) if now - self.connected_at >= SILENT_GRACE else None
@@ -264,7 +274,8 @@ class _ClientConnection(asyncio.Protocol):
         asyncio.get_running_loop().call_later(REFUSED_LINGER, self.transport.abort)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # (a stream server's transport: asyncio types connection_made's argument as the base class)
+        self._transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family != socket.AF_UNIX:
             uid = foreign_user(TcpConnection.of_fd(sock.fileno()))
@@ -314,28 +325,30 @@ class _ClientConnection(asyncio.Protocol):
         self._handle_batch()
 
     def _handle_batch(self) -> None:
+        transport = self.transport
         for _ in range(BATCH):
-            if not self._backlog or self.transport.is_closing():
+            if not self._backlog or transport.is_closing():
                 break
             self.server._on_message([self.conn_id, *self._backlog.popleft()])
-        if self.transport.is_closing():
+        if transport.is_closing():
             return
         if self._backlog:
             if not self._paused:  # read more once these are handled
                 self._paused = True
-                self.transport.pause_reading()
+                transport.pause_reading()
             asyncio.get_running_loop().call_soon(self._handle_batch)
         elif self._paused:
             self._paused = False
-            self.transport.resume_reading()
+            transport.resume_reading()
 
-    def send(self, frames: list) -> None:
-        if self.transport.is_closing():
+    def send(self, frames: list[Frame]) -> None:
+        transport = self.transport
+        if transport.is_closing():
             return
-        self.transport.write(encode_message(frames))
-        if self.transport.get_write_buffer_size() > MAX_UNREAD_REPLIES_BYTES:
+        transport.write(encode_message(frames))
+        if transport.get_write_buffer_size() > MAX_UNREAD_REPLIES_BYTES:
             log.warning("client %s is not reading its replies; closing its connection", self.conn_id.decode())
-            self.transport.abort()
+            transport.abort()
 
     def eof_received(self) -> bool:
         if self.refused:

@@ -27,11 +27,11 @@ OURS = (PoolFull, ShuttingDown)  # failures of a pull that are this daemon's, no
 class SharedPulls:
     def __init__(self, transfers: Transfers) -> None:
         self.transfers = transfers
-        self._pulls: dict[tuple[str, str], asyncio.Future] = {}  # (source, request id) -> pull in flight
+        self._pulls: dict[tuple[str, str], asyncio.Future[Entry]] = {}  # (source, request id) -> pull in flight
         self._readers: dict[tuple[str, str], set[bytes]] = {}  # who waits on it: local connections
 
     def start(self, conn: bytes, source: str, request_id: str, timeout: float, keep: bool,
-              expect: Expectation | None = None, connect_within: float | None = None) -> asyncio.Future:
+              expect: Expectation | None = None, connect_within: float | None = None) -> asyncio.Future[Entry]:
         """The pull of request_id from source, started or joined on behalf of connection conn."""
         key = (source, request_id)
         pull = self._pulls.get(key)
@@ -117,7 +117,9 @@ class SharedPulls:
                     if remote.result().state is State.READY:
                         return remote.result()
                     pending = {local}  # it arrived, and another reader took it first: wait for it here
-            raise registry_said(local.exception(), remote.exception())
+            failed = local.exception()
+            assert failed is not None  # (both ended, and the local wait did not return its entry: it failed)
+            raise registry_said(failed, remote.exception())
         finally:
             for task in (local, remote):
                 task.cancel()

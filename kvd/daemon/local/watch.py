@@ -66,7 +66,7 @@ class EntryWatch:
         self.clients = clients
         self.node_id = node_id
         self.lease_timeout = lease_timeout
-        self._waiters: dict[str, list[asyncio.Future]] = {}  # request id -> woken on any change
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}  # request id -> woken on any change
         self._readers: dict[str, list[StreamReader]] = {}  # request id -> get_stream clients
         self.stream_leases: set[int] = set()  # read leases held by get_stream readers
         self._parked: dict[str, dict[ParkedGet, None]] = {}  # request id -> its parked gets, oldest first

@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -33,6 +34,7 @@ from kvd.wire.layout import physical_segments
 from ..local import events as ev
 from ..local.ledger import LocalLedger
 from .disk.level import DiskTier
+from .disk.readback import Loaded
 from .homes import TIMEOUT as TIER_TIMEOUT
 from .homes import TierPeers
 from .page_store import TOP_NAMESPACES, CacheStore, Page, check_batch
@@ -54,93 +56,115 @@ class CacheService:
         # with a registry: pages homed elsewhere are sent there and asked of it (homes.py)
         self.peers = peers
         self.reply = reply  # a late answer to a client
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.disk = disk  # with --cache-dir: what RAM misses may be on disk
         self.media = media  # the figures by medium (disk/media.py)
+        self._routes = self.routes()
+
+    def routes(self) -> dict[type[p.Message], Callable[[bytes, Any], p.Message | None]]:
+        """Each cache request's handler, by type: `handle` dispatches through this table (one entry
+        for every type of `p.CACHE_REQUESTS`)."""
+        return {p.CachePut: self._put, p.CacheCommit: self._commit, p.CacheGet: self._get_anywhere,
+                p.CacheRelease: self._release, p.CacheExists: self._exists, p.CacheClear: self._clear,
+                p.CacheEvents: self._events, p.CacheStats: self._stats}
 
     def handle(self, rid: bytes, msg: p.Message) -> p.Message | None:
+        handler = self._routes.get(type(msg))
+        if handler is None:
+            raise BadRequest(f"{msg.TYPE} is not a cache request")
+        return handler(rid, msg)
+
+    def _late(self) -> bool:
+        """Whether an answer may come later, from a task (the daemon gave a way to send one)."""
+        return self.reply is not None
+
+    def _put(self, rid: bytes, msg: p.CachePut) -> p.CacheSlots:
+        token, results = self.store.reserve(msg.namespace, msg.keys, msg.pages)
+        if self.store.writing(token):
+            self.ledger.handle(ev.PagesReserved(rid, token, time.monotonic() + self.lease_timeout))
+        return p.CacheSlots(req=msg.req, token=token, slots=[self._slot(r) for r in results])
+
+    def _commit(self, rid: bytes, msg: p.CacheCommit) -> p.Ok | None:
+        # (None: not this connection's, or its lease ran out; a list: dropped, as it gave up)
+        (done,) = self.ledger.handle(ev.PagesCommit(rid, msg.token, msg.ok))
+        if isinstance(done, ev.Answer):
+            return p.Ok(req=msg.req, value=done.value)
+        assert isinstance(done, ev.PagesPublished)
+        pages, published = done.pages, done.published
+        if self.peers is not None and self._late():
+            by_home = self._homes_of(self.peers, [page for page, ok in zip(pages, published, strict=True) if ok])
+            if by_home:  # answered once the homes have them (or within the tier's deadline)
+                self._later(self._commit_at_homes(self.peers, rid, msg.req, published, by_home))
+                return None
+        return p.Ok(req=msg.req, value=published)
+
+    def _get_anywhere(self, rid: bytes, msg: p.CacheGet) -> p.CacheSlots | None:
+        """A get whose misses may be on this node's disk or at their homes, when it has either."""
+        if (self.peers is None and self.disk is None) or not self._late():
+            return self._get(rid, msg)
+        # (the hits stay pinned meanwhile: what the misses bring into RAM must not evict them)
+        pinned, found = self.store.lease(msg.namespace, msg.keys, msg.sizes, count=False)
+        misses = [i for i, page in enumerate(found) if page is None]
+        try:
+            on_disk = self.disk.wanted(msg.namespace, msg.keys, msg.sizes, misses) if self.disk else []
+            by_home = (self._remote(self.peers, msg.namespace, msg.keys, sorted(set(misses) - set(on_disk)))
+                       if self.peers is not None else {})
+        except Exception:
+            self.store.release(pinned)
+            raise
+        if not by_home and not on_disk:
+            self.store.release(pinned)
+            return self._get(rid, msg)
+        self._later(self._get_from_homes(rid, msg, by_home, on_disk, pinned))
+        return None
+
+    def _release(self, rid: bytes, msg: p.CacheRelease) -> None:
+        self.ledger.handle(ev.PagesRelease(rid, msg.token))  # (fire and forget: a stale token is ignored)
+
+    def _exists(self, rid: bytes, msg: p.CacheExists) -> p.Ok | None:
+        if (self.peers is None and self.disk is None) or not self._late():
+            return p.Ok(req=msg.req, value=self.store.exists(msg.namespace, msg.keys))
+        local = self._exists_here(msg.namespace, msg.keys)
+        if self.disk is not None and local < len(msg.keys) and self.disk.probing(msg.namespace):
+            self._later(self._exists_probed(self.disk, rid, msg, local))  # (the disk's scan is not over)
+            return None
+        if self.peers is None:
+            return p.Ok(req=msg.req, value=local)
+        by_home = self._remote(self.peers, msg.namespace, msg.keys, range(local, len(msg.keys)))
+        if local == len(msg.keys) or not any(local in idx for idx in by_home.values()):
+            return p.Ok(req=msg.req, value=local)
+        self._later(self._exists_at_homes(self.peers, rid, msg, local, by_home))
+        return None
+
+    def _clear(self, rid: bytes, msg: p.CacheClear) -> p.Ok | None:
         store = self.store
-        match msg:
-            case p.CachePut():
-                token, results = store.reserve(msg.namespace, msg.keys, msg.pages)
-                if store.writing(token):
-                    self.ledger.handle(ev.PagesReserved(rid, token, time.monotonic() + self.lease_timeout))
-                return p.CacheSlots(req=msg.req, token=token, slots=[self._slot(r) for r in results])
-            case p.CacheCommit():
-                # (None: not this connection's, or its lease ran out; a list: dropped, as it gave up)
-                (done,) = self.ledger.handle(ev.PagesCommit(rid, msg.token, msg.ok))
-                if isinstance(done, ev.Answer):
-                    return p.Ok(req=msg.req, value=done.value)
-                assert isinstance(done, ev.PagesPublished)
-                pages, published = done.pages, done.published
-                if self.peers is not None and self.reply is not None:
-                    by_home = self._homes_of([page for page, ok in zip(pages, published, strict=True) if ok])
-                    if by_home:  # answered once the homes have them (or within the tier's deadline)
-                        self._later(self._commit_at_homes(rid, msg.req, published, by_home))
-                        return None
-                return p.Ok(req=msg.req, value=published)
-            case p.CacheGet() if (self.peers is not None or self.disk is not None) and self.reply is not None:
-                # (the hits stay pinned meanwhile: what the misses bring into RAM must not evict them)
-                pinned, found = store.lease(msg.namespace, msg.keys, msg.sizes, count=False)
-                misses = [i for i, page in enumerate(found) if page is None]
-                try:
-                    on_disk = self.disk.wanted(msg.namespace, msg.keys, msg.sizes, misses) if self.disk else []
-                    by_home = (self._remote(msg.namespace, msg.keys, sorted(set(misses) - set(on_disk)))
-                               if self.peers is not None else {})
-                except Exception:
-                    store.release(pinned)
-                    raise
-                if not by_home and not on_disk:
-                    store.release(pinned)
-                    return self._get(rid, msg)
-                self._later(self._get_from_homes(rid, msg, by_home, on_disk, pinned))
-                return None
-            case p.CacheExists() if (self.peers is not None or self.disk is not None) and self.reply is not None:
-                local = self._exists_here(msg.namespace, msg.keys)
-                if self.disk is not None and local < len(msg.keys) and self.disk.probing(msg.namespace):
-                    self._later(self._exists_probed(rid, msg, local))  # (the disk's scan is not over)
-                    return None
-                if self.peers is None:
-                    return p.Ok(req=msg.req, value=local)
-                by_home = self._remote(msg.namespace, msg.keys, range(local, len(msg.keys)))
-                if local == len(msg.keys) or not any(local in idx for idx in by_home.values()):
-                    return p.Ok(req=msg.req, value=local)
-                self._later(self._exists_at_homes(rid, msg, local, by_home))
-                return None
-            case p.CacheGet():
-                return self._get(rid, msg)
-            case p.CacheRelease():
-                self.ledger.handle(ev.PagesRelease(rid, msg.token))  # (fire and forget: a stale token is ignored)
-                return None
-            case p.CacheExists():
-                return p.Ok(req=msg.req, value=store.exists(msg.namespace, msg.keys))
-            case p.CacheClear():
-                check_batch(msg.namespace, [])
-                on_disk, cleared = 0, None
-                if self.disk is not None:  # (first: it counts the pages only the disk holds)
-                    on_disk, cleared = self.disk.clear(msg.namespace,
-                                                       lambda key: store.held_size(msg.namespace, key) is not None)
-                dropped = store.clear(msg.namespace) + on_disk
-                cluster = self.peers is not None and self.reply is not None and bool(self.peers.others())
-                if cluster or cleared is not None:  # answered once every node did, the disk's files gone for good
-                    self._later(self._clear_everywhere(rid, msg, dropped, cleared, cluster))
-                    return None
-                return p.Ok(req=msg.req, value=dropped)
-            case p.CacheEvents():
-                check_batch(msg.namespace, [])
-                return p.Ok(req=msg.req, value=store.events.read(msg.namespace, msg.epoch, msg.since))
-            case p.CacheStats():
-                stats = store.stats(msg.namespace)
-                if msg.namespace is None:
-                    stats["expired_writes"] = self.ledger.expired_pages
-                    if self.peers is not None:  # the exchanges with other homes
-                        stats["cluster"] = dict(self.peers.counts)
-                    if self.media is not None:
-                        stats["media"] = self.media()
-                elif self.disk is not None:
-                    stats["disk"] = self.disk.namespace_stats(msg.namespace)
-                return p.Ok(req=msg.req, value=stats)
-        raise BadRequest(f"{msg.TYPE} is not a cache request")
+        check_batch(msg.namespace, [])
+        on_disk, cleared = 0, None
+        if self.disk is not None:  # (first: it counts the pages only the disk holds)
+            on_disk, cleared = self.disk.clear(msg.namespace,
+                                               lambda key: store.held_size(msg.namespace, key) is not None)
+        dropped = store.clear(msg.namespace) + on_disk
+        cluster = self.peers is not None and self._late() and bool(self.peers.others())
+        if cluster or cleared is not None:  # answered once every node did, the disk's files gone for good
+            self._later(self._clear_everywhere(rid, msg, dropped, cleared, cluster))
+            return None
+        return p.Ok(req=msg.req, value=dropped)
+
+    def _events(self, rid: bytes, msg: p.CacheEvents) -> p.Ok:
+        check_batch(msg.namespace, [])
+        return p.Ok(req=msg.req, value=self.store.events.read(msg.namespace, msg.epoch, msg.since))
+
+    def _stats(self, rid: bytes, msg: p.CacheStats) -> p.Ok:
+        stats = self.store.stats(msg.namespace)
+        if msg.namespace is None:
+            stats["expired_writes"] = self.ledger.expired_pages
+            if self.peers is not None:  # the exchanges with other homes
+                stats["cluster"] = dict(self.peers.counts)
+            if self.media is not None:
+                stats["media"] = self.media()
+        elif self.disk is not None:
+            stats["disk"] = self.disk.namespace_stats(msg.namespace)
+        return p.Ok(req=msg.req, value=stats)
 
     def _get(self, rid: bytes, msg: p.CacheGet) -> p.CacheSlots:
         token, found = self.store.lease(msg.namespace, msg.keys, msg.sizes)
@@ -156,27 +180,30 @@ class CacheService:
 
     # --- pages homed on other nodes ---------------------------------------------------------------------
 
-    def _remote(self, namespace: str, keys: list[str], indices) -> dict[str, list[int]]:
+    @staticmethod
+    def _remote(peers: TierPeers, namespace: str, keys: list[str], indices: Iterable[int]) -> dict[str, list[int]]:
         """Of these indices of keys, those whose home is another node, by home."""
         indices = list(indices)
-        by_home = self.peers.remote(namespace, [keys[i] for i in indices])
+        by_home = peers.remote(namespace, [keys[i] for i in indices])
         return {home: [indices[j] for j in idx] for home, idx in by_home.items()}
 
-    def _homes_of(self, pages: list[Page]) -> dict[str, list[Page]]:
+    @staticmethod
+    def _homes_of(peers: TierPeers, pages: list[Page]) -> dict[str, list[Page]]:
         if not pages:
             return {}
         namespace = pages[0].namespace  # (one batch, one namespace)
         return {home: [pages[i] for i in idx]
-                for home, idx in self.peers.remote(namespace, [page.key for page in pages]).items()}
+                for home, idx in peers.remote(namespace, [page.key for page in pages]).items()}
 
-    async def _commit_at_homes(self, rid: bytes, req: int, published: list[bool], by_home: dict) -> None:
+    async def _commit_at_homes(self, peers: TierPeers, rid: bytes, req: int, published: list[bool],
+                               by_home: dict[str, list[Page]]) -> None:
         """The pages stay here too (a near copy): a home that missed them costs other nodes a miss."""
         try:
-            await asyncio.gather(*(self.peers.store_at(home, pages[0].namespace, pages)
+            await asyncio.gather(*(peers.store_at(home, pages[0].namespace, pages)
                                    for home, pages in by_home.items()))
         except Exception:  # (never: store_at says misses, not errors; the client is answered anyway)
             log.exception("tier: storing pages at their homes failed")
-        self.reply(rid, p.Ok(req=req, value=published))
+        self._answer_late(rid, p.Ok(req=req, value=published))
 
     async def close(self) -> None:
         """Shutting down: questions to other homes still in flight are called off (before the pool
@@ -185,13 +212,20 @@ class CacheService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def _later(self, coro) -> None:
+    def _later(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro, name="cache-at-home")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _clear_everywhere(self, rid: bytes, msg: p.CacheClear, dropped: int, disk=None,
-                                cluster: bool = True) -> None:
+    def _answer_late(self, rid: bytes, msg: p.Message) -> bool:
+        """Answer a client from a task; False if it has gone."""
+        # (the daemon always gives `reply`; a request that would answer later without it is
+        # answered at once instead, see `_late`, save a clear of a disk, which needs it too)
+        assert self.reply is not None, "a cache request answered later needs the daemon's reply"
+        return self.reply(rid, msg)
+
+    async def _clear_everywhere(self, rid: bytes, msg: p.CacheClear, dropped: int,
+                                disk: asyncio.Task[None] | None = None, cluster: bool = True) -> None:
         """cache_clear means the cluster: every node of the tier drops the namespace (near copies
         and the pages it is home to) before the client hears that it is done. A node that does not
         confirm within the tier's deadline may still serve old pages: the client gets an error
@@ -200,7 +234,7 @@ class CacheService:
         try:
             if disk is not None:
                 await asyncio.shield(disk)
-            elsewhere, missing = await self.peers.clear(msg.namespace) if cluster else (0, [])
+            elsewhere, missing = await self.peers.clear(msg.namespace) if cluster and self.peers else (0, [])
         except Exception as exc:  # (never from peers.clear: it says who did not answer; the disk may fail)
             elsewhere, missing = 0, [f"{'the disk level' if disk is not None else 'the other nodes'} ({exc})"]
         if missing:
@@ -210,52 +244,58 @@ class CacheService:
                 "namespace's old pages: call cache_clear again"), None)
         else:
             reply = p.Ok(req=msg.req, value=dropped + elsewhere)
-        self.reply(rid, reply)
+        self._answer_late(rid, reply)
 
     async def _get_from_homes(self, rid: bytes, msg: p.CacheGet, by_home: dict[str, list[int]],
                               on_disk: list[int] | None = None, pinned: int | None = None) -> None:
-        read_back: list = []
+        read_back: list[Loaded] = []
+        reply: p.Message
         try:
-            read_back = await self.disk.load(msg.namespace, msg.keys, msg.sizes, on_disk) if on_disk else []
-            transit = set(await self.peers.fetch(msg.namespace, msg.keys, msg.sizes, by_home)) if by_home else set()
-            reply = self._get(rid, msg)
+            # (on_disk names pages only with a disk, by_home only with peers)
+            read_back = (await self.disk.load(msg.namespace, msg.keys, msg.sizes, on_disk)
+                         if on_disk and self.disk else [])
+            transit = (set(await self.peers.fetch(msg.namespace, msg.keys, msg.sizes, by_home))
+                       if by_home and self.peers else set())
+            slots = reply = self._get(rid, msg)
             if transit:  # read once: they go as soon as this reader lets go of them
-                for page in [page for page in self.store.leased(reply.token) if page.key in transit]:
+                for page in [page for page in self.store.leased(slots.token) if page.key in transit]:
                     self.store.drop(page)
         except Exception as exc:
             reply = p.error_reply(msg.req, exc, None)
         finally:  # (the reader's lease holds what it found now)
-            if read_back:
+            if read_back and self.disk:
                 self.disk.release(read_back)
             if pinned is not None:
                 self.store.release(pinned)
-        if not self.reply(rid, reply) and isinstance(reply, p.CacheSlots):
+        if not self._answer_late(rid, reply) and isinstance(reply, p.CacheSlots):
             self.ledger.handle(ev.PagesRelease(rid, reply.token))  # its reader left meanwhile
 
-    async def _exists_at_homes(self, rid: bytes, msg: p.CacheExists, local: int, by_home: dict[str, list[int]]) -> None:
+    async def _exists_at_homes(self, peers: TierPeers, rid: bytes, msg: p.CacheExists, local: int,
+                               by_home: dict[str, list[int]]) -> None:
         try:
-            held = await self.peers.held(msg.namespace, msg.keys, by_home)
+            held = await peers.held(msg.namespace, msg.keys, by_home)
         except Exception:  # (as above: the client gets the local count)
             log.exception("tier: asking the homes failed")
             held = set()
         count = local
         while count < len(msg.keys) and (count in held or self._exists_here(msg.namespace, [msg.keys[count]])):
             count += 1
-        self.reply(rid, p.Ok(req=msg.req, value=count))
+        self._answer_late(rid, p.Ok(req=msg.req, value=count))
 
-    async def _exists_probed(self, rid: bytes, msg: p.CacheExists, local: int) -> None:
+    async def _exists_probed(self, disk: DiskTier, rid: bytes, msg: p.CacheExists, local: int) -> None:
         """exists while the disk's start-up scan runs: the files it has not listed yet are asked by name."""
         try:
-            count = local + await self.disk.probe(msg.namespace, msg.keys[local:],
+            count = local + await disk.probe(msg.namespace, msg.keys[local:],
                                                   lambda key: self.store.exists(msg.namespace, [key]) == 1)
         except Exception:  # (a disk that fails: what is known)
             log.exception("tier: probing the disk failed")
             count = local
-        by_home = self._remote(msg.namespace, msg.keys, range(count, len(msg.keys))) if self.peers else {}
-        if count < len(msg.keys) and any(count in idx for idx in by_home.values()):
-            await self._exists_at_homes(rid, msg, count, by_home)
+        peers = self.peers
+        by_home = self._remote(peers, msg.namespace, msg.keys, range(count, len(msg.keys))) if peers else {}
+        if peers and count < len(msg.keys) and any(count in idx for idx in by_home.values()):
+            await self._exists_at_homes(peers, rid, msg, count, by_home)
         else:
-            self.reply(rid, p.Ok(req=msg.req, value=count))
+            self._answer_late(rid, p.Ok(req=msg.req, value=count))
 
     def _exists_here(self, namespace: str, keys: list[str]) -> int:
         """How many keys, from the first, this node holds: in RAM or on its disk."""
@@ -265,13 +305,14 @@ class CacheService:
             count += 1
         return count
 
-    def _slot(self, result: Page | bool) -> list | bool | None:
+    def _slot(self, result: Page | bool) -> list[list[int]] | bool | None:
         if result is True:
             return True
         return None if result is False else self._segments(result)
 
-    def _segments(self, page: Page) -> list:
+    def _segments(self, page: Page) -> list[list[int]]:
         extents = page.extents
+        assert extents is not None  # (a page just reserved or pinned is not freed)
         if len(extents) == 1:  # (the common case: one run of blocks)
             return [[extents[0][0] * self.block_size, page.nbytes]] if page.nbytes else []
         return [list(s) for s in physical_segments(extents, self.block_size, 0, page.nbytes)]
