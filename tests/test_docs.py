@@ -201,10 +201,8 @@ def _resolve(dotted: str) -> None:
     parts = dotted.split(".")
     obj = importlib.import_module(parts[0])
     for i, part in enumerate(parts[1:], 1):
-        if not hasattr(obj, part):
-            obj = importlib.import_module(".".join(parts[:i + 1]))  # a submodule not yet imported
-        else:
-            obj = getattr(obj, part)
+        # (a submodule not yet imported is imported)
+        obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(".".join(parts[:i + 1]))
 
 
 def check_python(code: str, name: str = "<block>") -> list[str]:

@@ -196,7 +196,7 @@ class Daemon:
         if keys_changed:
             changed.add("curve_allow")
         if ("peers" in changed or keys_changed) and parts is not None:
-            parts.peers.set_peers(self.config.peers, rekey=keys_changed)
+            parts.peers.set_peers(dict(self.config.peers), rekey=keys_changed)
         log.info("SIGHUP: configuration reloaded (%s)", ", ".join(sorted(changed & RELOADABLE)) or "no changes")
 
     def _reload_curve(self, parts: Parts, curve: CurveKeys) -> set[str]:
@@ -226,12 +226,13 @@ class Daemon:
         curve.peer_keys.clear()
         curve.peer_keys.update(fresh.peer_keys)
         curve.unusable = fresh.unusable  # (why a cert beside ours gives no key: for the dial's error)
-        if fresh.cert is not None and curve.cert is not None and fresh.cert.raw != curve.cert.raw:
+        # (a cert comes with its signer: CurveKeys.cert is the signer's)
+        if fresh.signer is not None and curve.cert is not None and fresh.signer.cert.raw != curve.cert.raw:
             curve.signer = fresh.signer  # a renewed cert: new hellos show it, the registry record carries it
             if parts.directory is not None:
                 parts.directory.renew(fresh.signer)
             log.info("SIGHUP: this node's cert renewed, valid until %s",
-                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(fresh.cert.not_after)))
+                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(fresh.signer.cert.not_after)))
         if added or removed or rekeyed or newly_denied:
             log.info("SIGHUP: CURVE keys reloaded: %d key(s) added, %d removed, %d newly denied; peer keys changed "
                      "for %s", len(added), len(removed), len(newly_denied), ", ".join(sorted(rekeyed)) or "none")
@@ -313,8 +314,9 @@ def fit_connection_caps(fd_limit: int, max_clients: int, max_peer_connections: i
 def curve_summary(curve: CurveKeys | None) -> str:
     if curve is None:
         return ""
+    cert = curve.cert  # (there is one exactly when there is a cluster CA: load_keys loads it with the CA)
     ways = ([f"cluster CA, this node's cert valid until "
-             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(curve.cert.not_after))}"] if curve.authority else [])
+             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(cert.not_after))}"] if cert is not None else [])
     ways += [f"{len(curve.allowed)} allowed keys"] if curve.allowed else []
     ways += [f"{len(curve.denied)} denied"] if curve.denied else []
     return f", CURVE on ({', '.join(ways)})"

@@ -23,6 +23,7 @@ connection, so that refusing a connection costs a few system calls):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import inspect
 import json
@@ -32,7 +33,7 @@ import struct
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvd.errors import KvdError
 from kvd.throttle import Throttle
@@ -79,8 +80,8 @@ def queued(listener: socket.socket) -> int:
 
 
 class ClusterView(Protocol):
-    def nodes(self) -> list[dict]: ...
-    async def locate(self, request_id: str) -> list[dict]: ...
+    def nodes(self) -> list[dict[str, Any]]: ...
+    async def locate(self, request_id: str) -> list[dict[str, Any]]: ...
 
 
 class _Conn:
@@ -92,7 +93,7 @@ class _Conn:
         self.out: memoryview | None = None  # what is left to write of the answer
         self.reading = self.writing = False  # registered with the loop for reading, writing
         self.timer: asyncio.TimerHandle | None = None  # the write deadline
-        self.task: asyncio.Task | None = None  # producing the answer (/metrics, /cluster)
+        self.task: asyncio.Task[None] | None = None  # producing the answer (/metrics, /cluster)
 
 
 class HttpEndpoint:
@@ -100,7 +101,7 @@ class HttpEndpoint:
                  ready: Callable[[], bool], cluster: ClusterView | None = None) -> None:
         self.host, self.port = host, port
         self._metrics, self._ready, self._cluster = metrics, ready, cluster
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started_on: asyncio.AbstractEventLoop | None = None  # the loop that start() ran on
         self._listeners: list[socket.socket] = []
         self._waiting: dict[_Conn, None] = {}  # reading their head, oldest first
         self._serving: set[_Conn] = set()  # producing or writing an answer
@@ -109,8 +110,15 @@ class HttpEndpoint:
         self._accept_errors = Throttle()  # out of descriptors: said once a minute
         self._closed = False
 
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The loop every callback runs on; set by start(), before any socket is registered."""
+        if self._started_on is None:
+            raise RuntimeError("HttpEndpoint used before start()")
+        return self._started_on
+
     async def start(self) -> None:
-        loop = self._loop = asyncio.get_running_loop()
+        loop = self._started_on = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(self.host or None, self.port, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
         port = self.port
@@ -260,10 +268,8 @@ class HttpEndpoint:
     def _send_and_close(self, conn: _Conn, data: bytes) -> None:
         """A short answer, written at once (a fresh connection's send buffer takes it), then closed."""
         self._stop_reading(conn)
-        try:
+        with contextlib.suppress(OSError):
             conn.sock.send(data)
-        except OSError:
-            pass
         self._close(conn)
 
     def _close(self, conn: _Conn, reset: bool = False) -> None:
@@ -276,16 +282,14 @@ class HttpEndpoint:
             conn.timer.cancel()
             conn.timer = None
         if reset:  # an answer never read: drop what the kernel still holds of it
-            try:
+            with contextlib.suppress(OSError):
                 conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except OSError:
-                pass
         conn.sock.close()
 
     # --- requests ------------------------------------------------------------------------------
 
     def _request(self, conn: _Conn, head: bytes) -> None:
-        method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ") + ["", ""]
+        method, target, *_ = [*head.split(b"\r\n", 1)[0].decode("latin-1").split(" "), "", ""]
         path, _, query = target.partition("?")
         head_only = method == "HEAD"
         if method not in ("GET", "HEAD"):
@@ -352,7 +356,7 @@ class HttpEndpoint:
         conn.out = None
         self._close(conn)  # (everything written: the kernel sends it, then the FIN)
 
-    async def _cluster_page(self, path: str, query: dict) -> tuple[str, str, bytes]:
+    async def _cluster_page(self, path: str, query: dict[str, list[str]]) -> tuple[str, str, bytes]:
         if self._cluster is None:
             return "404 Not Found", "text/plain", b"this daemon has no cluster registry (--registry)\n"
         try:

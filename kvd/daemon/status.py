@@ -136,12 +136,12 @@ class Status(Collector):
         peers = GaugeMetricFamily("kvd_peer_up", "1 if the peer answered its last heartbeat (\"other\": all the "
                                   "peers without a label of their own did)", labels=["peer"])
         others: list[bool] = []
-        for name, state in self.peers.states().items():
+        for name, peer_state in self.peers.states().items():
             label = self.metrics.peer(name)
             if label == OTHER:
-                others.append(state["connected"])
+                others.append(peer_state["connected"])
             else:
-                peers.add_metric([label], 1 if state["connected"] else 0)
+                peers.add_metric([label], 1 if peer_state["connected"] else 0)
         if others:
             peers.add_metric([OTHER], 1 if all(others) else 0)
         yield peers

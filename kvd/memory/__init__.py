@@ -29,6 +29,10 @@ class StagingMemory(typing.Protocol):
         """How peer transfers move chunk bytes between this memory and the network."""
         ...
 
+    def plane_region(self) -> tuple[int, int, str, int]:
+        """Where a one-sided plane registers the pool: (address, size, "DRAM" or "VRAM", device)."""
+        ...
+
     def close(self) -> None: ...
 
 

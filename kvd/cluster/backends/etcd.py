@@ -19,11 +19,11 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from ssl import SSLContext
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote
 
 from ..health import Backoff
@@ -59,6 +59,7 @@ from .etcd_auth import TokenAuth, refusal
 from .etcd_http import BodyTooLarge, GatewayClient, GatewayError, TLSError
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")  # what a bounded call returns
 _NOT_FOUND, _OUT_OF_RANGE = 5, 11  # gRPC status codes: "requested lease not found", "revision compacted"
 _VALUE_B64_MAX = (MAX_RECORD_BYTES + 2) // 3 * 4  # a value at the size cap, in the gateway's base64
 # what one page of a range may weigh: a page of records under the size cap always fits
@@ -141,7 +142,7 @@ class EtcdBackend:
         RegistryUnavailable, SessionLost or RegistryRefused."""
         return await self._bounded(path, self._authed(path, req, stream, max_body), timeout)
 
-    async def _bounded(self, path: str, coro: Any, timeout: float | None = None) -> Any:
+    async def _bounded(self, path: str, coro: Awaitable[_T], timeout: float | None = None) -> _T:
         t = self.op_timeout if timeout is None else timeout
         try:
             async with asyncio.timeout(t):
@@ -364,7 +365,7 @@ class EtcdBackend:
             return Added(rec, mod)
         return Removed(node_id, mod)  # deleted, or overwritten with a record no listing would show
 
-    async def _watch(self, prefix: str, start: int) -> AsyncGenerator[dict, None]:
+    async def _watch(self, prefix: str, start: int) -> AsyncGenerator[dict[str, Any], None]:
         """Events on a prefix from revision `start`; RegistryUnavailable when the stream breaks or the
         revision was compacted (the caller re-lists). No deadline of its own: a watch idles by design,
         and the caller bounds it from outside."""

@@ -26,7 +26,7 @@ import secrets
 import ssl
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,7 +163,7 @@ class RedisBackend:
     def _node_keys(self, node_id: str) -> list[str]:
         return [self.keys.node(node_id), self.keys.nodes, self.version_key]
 
-    async def _run(self, fn, *args: Any, **kw: Any) -> Any:
+    async def _run(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any:
         """One command or script under the deadline; every failure becomes RegistryUnavailable (or
         RegistryRefused: credentials or a certificate the server does not accept)."""
         from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
@@ -242,9 +242,12 @@ class RedisBackend:
         return RedisSession(self, ttl)
 
     async def _put(self, session: RedisSession, record: NodeRecord, judged: bytes = b"") -> bytes | None:
-        return await self._run(self._register, keys=self._node_keys(record.node_id),
-                               args=[encode_node(record), f"{record.incarnation:x}", self._ms(session.ttl),
-                                     self._base(), MAX_RECORD_BYTES, record.node_id, judged])
+        cur = await self._run(self._register, keys=self._node_keys(record.node_id),
+                              args=[encode_node(record), f"{record.incarnation:x}", self._ms(session.ttl),
+                                    self._base(), MAX_RECORD_BYTES, record.node_id, judged])
+        if cur is not None and not isinstance(cur, bytes):  # (the script answers the value in the way, or nil)
+            raise RegistryUnavailable(f"redis at {self.name}: registering answered a {type(cur).__name__}")
+        return cur
 
     async def register_node(self, session: RedisSession, record: NodeRecord, _tries: int = 3) -> Registered | Conflict:
         return await self._claim(session, record, b"", _tries)
@@ -269,7 +272,8 @@ class RedisBackend:
     async def check_node(self, session: RedisSession, record: NodeRecord) -> bool:
         if session.nodes.get(record.node_id) != record.incarnation:
             return False
-        return await self._run(self._check, keys=[self.keys.node(record.node_id)], args=[encode_node(record)]) == 1
+        answer = await self._run(self._check, keys=[self.keys.node(record.node_id)], args=[encode_node(record)])
+        return bool(answer == 1)
 
     async def get_node(self, node_id: str) -> NodeRecord | None:
         key = self.keys.node(node_id)

@@ -21,12 +21,15 @@ from kvd.cluster.rendezvous import homes
 from kvd.errors import KvdError, ProtocolError
 from kvd.wire import protocol as p
 from kvd.wire.checksum import digest
-from kvd.wire.layout import physical_segments
+from kvd.wire.layout import Segment, physical_segments
 
 from .page_store import CacheStore, Page, check_batch, page_size
 
 if TYPE_CHECKING:
+    from kvd.daemon.peer.links import PeerLink
+
     from .disk.level import DiskTier
+    from .disk.readback import Loaded
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ PER_MESSAGE = p.MAX_PAYLOAD_FRAMES  # pages per tier message (one payload frame 
 
 class TierPeers:
     def __init__(self, node_id: str, cache: CacheStore, pool: memoryview, block_size: int,
-                 link_for: Callable[[str], object], nodes: Callable[[], list[str]], checksum: str,
+                 link_for: Callable[[str], PeerLink], nodes: Callable[[], list[str]], checksum: str,
                  disk: DiskTier | None = None) -> None:
         self.node_id = node_id
         self.cache = cache
@@ -46,7 +49,8 @@ class TierPeers:
         self.nodes = nodes  # the tier's nodes now (this one included once registered)
         self.checksum = checksum
         self._xfers = itertools.count(random.getrandbits(48) << 8)
-        self._waiting: dict[int, tuple[str, type, asyncio.Future]] = {}  # xfer -> (home asked, answer type, its answer)
+        # xfer -> (home asked, answer type, its answer)
+        self._waiting: dict[int, tuple[str, type[p.Message], asyncio.Future[p.Message]]] = {}
         self.counts = {"stored_sent": 0, "fetched": 0, "asked": 0, "timeouts": 0, "bad": 0}
         self.disk = disk  # with --cache-dir: a home answers from its disk too
         self._routes = self.routes()
@@ -74,7 +78,9 @@ class TierPeers:
 
     # --- bytes in and out of the pool -----------------------------------------------------------------------
 
-    def _segments(self, page: Page) -> list:
+    def _segments(self, page: Page) -> list[Segment]:
+        if page.extents is None:  # (a page read or written is pinned or reserved: never freed meanwhile)
+            raise RuntimeError(f"tier page {page.key!r} used after it was freed")
         return physical_segments(page.extents, self.block_size, 0, page.nbytes)
 
     def read(self, page: Page) -> bytes:
@@ -146,8 +152,8 @@ class TierPeers:
 
     def _on_fetch(self, channel, msg: p.TierFetch) -> None:
         pinned, on_disk = self._on_disk(msg)
-        if on_disk:
-            self.disk.spawn(self._pages_from_disk(channel, msg, on_disk, pinned))
+        if on_disk and self.disk is not None:  # (on_disk is empty without a disk)
+            self.disk.spawn(self._pages_from_disk(self.disk, channel, msg, on_disk, pinned))
         else:
             self.cache.release(pinned)
             self._send_pages(channel, msg)
@@ -202,15 +208,16 @@ class TierPeers:
         return token, self.disk.wanted(msg.namespace, msg.keys, msg.sizes,
                                        [i for i, page in enumerate(found) if page is None], strict=False)
 
-    async def _pages_from_disk(self, channel, msg: p.TierFetch, on_disk: list[int], pinned: int) -> None:
-        read_back = []
+    async def _pages_from_disk(self, disk: DiskTier, channel, msg: p.TierFetch, on_disk: list[int],
+                               pinned: int) -> None:
+        read_back: list[Loaded] = []
         try:
-            read_back = await self.disk.load(msg.namespace, msg.keys, msg.sizes, on_disk)
+            read_back = await disk.load(msg.namespace, msg.keys, msg.sizes, on_disk)
             self._send_pages(channel, msg)
         except Exception as exc:  # (the asker may be gone by now: it counts a miss)
             log.debug("tier: answering %s from disk failed: %s", channel.peer_name, exc)
         finally:
-            self.disk.release(read_back)
+            disk.release(read_back)
             self.cache.release(pinned)
 
     async def _cleared(self, channel, xfer: int, dropped: int, cleared: asyncio.Task) -> None:
@@ -249,7 +256,7 @@ class TierPeers:
             raise KvdError(f"{home} does not speak {feature} (an older kvd)")
         link.channel.send(msg)
 
-    async def _ask(self, home: str, msg, answer: type, feature: str | None = None) -> Any:
+    async def _ask(self, home: str, msg, answer: type[p.Message], feature: str | None = None) -> Any:
         """One question to a home, answered by it with an `answer` within TIMEOUT, or None."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiting[msg.xfer] = (home, answer, waiter)
