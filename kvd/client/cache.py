@@ -26,7 +26,7 @@ from kvd.wire import protocol as p
 from .ops import NO_REPLY, Operation, reply_as
 from .tensors import DTYPE_NAMES, copy_in, host_strided_bytes, memory_problem
 
-MAX_BATCH = 4096  # keys per request, the daemon's cap (kvd.daemon.tier.page_store.MAX_BATCH)
+MAX_BATCH = 4096  # keys per request, the daemon's cap (kvd.daemon.store.page_names.MAX_BATCH)
 # (`core` below is the driving client, a kvd.client.core._ClientCore: not imported, since core imports us)
 
 

@@ -46,10 +46,10 @@ from .plane.poller import PlaneOps
 from .socket_path import claim_socket_path
 from .status import Status, StatusSettings
 from .store.entries import Entry, Store
+from .store.page_store import CacheStore, SharedPool
 from .tier.disk.level import DiskTier, claim_disk, disk_tier_for
 from .tier.disk.media import Media
 from .tier.homes import TierPeers, tier_peers_for
-from .tier.page_store import CacheStore, SharedPool
 from .tier.service import CacheCollector, CacheService
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def _build(cfg: Config, life: Lifecycle, metrics: Metrics, made_dirs: list[str],
                       memory.ipc_handle)
     handlers = LocalHandlers(LocalSettings(hello, cfg.lease_timeout, cfg.scratch_max), store, watch, transfers,
                              metrics, local, life, stats=status.snapshot, ledger=ledger, directory=directory,
-                             cache=tier_service)
+                             tier_routes=tier_service.routes() if tier_service is not None else None)
     made.push_async_callback(handlers.close)
     http = (HttpEndpoint(cfg.metrics_host, cfg.metrics_port, metrics.render, lambda: life.ready, directory)
             if cfg.metrics_port else None)

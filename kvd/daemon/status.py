@@ -21,7 +21,7 @@ from .metrics import OTHER, Metrics
 from .peer.peers import PeerSet
 from .peer.transfers import Transfers
 from .store.entries import Store
-from .tier.page_store import CacheStore
+from .store.page_store import CacheStore
 
 
 @dataclass(frozen=True, slots=True)

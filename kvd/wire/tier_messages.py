@@ -1,7 +1,7 @@
 """The KV tier's messages (both processes): client <-> local daemon requests for evictable pages
 by (namespace, key), batched, one reply each. Plain data like `messages.py`; `protocol.py`
 adds them to its table of types and re-exports them. The keys' and batches' bounds are the
-daemon's (`kvd.daemon.tier.page_store`), written in `proto/PROTOCOL.md`."""
+daemon's (`kvd.daemon.store.page_store`), written in `proto/PROTOCOL.md`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

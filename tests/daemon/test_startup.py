@@ -13,6 +13,7 @@ from kvd.daemon.daemon import Daemon
 from kvd.daemon.tier.disk.level import claim_disk
 from kvd.errors import BadRequest
 from kvd.testing.daemons import free_port
+from kvd.wire import protocol as p
 
 
 def config(workdir: Path, **extra: object) -> Config:
@@ -58,7 +59,8 @@ def test_a_built_daemon_serves_and_its_parts_know_each_other_from_their_construc
             await daemon.start()
             parts = daemon.parts
             assert parts is not None and daemon.lifecycle.ready
-            assert parts.handlers.cache is parts.tier_service and parts.tier_service.disk is parts.disk
+            assert parts.handlers.tier_routes[p.CacheGet].__self__ is parts.tier_service
+            assert parts.tier_service.disk is parts.disk
             assert parts.status.snapshot()["listen"] == parts.router.bound_endpoint != ""
             assert parts.status.snapshot()["cache"]["media"]["disk"] is not None
         finally:

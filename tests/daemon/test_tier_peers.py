@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
+from kvd.daemon.store.page_store import CacheStore, SharedPool
 from kvd.daemon.tier.homes import TierPeers
-from kvd.daemon.tier.page_store import CacheStore, SharedPool
 from kvd.errors import ProtocolError
 from kvd.wire import protocol as p
 from kvd.wire.checksum import digest

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from kvd.daemon.tier.page_store import NAMESPACE_RE
+from kvd.daemon.store.page_names import NAMESPACE_RE
 from kvd.errors import BadRequest, PeerUnavailable
 from kvd.integrations.sglang import naming
 from kvd.integrations.sglang.guard import Guard

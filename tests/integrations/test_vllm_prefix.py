@@ -18,7 +18,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
-from kvd.daemon.tier.page_store import CacheStore, SharedPool
+from kvd.daemon.store.page_store import CacheStore, SharedPool
 from kvd.integrations.paged.tier_pages import TierLoad
 from kvd.integrations.vllm import prefix as prefix_module
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from kvd.wire.layout import Extent
 
 from ..store.entries import Store
-from ..tier.page_store import CacheStore
+from ..store.page_store import CacheStore
 from .books import LIVE, MAX_WAITS_PER_CONNECTION, Books, Hold, PageHold
 from .reservation import WriteState
 

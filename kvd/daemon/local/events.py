@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvd.errors import KvdError
 
 from ..store.entry import Entry, Lease
-from ..tier.page_store import Page
+from ..store.page_store import Page
 
 # --- events: handoffs (entries in the Store) ------------------------------------------------------
 

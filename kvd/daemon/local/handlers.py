@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,6 @@ from ..membership import Directory
 from ..metrics import Metrics
 from ..peer.transfers import Transfers
 from ..store.entries import Entry, State, Store, validate_request_id
-from ..tier.service import CacheService
 from . import events as ev
 from .get_side import MAX_WAIT, Reads, ReadSettings
 from .ledger import LocalLedger
@@ -33,6 +32,7 @@ from .server import LocalServer, Use
 from .shared_pulls import SharedPulls
 from .watch import EntryWatch, ParkedGet
 
+Route = Callable[[bytes, Any], p.Message | None]  # a client request's handler: (connection, message) -> reply
 log = logging.getLogger(__name__)
 
 MAX_NOTE = 512  # characters of a request id or error message kept for kvd status
@@ -77,7 +77,8 @@ class LocalSettings:
 class LocalHandlers:
     def __init__(self, settings: LocalSettings, store: Store, watch: EntryWatch, transfers: Transfers,
                  metrics: Metrics, clients: LocalServer, lifecycle: Lifecycle, *, stats: Callable[[], dict[str, Any]],
-                 ledger: LocalLedger, directory: Directory | None = None, cache: CacheService | None = None) -> None:
+                 ledger: LocalLedger, directory: Directory | None = None,
+                 tier_routes: Mapping[type[p.Message], Route] | None = None) -> None:
         self.settings = settings
         self.store = store
         self.watch = watch
@@ -92,7 +93,7 @@ class LocalHandlers:
         self.puts = LocalPuts(settings.puts(), store, watch, transfers, metrics, self.ledger, clients.is_connected,
                               self._reply, self._error)
         self._tasks: set[asyncio.Task[None]] = set()
-        self.cache = cache  # the KV tier's requests
+        self.tier_routes = dict(tier_routes or {})  # the KV tier's requests, to its service (none: no tier)
         self._routes = self.routes()
 
     async def close(self) -> None:
@@ -223,18 +224,17 @@ class LocalHandlers:
         self.ledger.handle(ev.WaitEnded(rid, wait))
         self.metrics.waiting_reads = self.ledger.waiting
 
-    def routes(self) -> dict[type[p.Message], Callable[[bytes, Any], p.Message | None]]:
+    def routes(self) -> dict[type[p.Message], Route]:
         """Each client request's handler, by type: `_handle` dispatches through this table. The KV
-        tier's requests go to its service when the daemon has a tier (without one, they are not
-        client requests here)."""
-        routes: dict[type[p.Message], Callable[[bytes, Any], p.Message | None]] = {
+        tier's requests go to its service (`tier_routes`) when the daemon has a tier (without one,
+        they are not client requests here)."""
+        routes: dict[type[p.Message], Route] = {
             p.Hello: self._hello, p.PutAlloc: self.puts.alloc, p.PutPart: self.puts.part,
             p.PutCommit: self.puts.commit, p.Put: self.puts.in_scratch, p.GetStream: self._get_stream,
             p.Get: self._get, p.GetDone: self._get_done, p.Delete: self._delete, p.Stats: self._stats,
             p.ClusterNodes: self._cluster_nodes, p.ClusterLocate: self._cluster_locate,
             p.ListEntries: self._list_entries}
-        if self.cache is not None:
-            routes.update(dict.fromkeys(p.CACHE_REQUESTS, self.cache.handle))
+        routes.update(self.tier_routes)
         return routes
 
     def _handle(self, rid: bytes, msg: p.Message) -> p.Message | None:

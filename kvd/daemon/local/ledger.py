@@ -25,7 +25,7 @@ from kvd.errors import BadRequest, KvdError, NotFound, Timeout
 
 from ..store.entries import Store
 from ..store.entry import Entry, State
-from ..tier.page_store import CacheStore
+from ..store.page_store import CacheStore
 from . import events as ev
 from .audit import Ledger, audit
 from .books import MAX_WAITS_PER_CONNECTION, Books, Hold, PageHold

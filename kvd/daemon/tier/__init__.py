@@ -1,8 +1,8 @@
 """The daemon's KV tier (daemon process): evictable pages by (namespace, key), shared across a node
 and, with a registry, a cluster.
 
-`service` answers the tier's client messages; `homes` places pages on the cluster's tier nodes
-(rendezvous) and serves the other nodes' tier messages; `page_store` is the pure bookkeeping of pages
-in the pool (budgets, LRU, pins) and `tier_events` the feed of what was stored and removed; `disk/`
-is the level below RAM.
+`service` answers the tier's client messages (its reservations and pins are the local core's,
+`kvd.daemon.local.ledger`, as a handoff's are); `homes` places pages on the cluster's tier nodes
+(rendezvous) and serves the other nodes' tier messages; the pages' bookkeeping is the store's
+(`kvd.daemon.store.page_store`); `disk/` is the level below RAM.
 """

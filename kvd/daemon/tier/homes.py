@@ -23,7 +23,8 @@ from kvd.wire import protocol as p
 from kvd.wire.checksum import digest
 from kvd.wire.layout import Segment, physical_segments
 
-from .page_store import CacheStore, Page, check_batch, page_size
+from ..store.page_names import check_batch, page_size
+from ..store.page_store import CacheStore, Page
 
 if TYPE_CHECKING:
     from kvd.daemon.peer.links import PeerLink

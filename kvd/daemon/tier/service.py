@@ -33,11 +33,12 @@ from kvd.wire.layout import physical_segments
 
 from ..local import events as ev
 from ..local.ledger import LocalLedger
+from ..store.page_names import check_batch
+from ..store.page_store import TOP_NAMESPACES, CacheStore, Page
 from .disk.level import DiskTier
 from .disk.readback import Loaded
 from .homes import TIMEOUT as TIER_TIMEOUT
 from .homes import TierPeers
-from .page_store import TOP_NAMESPACES, CacheStore, Page, check_batch
 
 log = logging.getLogger(__name__)
 

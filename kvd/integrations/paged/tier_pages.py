@@ -31,7 +31,7 @@ from .groups import FULL, MAMBA, KVGroup
 from .plans import layer_index
 
 PREFIX = "kvd-prefix/1"  # bump when the page format or the naming changes: older pages then miss
-MAX_NAMESPACE_LEN = 256  # the daemon's bound (kvd.daemon.tier.page_store.MAX_NAMESPACE_LEN)
+MAX_NAMESPACE_LEN = 256  # the daemon's bound (kvd.daemon.store.page_names.MAX_NAMESPACE_LEN)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._/:@+=,-]")
 _KEY = re.compile(r"([0-9a-f]{2,200})\.g(\d+)\.t(\d+)\.p(\d+)")
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 PREFIX = "sglang/1"  # bump when the page format or this naming changes: old pages then miss
-MAX_NAMESPACE_LEN = 256  # the daemon's bound (kvd.daemon.tier.page_store.MAX_NAMESPACE_LEN)
+MAX_NAMESPACE_LEN = 256  # the daemon's bound (kvd.daemon.store.page_names.MAX_NAMESPACE_LEN)
 MAX_MODEL_LEN = 96  # longer model names keep their head and a hash, so the namespace stays bounded
 _UNSAFE = re.compile(r"[^A-Za-z0-9._/:@+-]")  # what may stand in a namespace field as it is
 

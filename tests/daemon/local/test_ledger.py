@@ -20,7 +20,7 @@ from kvd.daemon.local.books import MAX_WAITS_PER_CONNECTION
 from kvd.daemon.local.ledger import ON, LocalLedger
 from kvd.daemon.local.reservation import WriteState
 from kvd.daemon.store.entries import Entry, State, Store
-from kvd.daemon.tier.page_store import CacheStore, SharedPool
+from kvd.daemon.store.page_store import CacheStore, SharedPool
 from kvd.errors import BadRequest, KvdError, NotFound, PoolFull
 from kvd.wire.layout import TensorSpec
 

@@ -1,11 +1,12 @@
-"""The KV tier's bookkeeping (kvd.daemon.tier.page_store), pure: budget, LRU order, handoffs never
+"""The KV tier's bookkeeping (kvd.daemon.store.page_store), pure: budget, LRU order, handoffs never
 evicted, no eviction under a live reader, namespaces isolated, batch semantics."""
 from __future__ import annotations
 
 import pytest
 
 from kvd.daemon.store.entries import State, Store
-from kvd.daemon.tier.page_store import MAX_BATCH, CacheStore, Page, SharedPool
+from kvd.daemon.store.page_names import MAX_BATCH
+from kvd.daemon.store.page_store import CacheStore, Page, SharedPool
 from kvd.errors import BadRequest, PoolFull
 from kvd.wire.layout import TensorSpec
 

@@ -1,9 +1,9 @@
-"""What the KV tier's RAM bookkeeping (kvd.daemon.tier.page_store) gives the disk level: a page past the
+"""What the KV tier's RAM bookkeeping (kvd.daemon.store.page_store) gives the disk level: a page past the
 budget takes no room from the budget's pages; hooks on publish, eviction (before the blocks go)
 and unlisting; pins that hold blocks without a lease."""
 from __future__ import annotations
 
-from kvd.daemon.tier.page_store import CacheStore, SharedPool
+from kvd.daemon.store.page_store import CacheStore, SharedPool
 
 BLOCK = 4096
 PAGE = ["uint8", [BLOCK]]

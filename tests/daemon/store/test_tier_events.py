@@ -1,13 +1,13 @@
-"""The KV tier's event log (kvd.daemon.tier.tier_events) through the store that notes into it,
+"""The KV tier's event log (kvd.daemon.store.tier_events) through the store that notes into it,
 pure: stored and removed pages of a followed namespace, a follower that falls behind or follows a
 log that is gone told it lost its place, logs kept only while somebody reads them."""
 from __future__ import annotations
 
 import pytest
 
-from kvd.daemon.tier import tier_events
-from kvd.daemon.tier.page_store import CacheStore, SharedPool
-from kvd.daemon.tier.tier_events import REMOVED, STORED, TierEvents
+from kvd.daemon.store import tier_events
+from kvd.daemon.store.page_store import CacheStore, SharedPool
+from kvd.daemon.store.tier_events import REMOVED, STORED, TierEvents
 from kvd.errors import BadRequest
 
 BLOCK = 4096

@@ -32,7 +32,7 @@ import xxhash
 
 from kvd.wire.dtypes import DTYPE_ITEMSIZE
 
-from ..page_store import KEY_RE, MAX_DIMS, NAMESPACE_RE
+from ...store.page_names import KEY_RE, MAX_DIMS, NAMESPACE_RE
 
 MAGIC = b"KVDPAGE\x00"
 VERSION = 1

@@ -31,7 +31,7 @@ from kvd.throttle import Throttle
 from kvd.units import format_size
 from kvd.wire.layout import physical_segments
 
-from ..page_store import CacheStore, Page
+from ...store.page_store import CacheStore, Page
 from . import page_files
 from .disk_format import Header, namespace_dir, page_path
 from .disk_index import DiskIndex, DiskPage

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from ..page_store import CacheStore
+from ...store.page_store import CacheStore
 from .level import DiskTier
 
 SHARED = ("pages", "bytes", "used_bytes", "budget", "hits", "misses", "evictions", "corrupt")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from kvd.errors import BadRequest
 from kvd.throttle import Throttle
 
-from ..page_store import CacheStore, Page
+from ...store.page_store import CacheStore, Page
 from . import page_files
 from .disk_format import BadPage, disk_bytes
 from .disk_index import DiskIndex, DiskPage

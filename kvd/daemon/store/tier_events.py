@@ -17,6 +17,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvd.errors import BadRequest
 
@@ -32,7 +33,7 @@ class _Log:
     epoch: int  # this log's identity: a follower of another log has lost its place
     first: int  # the sequence number of events[0]
     read_at: float
-    events: collections.deque = field(default_factory=collections.deque)  # (kind, key), oldest first
+    events: collections.deque[tuple[str, str]] = field(default_factory=collections.deque)  # (kind, key), oldest first
 
     @property
     def next(self) -> int:
@@ -54,7 +55,7 @@ class TierEvents:
             log.events.popleft()
             log.first += 1
 
-    def read(self, namespace: str, epoch: object, since: object) -> dict:
+    def read(self, namespace: str, epoch: object, since: object) -> dict[str, Any]:
         """What was noted since `since` in the follower's log `epoch` (0: a new follower, which is
         told where the log stands now); follows the namespace from now on."""
         if type(epoch) is not int or type(since) is not int or epoch < 0 or since < 0:

@@ -7,33 +7,25 @@ entries go first, least recently used first. Cache entries live within `budget_b
 
 An entry is written by one client (`reserve`, then `commit`), after which it is visible and
 never changes. Reads never consume it: `lease` pins the hits for one reader, `release` unpins
-them. An entry that is pinned is never freed: eviction skips it, and a clear or delete only
-unlists it (its blocks are parked until its last reader lets go). Tokens name one batch's
-reservation or lease; the daemon's handlers tie them to the connection that got them.
+them. A pinned entry is never freed: eviction skips it, a clear or delete only unlists it (its
+blocks parked until its last reader lets go). Tokens name one batch's reservation or lease; the
+local core (`kvd.daemon.local.ledger`) ties them to the connection that got them.
 """
 from __future__ import annotations
 
 import collections
 import itertools
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from kvd.errors import BadRequest, PoolFull
-from kvd.wire.dtypes import DTYPE_ITEMSIZE
 from kvd.wire.layout import Extent
 
-from ..store.allocator import BlockAllocator
+from .allocator import BlockAllocator
+from .page_names import check_batch, page_size
 from .tier_events import REMOVED, STORED, TierEvents
 
-MAX_BATCH = 4096  # keys per request: a reply's slots stay far below the 1 MiB header
-MAX_KEY_LEN = 256  # a chained SHA-256 hex key is 64
-MAX_NAMESPACE_LEN = 256
-MAX_DIMS = 8
-# keys: printable ASCII without spaces; namespaces: printable ASCII (spaces allowed). Nothing that
-# needs escaping in a log line, a status page or a Prometheus label.
-KEY_RE = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_LEN}}}")
-NAMESPACE_RE = re.compile(rf"[\x20-\x7e]{{0,{MAX_NAMESPACE_LEN}}}")
 TOP_NAMESPACES = 16  # namespaces shown by name in stats and metrics (by bytes held); the rest summed
 MAX_NAMESPACES = 65536  # namespaces with counters of their own; past it, only the totals count
 
@@ -57,7 +49,7 @@ class Page:
     namespace: str
     key: str
     dtype: str
-    shape: tuple
+    shape: tuple[int, ...]
     nbytes: int
     extents: list[Extent] | None  # None once freed
     blocks: int
@@ -81,35 +73,9 @@ class Counts:
     entries: int = 0
     bytes: int = 0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"hits": self.hits, "misses": self.misses, "stored": self.stored, "refused": self.refused,
                 "evictions": self.evictions, "entries": self.entries, "bytes": self.bytes}
-
-
-def page_size(dtype: object, shape: object) -> int:
-    """Bytes of a page of that dtype and shape, or BadRequest saying what is wrong."""
-    if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
-        raise BadRequest(f"page dtype must be one of {', '.join(DTYPE_ITEMSIZE)}, got {dtype!r}")
-    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS or not all(
-            type(d) is int and 0 <= d < 1 << 40 for d in shape):
-        raise BadRequest(f"page shape must be at most {MAX_DIMS} non-negative ints, got {shape!r}")
-    count = 1
-    for d in shape:
-        count *= d
-    return count * DTYPE_ITEMSIZE[dtype]
-
-
-def check_batch(namespace: object, keys: object) -> None:
-    if not isinstance(namespace, str) or not NAMESPACE_RE.fullmatch(namespace):
-        raise BadRequest(f"a namespace is at most {MAX_NAMESPACE_LEN} printable ASCII characters, got "
-                         f"{str(namespace)[:80]!r}")
-    if not isinstance(keys, list) or len(keys) > MAX_BATCH:
-        raise BadRequest(f"a cache batch is a list of at most {MAX_BATCH} keys"
-                         + (f", got {len(keys)}" if isinstance(keys, list) else ""))
-    for key in keys:
-        if not isinstance(key, str) or not KEY_RE.fullmatch(key):
-            raise BadRequest(f"a cache key is 1-{MAX_KEY_LEN} printable ASCII characters without spaces, got "
-                             f"{str(key)[:80]!r}")
 
 
 class CacheStore:
@@ -160,7 +126,7 @@ class CacheStore:
 
     # --- writing -------------------------------------------------------------------------------
 
-    def reserve(self, namespace: str, keys: list[str], pages: list, over_budget: bool = False,
+    def reserve(self, namespace: str, keys: list[str], pages: list[Any], over_budget: bool = False,
                 count: bool = True) -> tuple[int, list[Page | bool]]:
         """Room for a batch of pages ([dtype, shape] each): per key a Page to write (then `commit`
         the token), True (already held or being written: nothing to do) or False (refused:
@@ -268,7 +234,8 @@ class CacheStore:
 
     # --- reading ---------------------------------------------------------------------------------
 
-    def lease(self, namespace: str, keys: list[str], sizes: list, count: bool = True) -> tuple[int, list[Page | None]]:
+    def lease(self, namespace: str, keys: list[str], sizes: list[int],
+              count: bool = True) -> tuple[int, list[Page | None]]:
         """Pin the hits of a batch for one reader: per key its Page, or None (absent, being
         written, or not `sizes[i]` bytes). Hits become the most recently used."""
         check_batch(namespace, keys)
@@ -418,7 +385,7 @@ class CacheStore:
 
     # --- reading the state -------------------------------------------------------------------------
 
-    def stats(self, namespace: str | None = None) -> dict:
+    def stats(self, namespace: str | None = None) -> dict[str, Any]:
         """Counters: of one namespace, or of all with the biggest namespaces by name."""
         base = {"budget": self.budget_bytes, "block_size": self.block_size, "max_pages": self.max_pages,
                 "namespace_pages": self.namespace_pages}
