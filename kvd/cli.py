@@ -160,7 +160,9 @@ def build_parser() -> _Parser:
     sub: Subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser)
     commands = parser.commands = {}
     commands["serve"] = _serve_parser(sub)
-    commands["status"] = _client_parser(sub, "status", "summary of a running daemon: pool, entries, peers")
+    status = commands["status"] = _client_parser(sub, "status", "summary of a running daemon: pool, entries, peers")
+    status.add_argument("--debug", action="store_true",
+                        help="also the last failed transfers' stories (what the transfer machine did, step by step)")
     commands["ls"] = _client_parser(sub, "ls", "list the entries a running daemon holds")
     rm = commands["rm"] = _client_parser(sub, "rm", "delete an entry from a running daemon")
     rm.add_argument("request_id")

@@ -59,7 +59,19 @@ def status(args: argparse.Namespace) -> int:
     for error in stats["recent_errors"][-5:]:
         when = time.strftime("%H:%M:%S", time.localtime(error["time"]))
         print(f"error      {when} {error['request']} {error['request_id'] or ''}: {error['message']}")
+    if getattr(args, "debug", False):
+        _print_failed_transfers(stats.get("recent_failed_transfers", []))
     return 0
+
+
+def _print_failed_transfers(failed: list[dict[str, Any]]) -> None:
+    """The stories of the last failed transfers: what the transfer machine did, step by step."""
+    if not failed:
+        print("failed     no transfer failed recently")
+    for transfer in failed:
+        print(f"failed     transfer {transfer['xfer']}, its story (oldest first):")
+        for line in transfer["story"]:
+            print(f"         {line}")
 
 
 def _print_registry(registry: dict[str, Any]) -> None:

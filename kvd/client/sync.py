@@ -306,8 +306,12 @@ class Client(_ClientCore):
             self._close_transport()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # try/except, not contextlib.suppress: at interpreter exit the module's globals may already
+        # be None, and a finalizer must not print a traceback then
+        try:  # noqa: SIM105
             self._close_transport()
+        except Exception:
+            pass
 
     def __enter__(self) -> Client:
         return self.connect()

@@ -95,6 +95,7 @@ class Status(Collector):
             "peers": self.peers.states(),
             "counters": {key: self.metrics.tally[key] for key in COUNTERS},
             "recent_errors": list(self.metrics.recent_errors),
+            "recent_failed_transfers": self.transfers.machine.recent_failures(),  # with their stories
             "listen": self.listen(),
             "metrics": f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None,
             "registry": self.directory.status() if self.directory is not None else None,

@@ -8,8 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
+import kvd
 from kvd.testing.daemons import free_port
 
 
@@ -45,6 +47,22 @@ def test_status_ls_rm(daemon):
     missing = kvd_cli("rm", "--socket", daemon.socket, "cli-1")
     assert missing.returncode == 1 and "not found" in missing.stdout
     assert json.loads(kvd_cli("status", "--socket", daemon.socket, "--json").stdout)["entries"] == 0
+
+
+def test_status_debug_tells_the_story_of_a_failed_transfer(daemons):
+    """A push to a peer that is not there fails; `kvd status --debug` shows what the transfer
+    machine did with it, step by step (plain `kvd status` does not)."""
+    a = daemons.start("A", peers={"B": f"tcp://127.0.0.1:{free_port()}"}, extra=["--transfer-timeout", "2s"])
+    with a.client() as c, pytest.raises(kvd.KvdError):
+        c.put("doomed", {"x": torch.ones(1000)}, dest="B")
+    plain = kvd_cli("status", "--socket", a.socket)
+    assert plain.returncode == 0 and "failed     transfer" not in plain.stdout
+    debug = kvd_cli("status", "--socket", a.socket, "--debug")
+    assert debug.returncode == 0, debug.stderr
+    assert "failed     transfer" in debug.stdout and "start_push" in debug.stdout, debug.stdout
+    assert "--> failed" in debug.stdout, debug.stdout
+    data = json.loads(kvd_cli("status", "--socket", a.socket, "--json").stdout)
+    assert len(data["recent_failed_transfers"]) == 1
 
 
 def test_status_without_a_daemon_says_so(tmp_path):

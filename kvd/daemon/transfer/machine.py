@@ -20,6 +20,7 @@ machine's log of recent transitions (`kvd.statetable.Story`).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import random
@@ -61,6 +62,7 @@ from .table import TABLE, Handler, TransferState
 from .window import SendWindow
 
 __all__ = ["EAGER_CHUNKS", "MAX_PULL_WAIT", "Limits", "Machine", "peer_ttl"]
+RECENT_FAILURES = 8  # failed transfers whose stories `kvd status --debug` shows
 log = logging.getLogger(__name__)
 
 _NO_XFER = -1  # the id of no transfer (ids are 63 random bits): what an event without one is looked up by
@@ -79,6 +81,7 @@ class Machine(Books):
         super().__init__(node_id, limits, store, io, clock)
         # the recent transitions of every transfer, for a post-mortem (states, event type names, times: no payload)
         self.story = Story()
+        self.failed: collections.deque[int] = collections.deque(maxlen=RECENT_FAILURES)  # ids, newest last
 
     # --- starting -------------------------------------------------------------------------------
 
@@ -225,9 +228,14 @@ class Machine(Books):
                 self.store.remove(transfer.entry)
                 actions.append(Dropped(transfer.entry, error))
         self.story.add((self.clock(), transfer.xfer, state, event, transfer.state, _why(error)))
+        self.failed.append(transfer.xfer)
         return [*actions, Finished(transfer, error)]
 
     # --- questions --------------------------------------------------------------------------------
+
+    def recent_failures(self) -> list[dict[str, object]]:
+        """The last failed transfers with their stories, newest last (`kvd status --debug`)."""
+        return [{"xfer": f"{xfer:x}", "story": self.story.show(xfer).splitlines()} for xfer in self.failed]
 
     def carrying(self, entry: Entry) -> list[Transfer]:
         """The transfers that carry this entry (sending it, or receiving it)."""
