@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -641,3 +643,15 @@ def test_a_claim_given_back_wakes_the_next_reader_at_once(daemons):
         thread.join(25)
         assert torch.equal(result["x"], torch.arange(1024, dtype=torch.int32))
         assert result["waited"] < 5, f"the waiting reader had the entry only after {result['waited']:.1f} s"
+
+
+def test_a_client_left_open_at_exit_ends_quietly(daemon):
+    """A worker that never closes its client: the finalizer runs while the interpreter is tearing
+    its modules down, and must not print a traceback then."""
+    code = ("import sys, kvd, torch\n"
+            f"c = kvd.Client({daemon.socket!r})\n"
+            "c.put('left-open', {'x': torch.ones(4)})\n"
+            "sys.modules['__main__'].keep = c\n")  # (alive until the interpreter's own teardown)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
